@@ -1,0 +1,122 @@
+"""Plain-torch references for the paged-KV kernels.
+
+These are the CPU path of the engine and the ground truth the Triton kernels are
+tested against. Layouts (shared with the Triton kernels):
+
+* ``key_cache`` / ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+* ``slot_mapping``: ``[num_tokens]`` int64, ``slot = block_id * block_size + offset``;
+  ``-1`` marks a padding row that is skipped.
+* ``block_tables``: ``[num_seqs, max_blocks_per_seq]`` int32
+* ``seq_lens``: ``[num_seqs]`` int32, context length including this step's tokens
+  (whose K/V are already written to the cache).
+* ``query_start_loc``: ``[num_seqs + 1]`` int32; sequence ``i``'s queries are rows
+  ``query_start_loc[i]:query_start_loc[i+1]`` and are the last tokens of its context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots, in place."""
+    num_blocks, block_size = key_cache.shape[:2]
+    flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
+    flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[seq_len, num_kv_heads, head_dim]`` of one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].to(torch.int64))
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query rows over its paged context.
+
+    Decode rows (one query token) of all sequences run as one padded batch; each
+    prefill chunk runs on its own with a causal mask offset by its cached prefix.
+    Returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+    gqa = num_heads != num_kv_heads
+
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, decode, scale, out, gqa)
+    for i, n in enumerate(q_lens):
+        if n <= 1:
+            continue
+        seq_len = lens[i]
+        k = _gather_context(key_cache, block_tables[i], seq_len)
+        v = _gather_context(value_cache, block_tables[i], seq_len)
+        q = query[qsl[i] : qsl[i + 1]]
+        # Query row r sits at absolute position seq_len - n + r and sees keys 0..that position.
+        pos_q = torch.arange(seq_len - n, seq_len, device=query.device)
+        pos_k = torch.arange(seq_len, device=query.device)
+        mask = pos_k[None, :] <= pos_q[:, None]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).float(),
+            k.transpose(0, 1).float(),
+            v.transpose(0, 1).float(),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[qsl[i] : qsl[i + 1]] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, rows, scale, out, gqa):
+    """All single-token rows at once: gather each table's blocks, pad to the longest context."""
+    block_size = key_cache.shape[1]
+    idx = torch.tensor(rows, device=query.device)
+    seq_lens = torch.tensor([lens[i] for i in rows], device=query.device)
+    max_len = int(seq_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables.index_select(0, idx)[:, :max_blocks].to(torch.int64)
+    n = len(rows)
+    k = key_cache[tables].reshape(n, max_blocks * block_size, *key_cache.shape[2:])
+    v = value_cache[tables].reshape(n, max_blocks * block_size, *value_cache.shape[2:])
+    q_rows = torch.tensor([qsl[i] for i in rows], device=query.device)
+    q = query.index_select(0, q_rows)  # [n, num_heads, head_dim]
+    mask = torch.arange(max_blocks * block_size, device=query.device)[None, :] < seq_lens[:, None]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :].float(),  # [n, heads, 1, d]
+        k.transpose(1, 2).float(),  # [n, kv_heads, L, d]
+        v.transpose(1, 2).float(),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    out.index_copy_(0, q_rows, o[:, :, 0, :].to(query.dtype))

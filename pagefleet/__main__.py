@@ -1,0 +1,3 @@
+from pagefleet.cli import main
+
+raise SystemExit(main())
