@@ -105,6 +105,10 @@ def _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, rows, 
     max_len = int(seq_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
     tables = block_tables.index_select(0, idx)[:, :max_blocks].to(torch.int64)
+    # Entries past a sequence's own blocks are unspecified (may be -1 or stale): read block 0.
+    num_used = (seq_lens + block_size - 1) // block_size
+    in_use = torch.arange(max_blocks, device=query.device)[None, :] < num_used[:, None]
+    tables = torch.where(in_use, tables, 0)
     n = len(rows)
     k = key_cache[tables].reshape(n, max_blocks * block_size, *key_cache.shape[2:])
     v = value_cache[tables].reshape(n, max_blocks * block_size, *value_cache.shape[2:])

@@ -1,0 +1,1 @@
+"""The worker engine: paged KV cache, iteration-level scheduling, model runner."""

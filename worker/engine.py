@@ -1,0 +1,317 @@
+"""The engine of one worker: requests in, token deltas out, one step at a time.
+
+``Engine.generate`` is the in-process batch API; ``add_request`` / ``step`` /
+``abort_request`` are the streaming API the worker service drives.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .model_runner import ModelRunner
+from .models.loader import load_model
+from .outputs import EngineStats, RequestOutput, TokenDelta
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .static_scheduler import StaticScheduler
+
+Prompt = str | Sequence[int]
+
+# Without num_blocks on a CPU: at most this much memory for the KV pool.
+_CPU_KV_BYTES = 1 << 30
+_GPU_MEMORY_UTILIZATION = 0.90
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+class Engine:
+    """One model, one paged KV pool, continuous (or static) batching.
+
+    >>> engine = Engine(model="tiny")
+    >>> out = engine.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0))[0]
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        batching: str = "continuous",
+        seed: int = 0,
+    ) -> None:
+        if batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.device = _resolve_device(device)
+        self.model_name = model
+        self.model, self.tokenizer, self.model_config = load_model(
+            model, self.device, dtype, max_positions=max_model_len
+        )
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:  # attention is exact only while the window never slides
+            limit = min(limit, cfg.sliding_window)
+        if max_model_len is None:
+            max_model_len = limit
+        elif not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be between 1 and {limit} for this model, got {max_model_len!r}")
+        if max_model_len > self.model.rope.cos.shape[0]:
+            self.model.rope = type(self.model.rope)(cfg, max_model_len).to(self.device)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.dtype = next(self.model.parameters()).dtype
+        if num_blocks is None:
+            num_blocks = self._auto_num_blocks()
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
+        self.kv = KVCacheManager(num_blocks, block_size)
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # Zeroed, not empty: masked-out slots must hold finite values (0 * NaN is NaN).
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        sched_cls = Scheduler if batching == "continuous" else StaticScheduler
+        self.batching = batching
+        self.scheduler = sched_cls(
+            self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+        self.runner = ModelRunner(self.model, self.kv, self.kv_caches, self.device, max_model_len, seed)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+
+    # -- sizing ------------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        cfg = self.model_config
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elt
+
+    def _auto_num_blocks(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - _GPU_MEMORY_UTILIZATION))
+        else:
+            budget = _CPU_KV_BYTES
+        num = budget // self.block_bytes()
+        need = -(-self.max_model_len // self.block_size)
+        if num < need:
+            raise ValueError(
+                f"num_blocks: only {num} blocks fit in memory but one max_model_len sequence needs {need}; "
+                "lower max_model_len or free memory"
+            )
+        return int(num)
+
+    # -- the streaming API -------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        output_token_ids: Sequence[int] | None = None,
+    ) -> str:
+        """Queue one request; its id. Raises ``ValueError`` (naming the field) and changes nothing if it is bad.
+
+        ``output_token_ids`` resumes a request elsewhere started: those tokens count as
+        already generated (and already emitted); generation continues after them.
+        """
+        req = self._make_request(prompt, params, request_id, priority, output_token_ids)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def _make_request(self, prompt, params, request_id, priority, output_token_ids) -> Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        prompt_ids = self._prompt_ids(prompt)
+        resumed = self._token_ids(output_token_ids or [], "output_token_ids")
+        if len(resumed) >= params.max_tokens:
+            raise ValueError("output_token_ids: the request has already produced max_tokens tokens")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        if self.kv.num_blocks_for(total) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt: {total} tokens need {self.kv.num_blocks_for(total)} blocks but the pool "
+                f"has {self.kv.num_blocks}; lower max_tokens"
+            )
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
+        for t in resumed:
+            detok.add(t)
+        detok.take(finished=False)
+        detok._emitted = len(detok.text)
+        return Request(
+            request_id,
+            prompt_ids,
+            params,
+            priority=priority,
+            arrival_seq=next(self._arrivals),
+            eos_token_ids=self.eos_token_ids,
+            detokenizer=detok,
+            output_token_ids=resumed,
+        )
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = self._token_ids(prompt, "prompt")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        return ids
+
+    def _token_ids(self, ids: Sequence[int], field: str) -> list[int]:
+        try:
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            raise ValueError(f"{field}: must be a string or a list of integer token ids") from None
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"{field}: token id {t} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def abort_request(self, request_id: str) -> TokenDelta | None:
+        """Stop a request now and free its blocks; its final delta, or None if unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.scheduler.remove(req)
+        return TokenDelta(request_id, [], req.detokenizer.take(True), req.num_output_tokens, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[TokenDelta]:
+        """Run one iteration; a delta for every request that produced tokens or finished."""
+        out = self.scheduler.schedule()
+        if not out:
+            return []
+        sampled, tokens = self.runner.execute(out)
+        self.scheduler.update_after_step(out)
+        deltas = []
+        for req, tok in zip(sampled, tokens, strict=True):
+            delta = self._append(req, tok)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _append(self, req: Request, token: int) -> TokenDelta | None:
+        req.append_token(token)
+        self.num_generated_tokens += 1
+        status = req.check_stop_token(token)
+        detok = req.detokenizer
+        if detok.add(token):
+            status = RequestStatus.FINISHED_STOPPED
+        elif status is not None and status != RequestStatus.FINISHED_STOPPED:
+            detok.flush()
+        if status is not None:
+            req.status = status
+            self.requests.pop(req.request_id, None)
+            self.scheduler.remove(req)
+        finished = status is not None
+        index = req.num_emitted_tokens
+        new_ids = req.output_token_ids[index:]
+        req.num_emitted_tokens = req.num_output_tokens
+        return TokenDelta(req.request_id, new_ids, detok.take(finished), index, req.finish_reason)
+
+    # -- the batch API -----------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; outputs in the order of ``prompts``.
+
+        Every prompt is checked before any is queued, so a bad one raises ``ValueError``
+        and leaves the engine (and requests already in it) as they were.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise ValueError("prompts: pass a list of prompts (strings or lists of token ids)")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: got {len(params)} for {len(prompts)} prompts")
+        reqs = [
+            self._make_request(p, sp, None, 0, None)
+            for p, sp in zip(prompts, params, strict=True)
+        ]
+        for req in reqs:
+            self.requests[req.request_id] = req
+            self.scheduler.add(req)
+        pending = {r.request_id for r in reqs}
+        while pending:
+            for d in self.step():
+                if d.finished:
+                    pending.discard(d.request_id)
+            if pending and not self.scheduler.has_unfinished():
+                raise RuntimeError("engine stalled with requests pending")
+        return [
+            RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.detokenizer.text, r.finish_reason)
+            for r in reqs
+        ]
+
+    # -- introspection -----------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            block_size=self.block_size,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_preemptions=s.num_preemptions,
+            num_steps=s.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+            blocks_per_request={rid: len(t) for rid, t in self.kv.block_tables.items()},
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,129 @@
+"""Load a model: the built-in ``tiny`` or a Hugging Face checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+TINY_SEED = 1234
+
+
+def tiny_config() -> ModelConfig:
+    """A small Llama shape (GQA, untied head) over the byte tokenizer."""
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=2048,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=ByteTokenizer.eos_token_ids,
+    )
+
+
+def tiny_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Fixed-seed weights, the same on every machine."""
+    g = torch.Generator().manual_seed(TINY_SEED)
+    model = LlamaForCausalLM(cfg, max_positions=1)
+    sd = {}
+    for name, p in model.state_dict().items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            sd[name] = torch.ones_like(p)
+        else:
+            sd[name] = torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5)
+    return sd
+
+
+def save_tiny(path: str | Path) -> Path:
+    """Write ``tiny`` as a Hugging Face checkpoint (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config()
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    save_file({k: v.contiguous() for k, v in tiny_state_dict(cfg).items()}, str(path / "model.safetensors"))
+    return path
+
+
+def resolve_dtype(dtype: str, device: torch.device, cfg_dtype: str | None) -> torch.dtype:
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype == "auto":
+        # CPUs run float32 (half precision is slow there); GPUs take the checkpoint's dtype.
+        if device.type == "cpu":
+            return torch.float32
+        return names.get(cfg_dtype or "", torch.bfloat16) if cfg_dtype != "float32" else torch.float32
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {dtype!r}")
+    return names[dtype]
+
+
+def load_model(model: str, device: torch.device, dtype: str, max_positions: int | None = None):
+    """``(model, tokenizer, config)`` for ``"tiny"`` or a checkpoint directory."""
+    if model == "tiny":
+        cfg = tiny_config()
+        state = tiny_state_dict(cfg)
+        tokenizer = ByteTokenizer()
+        cfg_dtype = "float32"
+    else:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model: {model!r} is neither 'tiny' nor a directory with config.json "
+                "(no model can be downloaded; pass a local Hugging Face checkpoint)"
+            )
+        raw = json.loads((path / "config.json").read_text())
+        cfg = ModelConfig.from_hf(raw)
+        cfg_dtype = raw.get("dtype") or raw.get("torch_dtype")
+        state = _read_safetensors(path)
+        eos = cfg.eos_token_ids
+        gen_cfg = path / "generation_config.json"
+        if gen_cfg.is_file():
+            g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            if g_eos is not None:
+                eos = tuple(sorted(set(eos) | set(g_eos if isinstance(g_eos, list) else [g_eos])))
+        if (path / "tokenizer.json").is_file():
+            tokenizer = HFTokenizer(path / "tokenizer.json", eos, cfg.bos_token_id)
+        else:
+            tokenizer = NoTokenizer(eos)
+    torch_dtype = resolve_dtype(dtype, device, cfg_dtype)
+    net = LlamaForCausalLM(cfg, max_positions=max_positions)
+    state = {k.removeprefix("base_model."): v for k, v in state.items()}
+    if "lm_head.weight" not in state:
+        if not cfg.tie_word_embeddings:
+            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("rope.")]
+    unexpected = [u for u in unexpected if "rotary_emb" not in u]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    net.tie_weights()
+    net.fuse()
+    net.to(device=device, dtype=torch_dtype)
+    # RoPE tables stay float32 for accuracy; they are cast per use.
+    net.rope.float()
+    net.eval()
+    return net, tokenizer, cfg
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state

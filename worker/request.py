@@ -1,0 +1,134 @@
+"""One request's state inside the engine.
+
+There is no separate "prefill phase": every request has ``num_computed_tokens``
+catching up with ``num_tokens`` (prompt plus output so far). A step schedules some
+of the missing tokens; when it reaches the end, the step samples a new token.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    SWAPPED = 3
+    # Everything from here on is finished: `status >= FINISHED_STOPPED`.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "num_computed_tokens",
+        "params",
+        "status",
+        "priority",
+        "arrival_seq",
+        "admit_seq",
+        "generator",
+        "detokenizer",
+        "num_emitted_tokens",
+        "num_preemptions",
+        "resumed_at_step",
+        "eos_token_ids",
+        "stop_token_ids",
+        "sample_now",
+        "trace_context",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_seq: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+        detokenizer: IncrementalDetokenizer | None = None,
+        output_token_ids: list[int] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = list(output_token_ids or ())
+        self.all_token_ids = prompt_token_ids + self.output_token_ids
+        self.num_computed_tokens = 0
+        self.params = params
+        self.status = RequestStatus.WAITING
+        self.priority = priority  # larger is more important
+        self.arrival_seq = arrival_seq
+        self.admit_seq = -1
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.detokenizer = detokenizer
+        # Tokens already handed out (resumed requests start past their earlier output).
+        self.num_emitted_tokens = len(self.output_token_ids)
+        self.num_preemptions = 0
+        self.resumed_at_step = -1
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        self.sample_now = False
+        self.trace_context = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self, token_id: int) -> RequestStatus | None:
+        """The finished status the new token puts the request in, if any (strings are checked later)."""
+        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_computed_tokens}/{self.num_tokens})"
+        )
