@@ -1,0 +1,192 @@
+from pagefleet.protos import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PreemptMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREEMPT_MODE_UNSPECIFIED: _ClassVar[PreemptMode]
+    PREEMPT_MODE_AUTO: _ClassVar[PreemptMode]
+    PREEMPT_MODE_SWAP: _ClassVar[PreemptMode]
+    PREEMPT_MODE_RECOMPUTE: _ClassVar[PreemptMode]
+
+class PreemptOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREEMPT_OUTCOME_UNSPECIFIED: _ClassVar[PreemptOutcome]
+    PREEMPT_OUTCOME_KEPT: _ClassVar[PreemptOutcome]
+    PREEMPT_OUTCOME_HANDED_BACK: _ClassVar[PreemptOutcome]
+    PREEMPT_OUTCOME_NOT_FOUND: _ClassVar[PreemptOutcome]
+    PREEMPT_OUTCOME_REFUSED: _ClassVar[PreemptOutcome]
+PREEMPT_MODE_UNSPECIFIED: PreemptMode
+PREEMPT_MODE_AUTO: PreemptMode
+PREEMPT_MODE_SWAP: PreemptMode
+PREEMPT_MODE_RECOMPUTE: PreemptMode
+PREEMPT_OUTCOME_UNSPECIFIED: PreemptOutcome
+PREEMPT_OUTCOME_KEPT: PreemptOutcome
+PREEMPT_OUTCOME_HANDED_BACK: PreemptOutcome
+PREEMPT_OUTCOME_NOT_FOUND: PreemptOutcome
+PREEMPT_OUTCOME_REFUSED: PreemptOutcome
+
+class AssignRequest(_message.Message):
+    __slots__ = ("request_id", "entry_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "traceparent", "deadline_unix_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    entry_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generation_pb2.SamplingParams
+    priority: int
+    traceparent: str
+    deadline_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class AssignResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class WorkerCancelRequest(_message.Message):
+    __slots__ = ("request_id", "notify_client")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    notify_client: bool
+    def __init__(self, request_id: _Optional[str] = ..., notify_client: _Optional[bool] = ...) -> None: ...
+
+class WorkerCancelResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class PreemptRequest(_message.Message):
+    __slots__ = ("request_id", "mode")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    mode: PreemptMode
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[PreemptMode, str]] = ...) -> None: ...
+
+class PreemptResponse(_message.Message):
+    __slots__ = ("outcome", "num_freed_blocks", "output_token_ids")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    outcome: PreemptOutcome
+    num_freed_blocks: int
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, outcome: _Optional[_Union[PreemptOutcome, str]] = ..., num_freed_blocks: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OccupancyRequest(_message.Message):
+    __slots__ = ("interval_s",)
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+
+class OccupancyReport(_message.Message):
+    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions")
+    class BlocksPerRequestEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    seq: int
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_swap_blocks: int
+    num_free_swap_blocks: int
+    num_swapped_blocks: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    blocks_per_request: _containers.ScalarMap[str, int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_num_seqs: int
+    max_model_len: int
+    draining: bool
+    num_preemptions: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("num_requests",)
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    def __init__(self, num_requests: _Optional[int] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerState(_message.Message):
+    __slots__ = ("worker_id", "address", "report", "num_promised_blocks", "request_ids", "num_assigned")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMISED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    report: OccupancyReport
+    num_promised_blocks: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_assigned: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., report: _Optional[_Union[OccupancyReport, _Mapping]] = ..., num_promised_blocks: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_assigned: _Optional[int] = ...) -> None: ...
+
+class SchedulerState(_message.Message):
+    __slots__ = ("active", "workers", "waiting_request_ids", "num_preemptions", "num_reassigned", "policy")
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    active: bool
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
+    waiting_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_preemptions: int
+    num_reassigned: int
+    policy: str
+    def __init__(self, active: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., waiting_request_ids: _Optional[_Iterable[str]] = ..., num_preemptions: _Optional[int] = ..., num_reassigned: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
