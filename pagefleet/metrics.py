@@ -1,0 +1,244 @@
+"""Prometheus metrics of each component, served on ``/metrics`` on its own port.
+
+Each component builds one set (``WorkerMetrics``, ``SchedulerMetrics``, ``GatewayMetrics``)
+on its own registry and serves it with :func:`start_metrics_server`; nothing is global,
+so two components in one process (tests, ``pagefleet up`` in threads) do not collide.
+Names follow vLLM's (``pagefleet:`` prefix, seconds, ``_total`` counters) so existing
+dashboards carry over.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+__all__ = [
+    "GatewayMetrics",
+    "MetricsServer",
+    "SchedulerMetrics",
+    "WorkerMetrics",
+    "start_metrics_server",
+]
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+DECISION_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(slots=True)
+class MetricsServer:
+    """A running ``/metrics`` endpoint; ``port`` is the bound one (useful with port 0)."""
+
+    host: str
+    port: int
+    _server: Any
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread."""
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"metrics port must be between 0 and 65535, got {port!r}")
+    disable_created_metrics()  # the *_created series only add noise to every scrape
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(host, server.server_address[1], server)
+
+
+def _registry(registry: CollectorRegistry | None) -> CollectorRegistry:
+    return CollectorRegistry(auto_describe=True) if registry is None else registry
+
+
+class WorkerMetrics:
+    """The worker's pool, queues and per-request latencies.
+
+    The engine loop calls :meth:`request_added` when a request arrives, :meth:`observe_step`
+    after each step with the step's deltas and the engine's stats, and
+    :meth:`request_removed` when a request leaves without a finishing delta (cancel).
+    """
+
+    # counter -> the cumulative EngineStats field it follows (missing fields count as 0)
+    _CUMULATIVE = {
+        "preemptions": "num_preemptions",
+        "swapped_out_blocks": "num_swapped_out_blocks",
+        "swapped_in_blocks": "num_swapped_in_blocks",
+    }
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = _registry(registry)
+        self.running = Gauge("pagefleet:num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("pagefleet:num_requests_waiting", "Requests waiting for blocks.", registry=r)
+        self.swapped = Gauge("pagefleet:num_requests_swapped", "Requests swapped out to CPU.", registry=r)
+        self.kv_cache_usage = Gauge(
+            "pagefleet:kv_cache_usage_perc", "Fraction of GPU KV-cache blocks in use (0 to 1).", registry=r
+        )
+        self.num_blocks = Gauge("pagefleet:num_gpu_blocks", "Blocks in the GPU KV pool.", registry=r)
+        self.preemptions = Counter("pagefleet:num_preemptions", "Preemptions (swap or recompute).", registry=r)
+        self.swapped_out_blocks = Counter(
+            "pagefleet:swapped_out_blocks", "KV blocks copied from GPU to CPU.", registry=r
+        )
+        self.swapped_in_blocks = Counter(
+            "pagefleet:swapped_in_blocks", "KV blocks copied from CPU back to GPU.", registry=r
+        )
+        self.ttft = Histogram(
+            "pagefleet:time_to_first_token_seconds", "From arrival at the worker to the first token.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "pagefleet:inter_token_latency_seconds", "Between consecutive output tokens.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "pagefleet:e2e_request_latency_seconds", "From arrival at the worker to the last token.",
+            buckets=REQUEST_BUCKETS, registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "pagefleet:iteration_tokens_total", "Tokens computed per engine step.",
+            buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter("pagefleet:prompt_tokens", "Prompt tokens received.", registry=r)
+        self.generation_tokens = Counter("pagefleet:generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter(
+            "pagefleet:request_success", "Requests finished, by finish reason.", ["finished_reason"], registry=r
+        )
+        self._arrival: dict[str, float] = {}
+        self._last_token: dict[str, float] = {}
+        self._totals: dict[str, float] = {}
+
+    def request_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float | None = None) -> None:
+        """``arrival_time`` is a ``time.monotonic()`` reading (default: now)."""
+        self._arrival[request_id] = time.monotonic() if arrival_time is None else arrival_time
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def request_removed(self, request_id: str, finish_reason: str = "abort") -> None:
+        if self._arrival.pop(request_id, None) is not None:
+            self.request_success.labels(finish_reason).inc()
+        self._last_token.pop(request_id, None)
+
+    def observe_step(self, deltas: Iterable[Any], stats: Any, num_scheduled_tokens: int = 0,
+                     now: float | None = None) -> None:
+        """After one step: ``deltas`` are TokenDelta-like, ``stats`` EngineStats-like."""
+        now = time.monotonic() if now is None else now
+        if num_scheduled_tokens:
+            self.iteration_tokens.observe(num_scheduled_tokens)
+        for d in deltas:
+            self._observe_delta(d, now)
+        self.observe_stats(stats)
+
+    def _observe_delta(self, delta: Any, now: float) -> None:
+        rid, n = delta.request_id, len(delta.token_ids)
+        if n:
+            self.generation_tokens.inc(n)
+            last = self._last_token.get(rid)
+            if last is None:
+                arrival = self._arrival.get(rid)
+                if arrival is not None:
+                    self.ttft.observe(now - arrival)
+            else:
+                gap = (now - last) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
+            self._last_token[rid] = now
+        if delta.finish_reason is not None:
+            arrival = self._arrival.pop(rid, None)
+            self._last_token.pop(rid, None)
+            if arrival is not None:
+                self.e2e.observe(now - arrival)
+                self.request_success.labels(delta.finish_reason).inc()
+
+    def observe_stats(self, stats: Any) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.swapped.set(getattr(stats, "num_swapped", 0))
+        self.num_blocks.set(stats.num_blocks)
+        used = stats.num_blocks - stats.num_free_blocks
+        self.kv_cache_usage.set(used / stats.num_blocks if stats.num_blocks else 0.0)
+        for counter, field in self._CUMULATIVE.items():
+            total = getattr(stats, field, None)
+            if total is None:
+                continue
+            grown = total - self._totals.get(field, 0)
+            if grown > 0:
+                getattr(self, counter).inc(grown)
+            self._totals[field] = total
+
+
+class SchedulerMetrics:
+    """The global queue, the worker table and the scheduler's decisions."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = _registry(registry)
+        self.queue_length = Gauge(
+            "pagefleet:scheduler_queue_length", "Requests in the global waiting queue.", registry=r
+        )
+        self.pending_entries = Gauge(
+            "pagefleet:scheduler_pending_entries",
+            "Entries of the request stream delivered to the scheduler and not yet acknowledged.",
+            registry=r,
+        )
+        self.assigned = Gauge(
+            "pagefleet:scheduler_assigned_requests", "Requests assigned to a worker and not finished.",
+            registry=r,
+        )
+        self.workers = Gauge("pagefleet:scheduler_workers", "Live workers in the worker table.", registry=r)
+        self.free_blocks = Gauge(
+            "pagefleet:scheduler_free_blocks", "Free KV blocks reported by each worker.", ["worker"], registry=r
+        )
+        self.admissions = Counter("pagefleet:scheduler_admissions", "Requests assigned to a worker.", registry=r)
+        self.preemptions = Counter(
+            "pagefleet:scheduler_preemptions", "Preemptions the scheduler directed.", registry=r
+        )
+        self.reassignments = Counter(
+            "pagefleet:scheduler_reassignments", "Requests moved to another worker.", registry=r
+        )
+        self.dead_workers = Counter("pagefleet:scheduler_dead_workers", "Workers declared dead.", registry=r)
+        self.decision_latency = Histogram(
+            "pagefleet:scheduler_decision_latency_seconds", "Time to take one scheduling decision.",
+            buckets=DECISION_BUCKETS, registry=r,
+        )
+
+
+class GatewayMetrics:
+    """Requests the gateway answered, by gRPC status code, and the ones it shed."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = _registry(registry)
+        self.requests = Counter(
+            "pagefleet:gateway_requests", "Generate calls answered, by gRPC status code.", ["code"], registry=r
+        )
+        self.shed = Counter(
+            "pagefleet:gateway_shed_requests", "Requests refused with RESOURCE_EXHAUSTED (queue full).",
+            registry=r,
+        )
+        self.in_flight = Gauge("pagefleet:gateway_requests_in_flight", "Generate calls open now.", registry=r)
+        self.ttft = Histogram(
+            "pagefleet:gateway_time_to_first_token_seconds", "From the call to its first streamed token.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "pagefleet:gateway_request_latency_seconds", "From the call to its end.",
+            buckets=REQUEST_BUCKETS, registry=r,
+        )
+
+    def finished(self, code: Any, seconds: float | None = None) -> None:
+        """Count one finished call; ``code`` a ``grpc.StatusCode`` or its name."""
+        name = getattr(code, "name", None) or str(code)
+        self.requests.labels(name).inc()
+        if seconds is not None:
+            self.e2e.observe(seconds)

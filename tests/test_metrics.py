@@ -1,0 +1,95 @@
+"""Each component's metric set moves as its events say, and is served on /metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+from types import SimpleNamespace
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagefleet.metrics import GatewayMetrics, SchedulerMetrics, WorkerMetrics, start_metrics_server
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` from a Prometheus text endpoint."""
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def stats(**kw):
+    base = dict(num_blocks=100, num_free_blocks=100, num_running=0, num_waiting=0, num_preemptions=0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def delta(rid, n, finish=None):
+    return SimpleNamespace(request_id=rid, token_ids=[7] * n, finish_reason=finish)
+
+
+def test_worker_metrics_follow_the_engine():
+    m = WorkerMetrics()
+    m.request_added("a", num_prompt_tokens=5, arrival_time=10.0)
+    m.request_added("b", num_prompt_tokens=3, arrival_time=10.0)
+    m.observe_step([], stats(num_free_blocks=90, num_running=1, num_waiting=1), 8, now=10.1)
+    m.observe_step([delta("a", 1)], stats(num_free_blocks=80, num_running=2), 4, now=10.25)
+    m.observe_step(
+        [delta("a", 1, "length"), delta("b", 1)],
+        stats(num_free_blocks=95, num_running=1, num_preemptions=2, num_swapped=1,
+              num_swapped_out_blocks=6, num_swapped_in_blocks=0),
+        2, now=10.5,
+    )
+    m.request_removed("b")
+    m.request_removed("b")  # a second cancel counts nothing
+    get = m.registry.get_sample_value
+    assert get("pagefleet:num_requests_running") == 1
+    assert get("pagefleet:num_requests_swapped") == 1
+    assert abs(get("pagefleet:kv_cache_usage_perc") - 0.05) < 1e-9
+    assert get("pagefleet:num_preemptions_total") == 2
+    assert get("pagefleet:swapped_out_blocks_total") == 6
+    assert get("pagefleet:swapped_in_blocks_total") == 0
+    assert get("pagefleet:time_to_first_token_seconds_count") == 2
+    assert abs(get("pagefleet:time_to_first_token_seconds_sum") - (0.25 + 0.5)) < 1e-9
+    assert get("pagefleet:inter_token_latency_seconds_count") == 1
+    assert abs(get("pagefleet:e2e_request_latency_seconds_sum") - 0.5) < 1e-9
+    assert get("pagefleet:iteration_tokens_total_count") == 3
+    assert get("pagefleet:iteration_tokens_total_sum") == 14
+    assert get("pagefleet:prompt_tokens_total") == 8
+    assert get("pagefleet:generation_tokens_total") == 3
+    assert get("pagefleet:request_success_total", {"finished_reason": "length"}) == 1
+    assert get("pagefleet:request_success_total", {"finished_reason": "abort"}) == 1
+    # cumulative engine counters never make a Prometheus counter go down
+    m.observe_stats(stats(num_preemptions=1))
+    assert get("pagefleet:num_preemptions_total") == 2
+
+
+def test_every_component_serves_its_own_metrics_only():
+    worker, scheduler, gateway = WorkerMetrics(), SchedulerMetrics(), GatewayMetrics()
+    servers = [start_metrics_server(0, m.registry, host="127.0.0.1") for m in (worker, scheduler, gateway)]
+    try:
+        scheduler.queue_length.set(3)
+        scheduler.admissions.inc()
+        with scheduler.decision_latency.time():
+            pass
+        gateway.finished(grpc.StatusCode.OK, 0.2)
+        gateway.finished("RESOURCE_EXHAUSTED")
+        gateway.shed.inc()
+        w, s, g = (scrape(f"http://127.0.0.1:{srv.port}/metrics") for srv in servers)
+    finally:
+        for srv in servers:
+            srv.close()
+    assert ("pagefleet:num_requests_running", ()) in w
+    assert not any(name.startswith("pagefleet:scheduler") for name, _ in w)
+    assert s[("pagefleet:scheduler_queue_length", ())] == 3
+    assert s[("pagefleet:scheduler_admissions_total", ())] == 1
+    assert s[("pagefleet:scheduler_decision_latency_seconds_count", ())] == 1
+    assert not any(name.startswith("pagefleet:gateway") for name, _ in s)
+    assert g[("pagefleet:gateway_requests_total", (("code", "OK"),))] == 1
+    assert g[("pagefleet:gateway_requests_total", (("code", "RESOURCE_EXHAUSTED"),))] == 1
+    assert g[("pagefleet:gateway_shed_requests_total", ())] == 1
+    assert not any(name.endswith("_created") for name, _ in g)

@@ -1,0 +1,183 @@
+"""Tracing setup, context propagation, the worker's spans, and structured logs."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pagefleet import log, telemetry
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    exp = InMemorySpanExporter()
+    assert telemetry.setup_tracing("test", exporter=exp)
+    return exp
+
+
+@pytest.fixture
+def spans(exporter):
+    exporter.clear()
+
+    def finished():
+        telemetry.flush_tracing()
+        return exporter.get_finished_spans()
+
+    return finished
+
+
+@pytest.mark.parametrize(
+    ("env", "on"),
+    [
+        ({}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317"}, True),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "none"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "  "}, False),
+    ],
+)
+def test_tracing_configured_from_otel_env(env, on):
+    assert telemetry.tracing_configured(env) is on
+
+
+def test_off_without_endpoint_costs_nothing(monkeypatch):
+    monkeypatch.setattr(telemetry, "_enabled", False)
+    assert telemetry.inject() == {}
+    assert telemetry.extract({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is not None
+    assert telemetry.grpc_metadata(metadata=[("a", "b")]) == (("a", "b"),)
+    worker = telemetry.WorkerSpans("w0")
+    worker.start("r1", {})
+    with worker.step_span([("r1", 4, 0)]):
+        pass
+    worker.finish("r1", "stop", 1)
+    assert len(worker) == 0
+
+
+def test_context_crosses_redis_fields_and_grpc_metadata(spans):
+    tracer = telemetry.get_tracer("test")
+    with tracer.start_as_current_span("enqueue", kind=telemetry.SpanKind.PRODUCER) as producer:
+        fields = telemetry.inject({"request_id": "r1"})
+        metadata = telemetry.grpc_metadata(metadata=[("x-request-id", "r1")])
+    assert set(fields) >= {"request_id", "traceparent"}
+    assert metadata[0] == ("x-request-id", "r1") and metadata[1][0] == "traceparent"
+    # redis-py hands fields back as bytes unless decode_responses is set
+    as_bytes = {k.encode(): v.encode() for k, v in fields.items()}
+    servicer_ctx = SimpleNamespace(invocation_metadata=lambda: metadata)
+    for ctx in (telemetry.extract(fields), telemetry.extract(as_bytes), telemetry.extract_grpc(servicer_ctx)):
+        with tracer.start_as_current_span("child", context=ctx) as child:
+            assert child.parent.span_id == producer.get_span_context().span_id
+            assert child.get_span_context().trace_id == producer.get_span_context().trace_id
+    assert len(spans()) == 4
+
+
+def test_request_attributes_hide_prompt_unless_asked(monkeypatch):
+    monkeypatch.delenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", raising=False)
+    monkeypatch.delenv("PAGEFLEET_TRACE_PROMPTS", raising=False)
+    attrs = telemetry.request_attributes(model="tiny", max_tokens=8, num_prompt_tokens=3, prompt="secret")
+    assert attrs["gen_ai.operation.name"] == "text_completion"
+    assert attrs["gen_ai.request.model"] == "tiny"
+    assert attrs["gen_ai.request.max_tokens"] == 8
+    assert attrs["gen_ai.usage.input_tokens"] == 3
+    assert "secret" not in json.dumps(attrs)
+    monkeypatch.setenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "true")
+    attrs = telemetry.request_attributes(model="tiny", max_tokens=8, prompt="secret")
+    assert attrs[telemetry.GEN_AI_INPUT_MESSAGES] == "secret"
+
+
+def test_worker_spans_form_a_tree_with_linked_forward_passes(spans):
+    tracer = telemetry.get_tracer("test")
+    with tracer.start_as_current_span("assign") as assign:
+        carrier = telemetry.inject()
+    worker = telemetry.WorkerSpans("w0")
+    worker.start("a", carrier, {"gen_ai.request.max_tokens": 3})
+    worker.start("b", telemetry.extract(carrier))
+    with worker.step_span([("a", 4, 0), ("b", 4, 0)]):  # first prefill chunks
+        pass
+    with worker.step_span([("a", 2, 4), ("b", 3, 4)]):  # the rest of both prompts
+        pass
+    worker.on_tokens("a", 1)
+    worker.on_tokens("b", 1)
+    worker.event("b", "swap_out", num_blocks=2)
+    with worker.step_span([("a", 1, 6)]):
+        pass
+    worker.on_tokens("a", 1)
+    worker.finish("a", "length", 2)
+    worker.finish_all("worker stopped")
+    assert len(worker) == 0
+
+    got = spans()
+    by_name: dict[str, list] = {}
+    for s in got:
+        by_name.setdefault(s.name, []).append(s)
+    requests = {s.attributes["pagefleet.request_id"]: s for s in by_name["worker.request"]}
+    for r in requests.values():
+        assert r.parent.span_id == assign.get_span_context().span_id
+    assert requests["a"].attributes["gen_ai.usage.output_tokens"] == 2
+    assert requests["a"].attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert requests["b"].status.status_code == telemetry.StatusCode.ERROR
+    assert [e.name for e in requests["b"].events] == ["swap_out"]
+    assert requests["b"].events[0].attributes["pagefleet.num_blocks"] == 2
+    prefill_a = next(s for s in by_name["prefill"] if s.parent.span_id == requests["a"].context.span_id)
+    assert [e.name for e in prefill_a.events] == ["prefill_chunk", "prefill_chunk"]
+    assert [e.attributes["pagefleet.num_tokens"] for e in prefill_a.events] == [4, 2]
+    assert len(by_name["decode"]) == 2
+    forwards = by_name["forward"]
+    assert len(forwards) == 3  # one per step, not one per request
+    assert all(f.parent is None for f in forwards)
+    assert {link.context.span_id for link in forwards[0].links} == {
+        requests["a"].context.span_id, requests["b"].context.span_id
+    }
+    assert forwards[0].attributes["pagefleet.num_tokens"] == 8
+
+
+def _log_lines(component: str, emit) -> list[dict]:
+    stream = io.StringIO()
+    log.configure_logging(component, fmt="json", stream=stream)
+    try:
+        emit()
+    finally:
+        logging.getLogger().handlers.clear()
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_logs_are_json_lines_with_trace_ids(spans):
+    tracer = telemetry.get_tracer("test")
+
+    def emit():
+        logger = log.get_logger("pagefleet.test")
+        logger.info("outside", num_blocks=3)
+        with tracer.start_as_current_span("work") as span, log.bound(request_id="r9"):
+            logger.warning("inside")
+            logging.getLogger("grpc").error("from the standard library")
+            emit.ids = telemetry.current_ids()
+            assert emit.ids[1] == format(span.get_span_context().span_id, "016x")
+
+    lines = _log_lines("gateway", emit)
+    assert [line["event"] for line in lines] == ["outside", "inside", "from the standard library"]
+    for line in lines:
+        assert line["component"] == "gateway"
+        assert {"timestamp", "level", "event"} <= set(line)
+    assert lines[0]["level"] == "info" and lines[0]["num_blocks"] == 3
+    assert "trace_id" not in lines[0] and "request_id" not in lines[0]
+    for line in lines[1:]:
+        assert line["request_id"] == "r9"
+        assert (line["trace_id"], line["span_id"]) == emit.ids
+
+
+def test_console_format_when_asked():
+    stream = io.StringIO()
+    log.configure_logging("worker", fmt="console", stream=stream)
+    try:
+        log.get_logger("x").info("hello", request_id="r1")
+    finally:
+        logging.getLogger().handlers.clear()
+    text = stream.getvalue()
+    assert "hello" in text and "request_id" in text
+    with pytest.raises(ValueError, match="log format"):
+        log.configure_logging("worker", fmt="xml")
