@@ -1,0 +1,244 @@
+"""The engine against `transformers`, under every setting that changes the step plan."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import hf_greedy, make_checkpoint
+from pagefleet import Engine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompts_for(vocab: int, n: int = 6, seed: int = 0, max_len: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
+
+
+def assert_pool_free(engine: Engine) -> None:
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "blocks leaked"
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory):
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return make_checkpoint(tmp_path_factory.mktemp("llama3"), "llama", rope_parameters=rope)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", num_key_value_heads=1)
+
+
+SETTINGS = {
+    "default": dict(),
+    "chunked-prefill": dict(max_num_batched_tokens=7),
+    "block-size-4": dict(block_size=4),
+    "preemption": dict(block_size=4, num_blocks=24, max_num_batched_tokens=16),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("ckpt", ["llama_dir", "qwen2_dir"])
+def test_greedy_matches_transformers(request, ckpt, setting):
+    path = request.getfixturevalue(ckpt)
+    prompts = prompts_for(199)
+    ref = hf_greedy(path, prompts, GREEDY.max_tokens)
+    engine = Engine(str(path), **{"num_blocks": 256, **SETTINGS[setting]})
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.finish_reason == "length" for o in outs)
+    if setting == "preemption":
+        assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
+    assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("ckpt", ["llama3_dir", "mistral_dir"])
+def test_greedy_matches_transformers_other_shapes(request, ckpt):
+    """llama3 RoPE scaling past its original context; Mistral with one KV head (GQA 4)."""
+    path = request.getfixturevalue(ckpt)
+    prompts = prompts_for(199, n=3, max_len=90)
+    ref = hf_greedy(path, prompts, 16)
+    engine = Engine(str(path), block_size=8, num_blocks=128, max_num_batched_tokens=32)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref
+    assert_pool_free(engine)
+
+
+def test_static_and_continuous_agree(llama_dir):
+    prompts = prompts_for(199, n=9, seed=3)
+    params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in (3, 15, 7) * 3]
+    cont = Engine(str(llama_dir), block_size=4, num_blocks=200, max_num_batched_tokens=32)
+    static = Engine(str(llama_dir), block_size=4, num_blocks=200, max_num_seqs=4, batching="static")
+    a = cont.generate(prompts, params)
+    b = static.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [len(o.token_ids) for o in a] == [p.max_tokens for p in params]
+    assert_pool_free(cont)
+    assert_pool_free(static)
+
+
+def test_seeded_sampling_is_independent_of_the_batch():
+    engine = Engine("tiny", num_blocks=512)
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, seed=42)
+    alone = engine.generate(["The seed decides"], params)[0].token_ids
+    busy_prompts = ["The seed decides"] + [f"other request {i} " * (i + 1) for i in range(12)]
+    busy_params = [params] + [SamplingParams(max_tokens=30, temperature=1.0) for _ in range(12)]
+    busy = engine.generate(busy_prompts, busy_params)[0].token_ids
+    assert alone == busy
+    again = Engine("tiny", num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    assert again.generate(["The seed decides"], params)[0].token_ids == alone
+    assert_pool_free(engine)
+    assert_pool_free(again)
+
+
+def test_unseeded_sampling_follows_the_engine_seed():
+    params = SamplingParams(max_tokens=16, temperature=1.0)
+    a = Engine("tiny", num_blocks=64, seed=7).generate(["x"], params)[0].token_ids
+    b = Engine("tiny", num_blocks=64, seed=7).generate(["x"], params)[0].token_ids
+    c = Engine("tiny", num_blocks=64, seed=8).generate(["x"], params)[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_top_k_one_is_greedy():
+    engine = Engine("tiny", num_blocks=64)
+    greedy = engine.generate(["abc"], SamplingParams(max_tokens=10, temperature=0))[0]
+    top1 = engine.generate(["abc"], SamplingParams(max_tokens=10, temperature=1.5, top_k=1))[0]
+    assert greedy.token_ids == top1.token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Engine("tiny", num_blocks=128, max_model_len=256)
+
+
+def test_stop_token_ids_and_eos(tiny):
+    free = tiny.generate(["stop here"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    third = free.token_ids[2]
+    out = tiny.generate(["stop here"], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[third]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[: free.token_ids.index(third) + 1]
+
+
+def test_stop_string_truncates_text(tiny):
+    free = tiny.generate(["xyz"], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    text = free.text
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    out = tiny.generate(["xyz"], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert stop not in out.text
+
+
+def test_streaming_deltas_are_contiguous_and_match_generate(tiny):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = tiny.generate(["stream me", "and me too"], params)
+    for p in ("stream me", "and me too"):
+        tiny.add_request(p, params, request_id=f"s-{p}")
+    got: dict[str, list[int]] = {}
+    text: dict[str, str] = {}
+    reasons = {}
+    while tiny.has_unfinished_requests():
+        for d in tiny.step():
+            assert d.index == len(got.get(d.request_id, []))
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+            text[d.request_id] = text.get(d.request_id, "") + d.text
+            if d.finished:
+                reasons[d.request_id] = d.finish_reason
+    assert got["s-stream me"] == want[0].token_ids
+    assert got["s-and me too"] == want[1].token_ids
+    assert text["s-stream me"] == want[0].text
+    assert reasons == {"s-stream me": "length", "s-and me too": "length"}
+    assert_pool_free(tiny)
+
+
+def test_abort_frees_blocks_at_once(tiny):
+    rid = tiny.add_request("a" * 40, SamplingParams(max_tokens=50, ignore_eos=True))
+    other = tiny.add_request("b", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    tiny.step()
+    assert tiny.stats().blocks_per_request[rid] > 0
+    final = tiny.abort_request(rid)
+    assert final is not None and final.finish_reason == "abort"
+    assert rid not in tiny.stats().blocks_per_request
+    assert tiny.abort_request(rid) is None
+    done = []
+    while tiny.has_unfinished_requests():
+        done += [d for d in tiny.step() if d.finished]
+    assert [d.request_id for d in done] == [other]
+    assert_pool_free(tiny)
+
+
+def test_resume_from_emitted_tokens(tiny):
+    """A request resumed with its first tokens continues exactly where it was."""
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    full = tiny.generate(["resume"], params)[0]
+    rid = tiny.add_request("resume", params, output_token_ids=full.token_ids[:5])
+    deltas = []
+    while tiny.has_unfinished_requests():
+        deltas += tiny.step()
+    assert deltas[0].index == 5
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids[5:]
+    assert deltas[-1].request_id == rid
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([1, 2, 10_000], SamplingParams(), "prompt"),
+        ([1, -1], SamplingParams(), "prompt"),
+        ("x" * 300, SamplingParams(max_tokens=1), "max_model_len"),
+        ("abc", SamplingParams(max_tokens=254), "max_model_len"),
+        ("abc", SamplingParams(max_tokens=0), "max_tokens"),
+        ("abc", SamplingParams(temperature=-1), "temperature"),
+        ("abc", SamplingParams(temperature=float("nan")), "temperature"),
+        ("abc", SamplingParams(top_p=0), "top_p"),
+        ("abc", SamplingParams(top_p=1.5), "top_p"),
+        ("abc", SamplingParams(top_k=-1), "top_k"),
+    ],
+)
+def test_bad_input_fails_alone(tiny, prompt, params, field):
+    keep = tiny.add_request("still running", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    tiny.step()
+    with pytest.raises(ValueError, match=field):
+        tiny.add_request(prompt, params)
+    with pytest.raises(ValueError, match=field):
+        tiny.generate(["fine", prompt], params)
+    finished = []
+    while tiny.has_unfinished_requests():
+        finished += [d.request_id for d in tiny.step() if d.finished]
+    assert finished == [keep]
+    assert_pool_free(tiny)
+
+
+def test_bad_engine_arguments():
+    with pytest.raises(ValueError, match="batching"):
+        Engine("tiny", batching="dynamic")
+    with pytest.raises(ValueError, match="model"):
+        Engine("/no/such/checkpoint")
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine("tiny", max_model_len=10**6)
+    with pytest.raises(ValueError, match="dtype"):
+        Engine("tiny", dtype="float8")
+    with pytest.raises(ValueError, match="block_size"):
+        Engine("tiny", block_size=0)
+
+
+def test_request_larger_than_the_pool_is_refused():
+    engine = Engine("tiny", num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="blocks"):
+        engine.add_request("x" * 10, SamplingParams(max_tokens=10))
+    assert engine.generate(["ab"], SamplingParams(max_tokens=4, temperature=0))[0].finish_reason
+    assert_pool_free(engine)
