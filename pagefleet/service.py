@@ -1,0 +1,122 @@
+"""What every pagefleet process shares: flags from the environment, logs, health, ports.
+
+Every flag ``--some-flag`` of a component can also be set with the environment variable
+``PAGEFLEET_SOME_FLAG`` (the command line wins). Metrics (a later addition) get their
+place here too: one ``add_*`` helper that every server calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from collections.abc import Iterable
+
+import structlog
+
+ENV_PREFIX = "PAGEFLEET_"
+
+
+def env_name(flag: str) -> str:
+    """``--max-queue`` -> ``PAGEFLEET_MAX_QUEUE``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose optional flags default to ``PAGEFLEET_<FLAG>`` when set.
+
+    The help text of every flag names its variable, so ``--help`` is the list.
+    """
+
+    def add_argument(self, *names, **kwargs):  # noqa: D401 - argparse signature
+        long = next((n for n in names if n.startswith("--")), None)
+        if long is None:
+            return super().add_argument(*names, **kwargs)
+        var = env_name(long)
+        kwargs["help"] = f"{kwargs.get('help', '')} [env {var}]".strip()
+        raw = os.environ.get(var)
+        if raw is not None:
+            action = kwargs.get("action")
+            if action == "store_true":
+                kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
+            else:
+                conv = kwargs.get("type", str)
+                try:
+                    kwargs["default"] = conv(raw)
+                except (TypeError, ValueError) as e:
+                    raise SystemExit(f"{var}={raw!r}: {e}") from None
+        return super().add_argument(*names, **kwargs)
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"),
+                        help="json for machines; auto picks console on a terminal")
+
+
+def configure_logging(level: str = "info", fmt: str = "auto", **bind) -> structlog.stdlib.BoundLogger:
+    """structlog to stderr; one JSON object per line unless stderr is a terminal."""
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger().bind(**bind)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (another process may still take it before you bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# Long generations can stay silent (no message) for a while: ping, and let clients ping.
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+def add_health_and_reflection(server, service_names: Iterable[str]):
+    """Register ``grpc.health.v1.Health`` and reflection; the health servicer (all NOT_SERVING)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    names = list(service_names)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return servicer, names, health_pb2.HealthCheckResponse
+
+
+async def set_serving(health_servicer, names: Iterable[str], serving: bool) -> None:
+    from grpc_health.v1 import health_pb2
+
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *names):
+        await health_servicer.set(name, status)

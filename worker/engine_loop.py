@@ -1,0 +1,258 @@
+"""The engine's own thread: commands in, steps run, messages and occupancy out.
+
+gRPC handlers never touch the engine: they ``call`` a function that runs on this thread
+between two steps and get a ``concurrent.futures.Future``. After every step the loop
+hands the step's messages to ``emit`` and refreshes ``snapshot`` (the occupancy the
+reports carry); ``notify`` is called when occupancy changed a lot.
+
+Directed preemption uses ``engine.preempt_request`` when the engine has it (the sequence
+stays on this worker and resumes here); otherwise the sequence is aborted here and handed
+back to the scheduler with the tokens it has emitted, to be resumed wherever room is.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import structlog
+from pagefleet.protos import cluster_pb2
+
+from pagefleet.redis_util import OutEntry
+from pagefleet.sampling import from_proto
+
+from .redis_io import Emit
+
+log = structlog.get_logger("worker.engine")
+
+_PREEMPT_MODES = {
+    cluster_pb2.PREEMPT_MODE_UNSPECIFIED: "auto",
+    cluster_pb2.PREEMPT_MODE_AUTO: "auto",
+    cluster_pb2.PREEMPT_MODE_SWAP: "swap",
+    cluster_pb2.PREEMPT_MODE_RECOMPUTE: "recompute",
+}
+
+
+@dataclass(slots=True)
+class Held:
+    """What the worker keeps about each request beside the engine's state."""
+
+    entry_id: str
+    traceparent: str
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Occupancy at one moment (built on the engine thread, read anywhere)."""
+
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    block_size: int = 0
+    num_swap_blocks: int = 0
+    num_free_swap_blocks: int = 0
+    num_swapped_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_preemptions: int = 0
+    blocks_per_request: dict[str, int] = field(default_factory=dict)
+    request_ids: list[str] = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine, emit: Callable[[list[Emit]], None], notify: Callable[[], None]) -> None:
+        self.engine = engine
+        self.emit = emit
+        self.notify = notify
+        self.held: dict[str, Held] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # (sequence number, request id) of finished requests, for every report stream.
+        self.finished_log: collections.deque[tuple[int, str]] = collections.deque(maxlen=100_000)
+        self._finished_seq = 0
+        self.snapshot = Snapshot()
+        self._last_notified: tuple[int, frozenset[str]] = (-1, frozenset())
+        self.num_directed_preemptions = 0
+        self._refresh(force_notify=True)
+
+    # -- life --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` on the engine thread between steps."""
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    @property
+    def num_held(self) -> int:
+        return len(self.engine.requests)
+
+    # -- the thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests()
+            self._run_commands(block=not busy)
+            if self._stop.is_set():
+                break
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as e:  # a bug must not leave clients waiting forever
+                log.exception("engine.step_failed")
+                self._fail_all(f"engine step failed: {e}")
+                continue
+            batch = [m for d in deltas if (m := self._message(d)) is not None]
+            self.emit(batch)
+            self._refresh()
+            if not deltas:
+                time.sleep(0.001)  # nothing schedulable this step (e.g. waiting for swap-in room)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except Exception as e:
+                    fut.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._refresh()
+
+    def _message(self, d) -> Emit | None:
+        if not d.token_ids and not d.text and not d.finish_reason:
+            return None
+        entry_id = None
+        if d.finish_reason:
+            held = self.held.pop(d.request_id, None)
+            entry_id = held.entry_id if held else None
+            self._finished(d.request_id)
+        return Emit(d.request_id, OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason or ""), entry_id)
+
+    def _finished(self, request_id: str) -> None:
+        self._finished_seq += 1
+        self.finished_log.append((self._finished_seq, request_id))
+
+    def _fail_all(self, error: str) -> None:
+        batch = []
+        for rid in list(self.engine.requests):
+            d = self.engine.abort_request(rid)
+            held = self.held.pop(rid, None)
+            index = d.index if d is not None else 0
+            batch.append(Emit(rid, OutEntry(index, [], "", "error", error), held.entry_id if held else None))
+            self._finished(rid)
+        self.emit(batch)
+        self._refresh()
+
+    # -- occupancy -----------------------------------------------------------------------
+    def _refresh(self, force_notify: bool = False) -> None:
+        e = self.engine
+        occ = e.occupancy() if hasattr(e, "occupancy") else None
+        stats = e.stats()
+        snap = Snapshot(
+            num_blocks=stats.num_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            block_size=stats.block_size,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_preemptions=stats.num_preemptions + self.num_directed_preemptions,
+            blocks_per_request=dict(stats.blocks_per_request),
+            request_ids=list(e.requests),
+        )
+        if occ is not None:
+            snap.num_swap_blocks = occ.num_swap_blocks
+            snap.num_free_swap_blocks = occ.num_free_swap_blocks
+            snap.num_swapped_blocks = occ.num_swapped_blocks
+            snap.num_swapped = occ.num_swapped
+            snap.num_waiting = occ.num_waiting
+            snap.blocks_per_request = dict(occ.blocks_per_request)
+        self.snapshot = snap
+        ids = frozenset(snap.request_ids)
+        last_free, last_ids = self._last_notified
+        big = max(1, snap.num_blocks // 20)
+        if force_notify or ids != last_ids or abs(snap.num_free_blocks - last_free) >= big:
+            self._last_notified = (snap.num_free_blocks, ids)
+            self.notify()
+
+    # -- commands (run on the engine thread via `call`) -----------------------------------
+    def assign(self, msg: cluster_pb2.AssignRequest) -> None:
+        rid = msg.request_id
+        if rid in self.engine.requests:
+            return  # a repeated Assign (the scheduler retried): already here
+        try:
+            self.engine.add_request(
+                list(msg.prompt_token_ids),
+                from_proto(msg.sampling),
+                request_id=rid,
+                priority=msg.priority,
+                output_token_ids=list(msg.output_token_ids) or None,
+            )
+        except ValueError as e:
+            log.warning("request.refused", request_id=rid, error=str(e))
+            entry = OutEntry(len(msg.output_token_ids), [], "", "error", str(e))
+            self.emit([Emit(rid, entry, msg.entry_id or None)])
+            self._finished(rid)
+            return
+        self.held[rid] = Held(msg.entry_id, msg.traceparent)
+        req = self.engine.requests.get(rid)
+        if req is not None and hasattr(req, "trace_context"):
+            req.trace_context = msg.traceparent or None
+        log.info("request.assigned", request_id=rid, traceparent=msg.traceparent,
+                 num_prompt_tokens=len(msg.prompt_token_ids), num_resumed_tokens=len(msg.output_token_ids))
+
+    def cancel(self, request_id: str, notify_client: bool) -> bool:
+        d = self.engine.abort_request(request_id)
+        held = self.held.pop(request_id, None)
+        if d is None:
+            return False
+        if notify_client:
+            entry = OutEntry(d.index, list(d.token_ids), d.text, "abort")
+            self.emit([Emit(request_id, entry, held.entry_id if held else None)])
+        self._finished(request_id)
+        log.info("request.cancelled", request_id=request_id, notify_client=notify_client)
+        return True
+
+    def preempt(self, request_id: str, mode: int) -> cluster_pb2.PreemptResponse:
+        e = self.engine
+        req = e.requests.get(request_id)
+        if req is None:
+            return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_NOT_FOUND)
+        before = e.stats().blocks_per_request.get(request_id, 0)
+        if hasattr(e, "preempt_request"):
+            if not e.preempt_request(request_id, mode=_PREEMPT_MODES.get(mode, "auto")):
+                return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_REFUSED)
+            self.num_directed_preemptions += 1
+            self._refresh(force_notify=True)
+            after = e.stats().blocks_per_request.get(request_id, 0)
+            return cluster_pb2.PreemptResponse(
+                outcome=cluster_pb2.PREEMPT_OUTCOME_KEPT, num_freed_blocks=max(0, before - after)
+            )
+        # No directed preemption in this engine: abort here, the scheduler resumes it elsewhere.
+        emitted = list(req.output_token_ids[: req.num_emitted_tokens])
+        e.abort_request(request_id)
+        self.held.pop(request_id, None)
+        self.num_directed_preemptions += 1
+        self._refresh(force_notify=True)
+        return cluster_pb2.PreemptResponse(
+            outcome=cluster_pb2.PREEMPT_OUTCOME_HANDED_BACK, num_freed_blocks=before, output_token_ids=emitted
+        )

@@ -1,0 +1,228 @@
+"""``pagefleet worker``: one process, one Engine, the ``pagefleet.v1.Worker`` gRPC service.
+
+The engine runs on its own thread (``EngineLoop``); the gRPC handlers only queue work for
+it. The worker registers its address in Redis (``<ns>:workers``) every second so the
+scheduler finds it, writes every step's tokens to Redis in one round trip
+(``OutputWriter``) and streams its occupancy to the scheduler. SIGTERM drains: nothing
+new is accepted, the requests held get ``--drain-timeout`` seconds to finish, and the
+rest are handed back (the scheduler resumes them elsewhere from their emitted tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import time
+
+import grpc
+import structlog
+from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
+
+from pagefleet.redis_util import Keys, connect, retry
+from pagefleet.service import (
+    SERVER_OPTIONS,
+    EnvArgumentParser,
+    add_common_flags,
+    add_health_and_reflection,
+    configure_logging,
+    set_serving,
+)
+
+from .engine_loop import EngineLoop
+from .redis_io import OutputWriter
+
+SERVICE = "pagefleet.v1.Worker"
+REPORT_INTERVAL_S = 0.1
+REGISTER_INTERVAL_S = 1.0
+
+log = structlog.get_logger("worker")
+
+
+def build_parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(prog="pagefleet worker", description="Run one worker (one engine).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host the scheduler dials (default: --host, or the hostname for 0.0.0.0)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use")
+    p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
+    p.add_argument("--worker-id", default=None, help="unique name (default: host-pid)")
+    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fit memory)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to let held requests finish on SIGTERM before handing them back")
+    add_common_flags(p)
+    return p
+
+
+class WorkerService(cluster_pb2_grpc.WorkerServicer):
+    """Thin: convert, hand to the engine thread, answer."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+
+    async def Assign(self, request, context):
+        if self.w.draining:
+            return cluster_pb2.AssignResponse(accepted=False)
+        self.w.loop.call(lambda: self.w.loop.assign(request))  # answered before the engine runs it
+        return cluster_pb2.AssignResponse(accepted=True)
+
+    async def Cancel(self, request, context):
+        fut = self.w.loop.call(lambda: self.w.loop.cancel(request.request_id, request.notify_client))
+        return cluster_pb2.WorkerCancelResponse(found=await asyncio.wrap_future(fut))
+
+    async def Preempt(self, request, context):
+        fut = self.w.loop.call(lambda: self.w.loop.preempt(request.request_id, request.mode))
+        return await asyncio.wrap_future(fut)
+
+    async def StreamOccupancy(self, request, context):
+        interval = request.interval_s or REPORT_INTERVAL_S
+        # Finished requests from here on (earlier ones are acknowledged in Redis already).
+        cursor = self.w.loop.finished_log[-1][0] if self.w.loop.finished_log else 0
+        while True:
+            report, cursor = self.w.report(cursor)
+            yield report
+            self.w.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.w.changed.wait(), interval)
+
+    async def Drain(self, request, context):
+        n = self.w.loop.num_held
+        self.w.begin_drain(request.timeout_s or None)
+        return cluster_pb2.DrainResponse(num_requests=n)
+
+
+class Worker:
+    def __init__(self, args, engine) -> None:
+        self.args = args
+        self.engine = engine
+        self.keys = Keys(args.namespace)
+        self.worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.redis = connect(args.redis_url)
+        self.writer = OutputWriter(self.redis, self.keys)
+        self.aio = asyncio.get_running_loop()
+        self.changed = asyncio.Event()
+        self.loop = EngineLoop(
+            engine,
+            emit=lambda batch: self.aio.call_soon_threadsafe(self.writer.put, batch),
+            notify=lambda: self.aio.call_soon_threadsafe(self.changed.set),
+        )
+        self.draining = False
+        self.report_seq = 0
+        self.stopped = asyncio.Event()
+        self.drain_timeout = args.drain_timeout
+        self.address = ""
+
+    def report(self, cursor: int) -> tuple[cluster_pb2.OccupancyReport, int]:
+        s = self.loop.snapshot
+        finished = [rid for seq, rid in list(self.loop.finished_log) if seq > cursor]
+        if self.loop.finished_log:
+            cursor = max(cursor, self.loop.finished_log[-1][0])
+        self.report_seq += 1
+        return cluster_pb2.OccupancyReport(
+            worker_id=self.worker_id,
+            seq=self.report_seq,
+            num_blocks=s.num_blocks,
+            num_free_blocks=s.num_free_blocks,
+            block_size=s.block_size,
+            num_swap_blocks=s.num_swap_blocks,
+            num_free_swap_blocks=s.num_free_swap_blocks,
+            num_swapped_blocks=s.num_swapped_blocks,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_swapped=s.num_swapped,
+            blocks_per_request=s.blocks_per_request,
+            request_ids=s.request_ids,
+            finished_request_ids=finished,
+            max_num_seqs=self.args.max_num_seqs,
+            max_model_len=self.engine.max_model_len,
+            draining=self.draining,
+            num_preemptions=s.num_preemptions,
+        ), cursor
+
+    def begin_drain(self, timeout_s: float | None = None) -> None:
+        if not self.draining:
+            self.draining = True
+            self.changed.set()
+            log.info("worker.draining", num_requests=self.loop.num_held)
+            asyncio.ensure_future(self._drain(timeout_s or self.drain_timeout))
+
+    async def _drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.loop.num_held and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.loop.num_held:
+            log.info("worker.handing_back", num_requests=self.loop.num_held)
+        await asyncio.wait_for(self.writer.flush(), 10)
+        self.stopped.set()
+
+    async def register(self) -> None:
+        """Refresh this worker's row in ``<ns>:workers`` until stopped."""
+        while not self.stopped.is_set():
+            row = json.dumps({"address": self.address, "ts_ms": int(time.time() * 1000), "pid": os.getpid()})
+            if not self.draining:
+                await retry(lambda r=row: self.redis.hset(self.keys.workers, self.worker_id, r), what="register")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), REGISTER_INTERVAL_S)
+
+
+async def serve(args) -> int:
+    from pagefleet.worker.engine import Engine
+
+    engine = await asyncio.to_thread(
+        Engine,
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    w = Worker(args, engine)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    cluster_pb2_grpc.add_WorkerServicer_to_server(WorkerService(w), server)
+    health, names, _ = add_health_and_reflection(server, [SERVICE])
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    host = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "[::]") else args.host)
+    w.address = f"{host}:{port}"
+    structlog.contextvars.bind_contextvars(worker_id=w.worker_id)
+    await retry(w.redis.ping, what="ping")
+    await server.start()
+    w.loop.start()
+    writer_task = asyncio.create_task(w.writer.run())
+    register_task = asyncio.create_task(w.register())
+    await set_serving(health, names, True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        w.aio.add_signal_handler(sig, w.begin_drain)
+    log.info("worker.ready", address=w.address, model=args.model, num_blocks=engine.kv.num_blocks,
+             block_size=engine.block_size, device=str(engine.device))
+    await w.stopped.wait()
+    await set_serving(health, names, False)
+    await retry(lambda: w.redis.hdel(w.keys.workers, w.worker_id), what="unregister", attempts=3)
+    await server.stop(grace=0.5)
+    w.loop.stop()
+    for t in (writer_task, register_task):
+        t.cancel()
+    await w.redis.aclose()
+    log.info("worker.stopped")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_format, component="worker")
+    return asyncio.run(serve(args))
