@@ -142,12 +142,20 @@ def _check_write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
         slot_mapping.shape == (key.shape[0],),
         f"slot_mapping must be [num_tokens={key.shape[0]}], got {_shape(slot_mapping)}",
     )
-    _require(slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}")
-    _require(key.dtype in _DTYPES and value.dtype in _DTYPES, f"unsupported key/value dtype {key.dtype}")
+    _require(
+        slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}"
+    )
+    _require(
+        key.dtype in _DTYPES and value.dtype in _DTYPES, f"unsupported key/value dtype {key.dtype}"
+    )
     for name, t in (("key", key), ("value", value)):
-        _require(t.stride(-1) == 1, f"{name} must have unit stride along head_dim, got {t.stride()}")
+        _require(
+            t.stride(-1) == 1, f"{name} must have unit stride along head_dim, got {t.stride()}"
+        )
     _require(slot_mapping.stride(0) == 1 or key.shape[0] <= 1, "slot_mapping must be contiguous")
-    _check_device(key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    _check_device(
+        key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping
+    )
 
 
 # ---------------------------------------------------------------------------- attention
@@ -205,6 +213,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -234,6 +243,8 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
     q_pos = prefix_len + q_idx  # absolute position; the row sees keys 0..q_pos
 
     # One past the last key any row of this tile may see.
@@ -264,6 +275,8 @@ def _paged_attention_kernel(
             mask=pos_valid[None, :] & d_valid[:, None],
             other=0.0,
         )  # [HEAD_DIM_PAD, TILE_N]
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -277,6 +290,8 @@ def _paged_attention_kernel(
             mask=pos_valid[:, None] & d_valid[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_DIM_PAD]
+        if DOT_IN_FP32:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -369,11 +384,17 @@ def paged_attention_triton(
         f"num_splits must be a power of two in [1, {_MAX_SPLITS}], got {num_splits}",
     )
 
+    # Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; there (tests
+    # only) bf16 tiles are widened to fp32 before each dot. Compiled kernels never do this.
+    dot_in_fp32 = query.dtype == torch.bfloat16 and _interpreted()
+
     if num_splits > 1:
         part_out = torch.empty(
             (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device
         )
-        part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(
+            (num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device
+        )
     else:
         part_out = part_lse = out  # unused by the kernel
     part_strides = part_out.stride()[:3] if num_splits > 1 else (0, 0, 1)
@@ -407,7 +428,8 @@ def paged_attention_triton(
         BLOCK_SIZE=key_cache.shape[1],
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 or dot_in_fp32 else "tf32",
+        DOT_IN_FP32=dot_in_fp32,
         num_warps=4,
         num_stages=2 if decode_only else 3,
     )
@@ -426,6 +448,10 @@ def paged_attention_triton(
     return out
 
 
+def _interpreted() -> bool:
+    return not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+
+
 def _default_num_splits(device: torch.device, num_programs: int) -> int:
     """Split the context only when the plain grid has fewer than ~2 programs per SM."""
     if device.type != "cuda":
@@ -437,8 +463,12 @@ def _default_num_splits(device: torch.device, num_programs: int) -> int:
     return min(_MAX_SPLITS, triton.next_power_of_2(want))
 
 
-def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
-    _require(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {_shape(query)}")
+def _check_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
+) -> None:
+    _require(
+        query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {_shape(query)}"
+    )
     _check_caches(key_cache, value_cache)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
@@ -455,7 +485,9 @@ def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
         key_cache.dtype == query.dtype,
         f"cache dtype {key_cache.dtype} must equal query dtype {query.dtype}",
     )
-    _require(query.stride(-1) == 1, f"query must have unit stride along head_dim, got {query.stride()}")
+    _require(
+        query.stride(-1) == 1, f"query must have unit stride along head_dim, got {query.stride()}"
+    )
     _require(seq_lens.dim() == 1, f"seq_lens must be [num_seqs], got {_shape(seq_lens)}")
     num_seqs = seq_lens.shape[0]
     _require(
@@ -466,7 +498,11 @@ def _check_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
         query_start_loc.shape == (num_seqs + 1,),
         f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {_shape(query_start_loc)}",
     )
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
         _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
         _require(t.numel() <= 1 or t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
     _check_device(
@@ -489,9 +525,13 @@ def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         f"value_cache {_shape(value_cache)} must match key_cache {_shape(key_cache)}",
     )
     _require(value_cache.dtype == key_cache.dtype, "key_cache and value_cache dtypes differ")
-    _require(key_cache.dtype in _DTYPES, f"cache dtype must be one of {_DTYPES}, got {key_cache.dtype}")
+    _require(
+        key_cache.dtype in _DTYPES, f"cache dtype must be one of {_DTYPES}, got {key_cache.dtype}"
+    )
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _require(t.stride(-1) == 1, f"{name} must have unit stride along head_dim, got {t.stride()}")
+        _require(
+            t.stride(-1) == 1, f"{name} must have unit stride along head_dim, got {t.stride()}"
+        )
 
 
 def _check_device(first: torch.Tensor, **others: torch.Tensor) -> None:
