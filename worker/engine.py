@@ -15,11 +15,13 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .models.loader import load_model
-from .outputs import EngineStats, RequestOutput, TokenDelta
+from .outputs import EngineStats, Occupancy, RequestOutput, TokenDelta
+from .policy import PREEMPTION_MODES, PreemptionPolicy
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .static_scheduler import StaticScheduler
+from .swap import SwapAllocator, SwapSpace
 
 Prompt = str | Sequence[int]
 
@@ -58,9 +60,15 @@ class Engine:
         max_model_len: int | None = None,
         batching: str = "continuous",
         seed: int = 0,
+        num_swap_blocks: int = 0,
+        preemption: str = "auto",
     ) -> None:
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if not isinstance(num_swap_blocks, int) or num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be a non-negative integer, got {num_swap_blocks!r}")
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
@@ -98,11 +106,27 @@ class Engine:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
-        sched_cls = Scheduler if batching == "continuous" else StaticScheduler
         self.batching = batching
-        self.scheduler = sched_cls(
-            self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
-        )
+        self.preemption = preemption
+        self.swap_space: SwapSpace | None = None
+        self.cost_model = None
+        if batching == "static":  # static batching reserves up front and never preempts
+            self.scheduler = StaticScheduler(self.kv, max_num_seqs=max_num_seqs)
+        else:
+            swap = None
+            if num_swap_blocks:
+                self.swap_space = SwapSpace(self.kv_caches, num_swap_blocks)
+                swap = SwapAllocator(num_swap_blocks)
+                if preemption == "auto":
+                    self.cost_model = self._calibrate(max_num_batched_tokens)
+            self.scheduler = Scheduler(
+                self.kv,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                swap=swap,
+                policy=PreemptionPolicy(preemption),
+                cost_model=self.cost_model,
+            )
         self.runner = ModelRunner(self.model, self.kv, self.kv_caches, self.device, max_model_len, seed)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -130,6 +154,16 @@ class Engine:
                 "lower max_model_len or free memory"
             )
         return int(num)
+
+    def _calibrate(self, max_num_batched_tokens: int):
+        """Measure copy bandwidth and prefill throughput while the pools are still empty."""
+        from .cost_model import calibrate
+
+        tokens = max(1, min(max_num_batched_tokens, self.max_model_len, 512))
+        return calibrate(
+            self.swap_space, self.model, self.kv_caches, block_size=self.block_size,
+            num_device_blocks=self.kv.num_blocks, prefill_tokens=tokens,
+        )
 
     # -- the streaming API -------------------------------------------------------------
     def add_request(
@@ -226,6 +260,20 @@ class Engine:
         self.scheduler.remove(req)
         return TokenDelta(request_id, [], req.detokenizer.take(True), req.num_output_tokens, "abort")
 
+    def preempt_request(self, request_id: str, mode: str = "auto") -> bool:
+        """Take a running sequence off the device now; it resumes here when room returns.
+
+        ``mode``: ``"swap"`` (recompute if the swap pool is full), ``"recompute"``, or
+        ``"auto"`` (the engine's own choice). Its device blocks are free when this returns;
+        the copies run with the next step. False if the request is unknown or not on the device.
+        """
+        if mode not in PREEMPTION_MODES:
+            raise ValueError(f"mode must be one of {PREEMPTION_MODES}, got {mode!r}")
+        req = self.requests.get(request_id)
+        if req is None or not isinstance(self.scheduler, Scheduler):
+            return False
+        return self.scheduler.preempt(req, None if mode == "auto" else mode)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -233,6 +281,12 @@ class Engine:
         """Run one iteration; a delta for every request that produced tokens or finished."""
         out = self.scheduler.schedule()
         if not out:
+            return []
+        if self.swap_space is not None:
+            self.swap_space.fence()  # last step's swap-ins land before this forward
+            self.swap_space.swap_out(out.blocks_to_swap_out)
+            self.swap_space.swap_in(out.blocks_to_swap_in)
+        if not out.requests:  # a step of copies only
             return []
         sampled, tokens = self.runner.execute(out)
         self.scheduler.update_after_step(out)
@@ -301,6 +355,7 @@ class Engine:
     # -- introspection -----------------------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
+        swap = getattr(s, "swap", None)
         return EngineStats(
             num_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
@@ -311,7 +366,35 @@ class Engine:
             num_steps=s.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             blocks_per_request={rid: len(t) for rid, t in self.kv.block_tables.items()},
+            num_swap_blocks=swap.num_blocks if swap else 0,
+            num_free_swap_blocks=swap.num_free_blocks if swap else 0,
+            num_swapped=getattr(s, "num_swapped", 0),
+            num_swapped_out_blocks=getattr(s, "num_swapped_out_blocks", 0),
+            num_swapped_in_blocks=getattr(s, "num_swapped_in_blocks", 0),
+            num_recomputes=getattr(s, "num_recomputes", 0),
+        )
+
+    def occupancy(self) -> Occupancy:
+        """Both pools and the queues now, for the worker's reports."""
+        s = self.scheduler
+        swap = getattr(s, "swap", None)
+        held = {rid: len(t) for rid, t in self.kv.block_tables.items() if t}
+        for rid, t in (swap.block_tables.items() if swap else ()):
+            held[rid] = held.get(rid, 0) + len(t)
+        return Occupancy(
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_swap_blocks=swap.num_blocks if swap else 0,
+            num_free_swap_blocks=swap.num_free_blocks if swap else 0,
+            num_swapped_blocks=swap.num_used_blocks if swap else 0,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_swapped=getattr(s, "num_swapped", 0),
+            blocks_per_request=held,
         )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        swap = getattr(self.scheduler, "swap", None)
+        if swap is not None:
+            swap.check_integrity()

@@ -49,7 +49,32 @@ class EngineStats:
     num_steps: int
     num_generated_tokens: int
     blocks_per_request: dict[str, int] = field(default_factory=dict)
+    num_swap_blocks: int = 0
+    num_free_swap_blocks: int = 0
+    num_swapped: int = 0  # sequences whose K/V is in the swap pool
+    num_swapped_out_blocks: int = 0  # cumulative
+    num_swapped_in_blocks: int = 0  # cumulative
+    num_recomputes: int = 0  # preemptions that dropped the K/V (cumulative)
 
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(slots=True)
+class Occupancy:
+    """The worker's report of its pools and queues at one moment (``Engine.occupancy``).
+
+    ``num_swapped_blocks`` are swap-pool blocks in use; ``blocks_per_request`` counts
+    the blocks each live request holds in both pools.
+    """
+
+    num_blocks: int
+    num_free_blocks: int
+    num_swap_blocks: int
+    num_free_swap_blocks: int
+    num_swapped_blocks: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    blocks_per_request: dict[str, int] = field(default_factory=dict)

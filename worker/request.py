@@ -19,7 +19,8 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    SWAPPED = 3
+    SWAPPED = 3  # K/V in the swap pool only
+    SWAPPING_IN = 4  # K/V being copied back: blocks in both pools until the next step
     # Everything from here on is finished: `status >= FINISHED_STOPPED`.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11

@@ -2,19 +2,29 @@
 
 ``schedule()`` hands out a token budget: running requests' decode tokens first, then
 the rest of partially prefilled prompts, then waiting requests' prompt chunks. When a
-running request cannot get a block, the policy picks a victim, whose blocks are freed
-and who goes back to the waiting queue to be recomputed. The step is plain data
-(``SchedulerOutput``); the model runner turns it into tensors, and
-``update_from_output`` applies the sampled tokens.
+running request cannot get a block, the policy picks a victim and chooses how to
+preempt it: *swap* (its blocks are copied to the CPU swap pool; it comes back, with its
+K/V, before any new admission once free blocks exceed its need plus a watermark) or
+*recompute* (its blocks are freed and it goes back to the waiting queue). The step is
+plain data (``SchedulerOutput``, with the block copies the engine runs before the
+model); the model runner turns it into tensors, and ``update_after_step`` advances it.
+
+A swapped-in sequence is copied back in the step that decides it and runs from the
+next step on, so the copy overlaps a forward on devices that can do both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .kv_cache_manager import KVCacheManager
-from .policy import WaitingQueue, pick_victim
+from .policy import PreemptionPolicy, WaitingQueue, pick_victim, queue_key
 from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .cost_model import CostModel
+    from .swap import SwapAllocator
 
 
 @dataclass(slots=True)
@@ -29,6 +39,10 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_padding_tokens: list[int] | None = None
     preempted: list[Request] = field(default_factory=list)
+    # Block copies to run before the model, in this order: (device block, swap block)
+    # pairs out, then (swap block, device block) pairs in.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -36,23 +50,42 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens) + pad
 
     def __bool__(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill and recompute preemption."""
+    """Continuous batching with chunked prefill and preemption by swap or recompute.
+
+    Without ``swap`` (the swap pool's allocator) every preemption is a recompute.
+    """
 
     def __init__(
-        self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        swap: SwapAllocator | None = None,
+        policy: PreemptionPolicy | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.swap = swap
+        self.policy = policy or PreemptionPolicy()
+        self.cost_model = cost_model
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
+        self.swapped = WaitingQueue()  # in the swap pool only
+        self.swapping_in: list[Request] = []  # copies issued; in both pools until next step
         self.num_preemptions = 0
+        self.num_recomputes = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
         self.num_steps = 0
         self._admit_counter = 0
+        self._pending = SchedulerOutput()  # directed preemptions, shipped with the next step
 
     # -- queue membership ---------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -60,12 +93,16 @@ class Scheduler:
         self.waiting.push(req)
 
     def remove(self, req: Request) -> None:
-        """Take ``req`` out of every queue and free its blocks (abort or finish)."""
+        """Take ``req`` out of every queue and free its blocks in both pools (abort or finish)."""
         if req in self.running:
             self.running.remove(req)
-        else:
+        elif req in self.swapping_in:
+            self.swapping_in.remove(req)
+        elif not self.swapped.remove(req):
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        if self.swap is not None:
+            self.swap.free(req.request_id)
 
     @property
     def num_running(self) -> int:
@@ -75,19 +112,26 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        """Sequences whose K/V is in the swap pool (swapping in included)."""
+        return len(self.swapped) + len(self.swapping_in)
+
     def has_unfinished(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running or self.waiting or self.swapped or self.swapping_in)
 
     # -- the step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
-        out = SchedulerOutput()
+        out, self._pending = self._pending, SchedulerOutput()
+        self._finish_swap_ins()
         budget = self.max_num_batched_tokens
         # Decode rows first, then requests still catching up on their prompt.
         decodes, prefills = [], []
         for r in self.running:
             (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
         scheduled: set[int] = set()
+        pressure = False
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -95,26 +139,49 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
-                victim = pick_victim(r for r in self.running if id(r) not in scheduled)
+                victim = pick_victim(
+                    (r for r in self.running if id(r) not in scheduled),
+                    step=self.num_steps,
+                    min_resident_steps=self.policy.min_resident_steps,
+                )
+                if victim is None:  # all protected: req sits this step out, keeping its blocks
+                    pressure = True
+                    break
                 self._preempt(victim, out)
+                pressure = True
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != RequestStatus.RUNNING or not self.kv.can_allocate(
+                req.request_id, req.num_computed_tokens + n
+            ):
                 continue
             scheduled.add(id(req))
             out.requests.append(req)
             out.num_scheduled_tokens.append(n)
             budget -= n
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        if not pressure:
+            self._admit(out, budget)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting.peek()
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Bring back swapped sequences and admit waiting ones, in ``queue_key`` order.
+
+        A swapped sequence is older than any new arrival of its priority, so it comes
+        back first; while the head cannot come back, nobody behind it is admitted.
+        """
+        swapping_out = bool(out.blocks_to_swap_out)  # never both ways in one step
+        while len(self.running) + len(self.swapping_in) < self.max_num_seqs:
+            head_s, head_w = self.swapped.peek(), self.waiting.peek()
+            if head_s is not None and (head_w is None or queue_key(head_s) <= queue_key(head_w)):
+                if swapping_out or not self._swap_in(head_s, out):
+                    return
+                continue
+            if head_w is None or budget == 0:
+                return
+            req = head_w
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
-                break  # FCFS: nobody jumps the head of the queue
+                return  # FCFS: nobody jumps the head of the queue
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             self._admit_counter += 1
@@ -125,16 +192,89 @@ class Scheduler:
             out.num_scheduled_tokens.append(n)
             budget -= n
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        """Recompute preemption: free the victim's blocks and queue it again."""
+    def _preempt(self, victim: Request, out: SchedulerOutput, mode: str | None = None) -> None:
+        """Take ``victim`` off the device: swap it out if the policy (or ``mode``) says so, else recompute."""
         self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        if self._choose(victim, mode) == "swap":
+            self._swap_out(victim, out)
+            return
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
+        self.num_recomputes += 1
         self.waiting.push(victim)
-        out.preempted.append(victim)
+
+    def _choose(self, victim: Request, mode: str | None) -> str:
+        if self.swap is None:
+            return "recompute"
+        policy = self.policy
+        if mode is not None and mode != policy.mode:
+            policy = PreemptionPolicy(mode, policy.watermark, policy.min_resident_steps)
+        num_blocks = self.kv.num_blocks_for(victim.num_computed_tokens)
+        return policy.choose(
+            num_blocks,
+            victim.num_computed_tokens,
+            swap_has_room=self.swap.can_allocate(num_blocks),
+            cost_model=self.cost_model,
+        )
+
+    def _swap_out(self, victim: Request, out: SchedulerOutput) -> None:
+        rid = victim.request_id
+        num_blocks = self.kv.num_blocks_for(victim.num_computed_tokens)
+        device_ids = self.kv.block_tables[rid][:num_blocks]
+        swap_ids = self.swap.allocate(rid, num_blocks)
+        out.blocks_to_swap_out.extend(zip(device_ids, swap_ids, strict=True))
+        # Freed now, reused this step: the engine copies them out before the model runs.
+        self.kv.free(rid)
+        self.num_swapped_out_blocks += num_blocks
+        victim.status = RequestStatus.SWAPPED
+        self.swapped.push(victim)
+
+    def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
+        """Start copying ``req`` back if the policy lets it; False (nothing changed) if not."""
+        rid = req.request_id
+        swap_ids = self.swap.block_tables[rid]
+        need = self.kv.num_blocks_for(req.num_computed_tokens + 1)
+        idle = not self.running and not self.swapping_in
+        if not self.policy.can_swap_in(self.kv.num_free_blocks, need, self.kv.num_blocks, idle=idle):
+            return False
+        device_ids = self.kv.allocate_slots(rid, req.num_computed_tokens)
+        out.blocks_to_swap_in.extend(zip(swap_ids, device_ids, strict=True))
+        self.num_swapped_in_blocks += len(swap_ids)
+        self.swapped.remove(req)
+        req.status = RequestStatus.SWAPPING_IN
+        self.swapping_in.append(req)
+        return True
+
+    def _finish_swap_ins(self) -> None:
+        """Last step's swap-ins have landed: release their swap blocks, let them run."""
+        for req in self.swapping_in:
+            self.swap.free(req.request_id)
+            req.status = RequestStatus.RUNNING
+            req.resumed_at_step = self.num_steps
+            self.running.append(req)
+        self.swapping_in.clear()
+
+    def preempt(self, req: Request, mode: str | None = None) -> bool:
+        """Directed preemption of a running (or swapping-in) request, outside ``schedule``.
+
+        Its blocks are freed now; the copies go out with the next step. False if the
+        request is not on the device.
+        """
+        if req in self.swapping_in:  # its swap blocks still hold the K/V: just go back
+            self.swapping_in.remove(req)
+            self.kv.free(req.request_id)
+            req.status = RequestStatus.SWAPPED
+            self.swapped.push(req)
+            return True
+        if req not in self.running:
+            return False
+        self._preempt(req, self._pending, mode)
+        self.num_preemptions -= 1  # counted by whoever directed it
+        return True
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` for everything the step ran."""

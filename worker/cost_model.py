@@ -1,0 +1,112 @@
+"""Swap or recompute: the cost of each way to preempt one sequence, measured on this device.
+
+Swapping a victim moves its blocks out and later back in; recomputing it runs its
+tokens through the model again. ``calibrate`` measures both rates once at start-up
+(the real ``SwapSpace`` copies and a real prefill of the model), so the choice follows
+the machine: on a GPU with a fast link and a large model swap wins for long sequences;
+on a slow link or a small model recompute can win.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .models.llama import AttentionMetadata
+from .swap import SwapSpace
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Measured rates. ``t_copy(n blocks) = copy_overhead_s + n * block_bytes / copy_bytes_per_s``."""
+
+    block_bytes: int
+    copy_bytes_per_s: float
+    copy_overhead_s: float
+    prefill_tokens_per_s: float
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        """Out now and back in later: two transfers of ``num_blocks`` blocks."""
+        one = self.copy_overhead_s + num_blocks * self.block_bytes / self.copy_bytes_per_s
+        return 2.0 * one
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+    def prefers_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        return self.swap_seconds(num_blocks) < self.recompute_seconds(num_tokens)
+
+
+def _best_of(fn, reps: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy(space: SwapSpace, num_device_blocks: int, reps: int = 3) -> tuple[float, float]:
+    """``(bytes_per_s, overhead_s)`` of one swap transfer, from a 1-block and a large one.
+
+    Uses blocks from the start of both pools: call it only while they are free.
+    """
+    big = max(2, min(space.num_blocks, num_device_blocks, space.max_staging_blocks,
+                     (32 << 20) // space.block_bytes))
+    moved, secs = space.num_bytes_moved, space.transfer_seconds
+
+    def round_trip(n: int):
+        def run() -> None:
+            mapping = [(i, i) for i in range(n)]
+            space.swap_out(mapping)
+            space.swap_in(mapping)
+            space.fence()
+            space.synchronize()
+        return run
+
+    t1 = _best_of(round_trip(1), reps) / 2
+    tn = _best_of(round_trip(big), reps) / 2
+    space.num_bytes_moved, space.transfer_seconds = moved, secs  # calibration is not traffic
+    per_block = max((tn - t1) / (big - 1), 1e-12)
+    overhead = max(t1 - per_block, 0.0)
+    return space.block_bytes / per_block, overhead
+
+
+@torch.inference_mode()
+def measure_prefill(model, kv_caches, block_size: int, num_tokens: int, device: torch.device,
+                    reps: int = 2) -> float:
+    """Prefill tokens per second for one ``num_tokens`` prompt (K/V writes skipped)."""
+    num_blocks = -(-num_tokens // block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :]
+        % kv_caches[0][0].shape[0],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+    )
+    ids = torch.from_numpy(np.arange(num_tokens) % 97 + 3).to(device)
+    pos = torch.arange(num_tokens, device=device)
+    last = torch.tensor([num_tokens - 1], device=device)
+
+    def run() -> None:
+        model(ids, pos, kv_caches, meta, last)
+        _sync(device)
+
+    return num_tokens / _best_of(run, reps)
+
+
+def calibrate(space: SwapSpace, model, kv_caches, *, block_size: int, num_device_blocks: int,
+              prefill_tokens: int) -> CostModel:
+    """Measure this device and model; the pools must still be empty."""
+    bw, overhead = measure_copy(space, num_device_blocks)
+    tps = measure_prefill(model, kv_caches, block_size, prefill_tokens, space.device)
+    return CostModel(space.block_bytes, bw, overhead, tps)
