@@ -17,6 +17,7 @@ Prompt text is never recorded unless ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAG
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
@@ -318,14 +319,18 @@ class WorkerSpans:
         phase = self._tracer.start_span("prefill", context=trace.set_span_in_context(span))
         self._requests[request_id] = _RequestSpans(span, phase)
 
-    def step_span(self, scheduled: Iterable[tuple[str, int, int]]):
-        """A context manager around one engine step.
+    def before_step(self) -> int | None:
+        """Call right before an engine step; hand the result to :meth:`after_step`."""
+        return time.time_ns() if _enabled and self._requests else None
+
+    def after_step(self, started_ns: int | None, scheduled: Iterable[tuple[str, int, int]]) -> None:
+        """Record one engine step that began at ``started_ns`` (from :meth:`before_step`).
 
         ``scheduled`` holds ``(request_id, num_scheduled_tokens, num_computed_tokens)`` for
-        each request the step runs; prefill chunks become events on their request's span.
+        every request the step computed; prefill chunks become events on their requests.
         """
-        if not _enabled:
-            return _NULL
+        if started_ns is None or not _enabled:
+            return
         links, num_tokens = [], 0
         for request_id, n, computed in scheduled:
             num_tokens += n
@@ -339,12 +344,16 @@ class WorkerSpans:
                     "prefill_chunk" if not spans.decoding else "recompute_chunk",
                     {NUM_TOKENS: n, NUM_COMPUTED_TOKENS: computed},
                 )
-        return self._tracer.start_as_current_span(
+        if not links:
+            return
+        span = self._tracer.start_span(
             "forward",
-            context=otel_context.Context(),
+            context=otel_context.Context(),  # its own trace: it serves many requests
             links=links,
+            start_time=started_ns,
             attributes={WORKER_ID: self.worker_id, NUM_REQUESTS: len(links), NUM_TOKENS: num_tokens},
         )
+        span.end()
 
     def on_tokens(self, request_id: str, num_new_tokens: int) -> None:
         """Tokens came out for the request: the first ones close ``prefill`` and open ``decode``."""
@@ -379,14 +388,3 @@ class WorkerSpans:
     def finish_all(self, error: str) -> None:
         for request_id in list(self._requests):
             self.finish(request_id, None, 0, error)
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL = _NullContext()

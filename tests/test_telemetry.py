@@ -53,8 +53,8 @@ def test_off_without_endpoint_costs_nothing(monkeypatch):
     assert telemetry.grpc_metadata(metadata=[("a", "b")]) == (("a", "b"),)
     worker = telemetry.WorkerSpans("w0")
     worker.start("r1", {})
-    with worker.step_span([("r1", 4, 0)]):
-        pass
+    assert worker.before_step() is None
+    worker.after_step(None, [("r1", 4, 0)])
     worker.finish("r1", "stop", 1)
     assert len(worker) == 0
 
@@ -97,15 +97,12 @@ def test_worker_spans_form_a_tree_with_linked_forward_passes(spans):
     worker = telemetry.WorkerSpans("w0")
     worker.start("a", carrier, {"gen_ai.request.max_tokens": 3})
     worker.start("b", telemetry.extract(carrier))
-    with worker.step_span([("a", 4, 0), ("b", 4, 0)]):  # first prefill chunks
-        pass
-    with worker.step_span([("a", 2, 4), ("b", 3, 4)]):  # the rest of both prompts
-        pass
+    worker.after_step(worker.before_step(), [("a", 4, 0), ("b", 4, 0)])  # first prefill chunks
+    worker.after_step(worker.before_step(), [("a", 2, 4), ("b", 3, 4)])  # the rest of both prompts
     worker.on_tokens("a", 1)
     worker.on_tokens("b", 1)
     worker.event("b", "swap_out", num_blocks=2)
-    with worker.step_span([("a", 1, 6)]):
-        pass
+    worker.after_step(worker.before_step(), [("a", 1, 6)])
     worker.on_tokens("a", 1)
     worker.finish("a", "length", 2)
     worker.finish_all("worker stopped")
@@ -181,3 +178,39 @@ def test_console_format_when_asked():
     assert "hello" in text and "request_id" in text
     with pytest.raises(ValueError, match="log format"):
         log.configure_logging("worker", fmt="xml")
+
+
+def test_worker_observer_follows_a_real_engine(spans):
+    from pagefleet.protos import cluster_pb2
+
+    from pagefleet import Engine, SamplingParams
+    from pagefleet.observe import WorkerObserver
+
+    engine = Engine(model="tiny", device="cpu", num_blocks=64, max_num_batched_tokens=16)
+    obs = WorkerObserver("w0", model="tiny")
+    tracer = telemetry.get_tracer("test")
+    with tracer.start_as_current_span("assign") as assign:
+        parent = telemetry.extract(telemetry.inject())
+    for rid, prompt in (("a", list(range(3, 40))), ("b", [5, 6, 7])):
+        msg = cluster_pb2.AssignRequest(request_id=rid, prompt_token_ids=prompt)
+        msg.sampling.max_tokens = 4
+        engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0), request_id=rid)
+        obs.assigned(msg, parent)
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        token = obs.before_step(engine)
+        obs.after_step(token, engine, engine.step())
+    got = spans()
+    requests = {s.attributes["pagefleet.request_id"]: s for s in got if s.name == "worker.request"}
+    assert set(requests) == {"a", "b"}
+    assert all(r.parent.span_id == assign.get_span_context().span_id for r in requests.values())
+    assert requests["a"].attributes["gen_ai.usage.output_tokens"] == 4
+    prefill_a = next(s for s in got if s.name == "prefill" and s.parent.span_id == requests["a"].context.span_id)
+    chunks = [e.attributes["pagefleet.num_tokens"] for e in prefill_a.events]
+    assert sum(chunks) == 37 and len(chunks) >= 3  # 16-token budget: the prompt came in chunks
+    assert any(s.name == "forward" and len(s.links) == 2 for s in got)
+    get = obs.metrics.registry.get_sample_value
+    assert get("pagefleet:request_success_total", {"finished_reason": "length"}) == 2
+    assert get("pagefleet:iteration_tokens_total_sum") == 37 + 3 + 2 * 3
+    assert get("pagefleet:num_requests_running") == 0
