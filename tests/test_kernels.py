@@ -273,6 +273,16 @@ def test_attention_split_kv(seqs, num_splits):
     torch.testing.assert_close(out, ref, **TOL[F16])
 
 
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_attention_single_sequence(q_len, num_splits):
+    batch = make_batch(
+        [(37, q_len)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=F16
+    )
+    out, ref = run_both(batch, num_splits=num_splits)
+    torch.testing.assert_close(out, ref, **TOL[F16])
+
+
 def test_attention_non_power_of_two_head_dim():
     batch = make_batch(
         [(20, 1), (9, 9)], num_heads=4, num_kv_heads=2, head_dim=80, block_size=8, dtype=F32
