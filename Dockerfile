@@ -35,4 +35,4 @@ USER pagefleet
 # gateway 50051, scheduler 50052, worker 50061, /metrics 9400 (each set by flags).
 EXPOSE 50051 50052 50061 9400
 ENTRYPOINT []
-CMD ["pagefleet", "up", "--host", "0.0.0.0"]
+CMD ["pagefleet", "up"]

@@ -21,6 +21,8 @@ import structlog
 from pagefleet.protos import cluster_pb2, generation_pb2_grpc
 from pagefleet.protos import generation_pb2 as pb
 
+from pagefleet.metrics import GatewayMetrics, serve_metrics
+from pagefleet.observe import enqueue_span, observed_generate
 from pagefleet.redis_util import Keys, connect, encode_cancel_entry, encode_request_entry, retry
 from pagefleet.service import (
     SERVER_OPTIONS,
@@ -73,7 +75,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.keys = keys
         self.model = model
         self.args = args
+        self.metrics = GatewayMetrics()
 
+    @observed_generate
     async def Generate(self, request, context):
         try:
             prompt_ids = check(request, self.model)
@@ -113,12 +117,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request_id=rid, prompt_token_ids=prompt_ids, sampling=request.sampling,
             priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
         )
-        fields = encode_request_entry(msg, int(time.time() * 1000))
-        try:
-            await retry(lambda: self.redis.xadd(self.keys.requests, fields, maxlen=self.args.max_stream_len,
-                                                approximate=True), what="xadd", attempts=5)
-        except Exception:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the request queue (Redis) is unreachable")
+        with enqueue_span(msg, self.keys.requests):  # sets msg.traceparent when tracing
+            fields = encode_request_entry(msg, int(time.time() * 1000))
+            try:
+                await retry(lambda: self.redis.xadd(self.keys.requests, fields, maxlen=self.args.max_stream_len,
+                                                    approximate=True), what="xadd", attempts=5)
+            except Exception:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the request queue (Redis) is unreachable")
         return True
 
     async def _queue_depth(self) -> tuple[int, int]:
@@ -154,7 +159,9 @@ async def serve(args) -> int:
     keys = Keys(args.namespace)
     redis = connect(args.redis_url)
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(redis, keys, model, args), server)
+    servicer = GenerationService(redis, keys, model, args)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    serve_metrics(args, servicer.metrics.registry, "gateway")
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await retry(redis.ping, what="ping")

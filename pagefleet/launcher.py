@@ -64,6 +64,7 @@ class LocalCluster:
     # -- processes ------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         env = dict(os.environ, PAGEFLEET_LOG_LEVEL=self.cfg.log_level)
+        env.pop("PAGEFLEET_METRICS_PORT", None)  # one port per process: pass --metrics-port per component
         if self.cfg.log_dir:
             env.setdefault("PAGEFLEET_LOG_FORMAT", "json")
             out = open(Path(self.cfg.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child

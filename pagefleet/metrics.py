@@ -214,6 +214,14 @@ class SchedulerMetrics:
         )
 
 
+    def bind(self, core: Any) -> None:
+        """Read the gauges from the active scheduler's state at every scrape."""
+        self.queue_length.set_function(lambda: len(core.queue))
+        self.pending_entries.set_function(lambda: len(core.known))
+        self.assigned.set_function(lambda: len(core.where))
+        self.workers.set_function(lambda: len(core.workers))
+
+
 class GatewayMetrics:
     """Requests the gateway answered, by gRPC status code, and the ones it shed."""
 
@@ -242,3 +250,24 @@ class GatewayMetrics:
         self.requests.labels(name).inc()
         if seconds is not None:
             self.e2e.observe(seconds)
+
+
+def serve_metrics(args: Any, registry: CollectorRegistry, component: str) -> MetricsServer | None:
+    """Serve ``registry`` on ``--metrics-port`` (on ``--host``) if the flag is set.
+
+    A port already taken is logged and skipped: metrics must never stop a server.
+    """
+    import structlog
+
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        return None
+    host = getattr(args, "host", None) or "0.0.0.0"
+    log = structlog.get_logger("metrics")
+    try:
+        server = start_metrics_server(port, registry, host)
+    except OSError as e:
+        log.error("metrics.unavailable", component=component, host=host, port=port, error=str(e))
+        return None
+    log.info("metrics.serving", component=component, host=host, metrics_port=server.port)
+    return server

@@ -80,3 +80,175 @@ class WorkerObserver:
 
     def event(self, request_id: str, name: str, **attributes: Any) -> None:
         self.spans.event(request_id, name, **attributes)
+
+
+# -- the gateway ---------------------------------------------------------------------------
+def observed_generate(method):
+    """Wrap the gateway's ``Generate`` (an async generator): its SERVER span and metrics.
+
+    The servicer needs a ``metrics`` (GatewayMetrics) and a ``model`` with ``.name``.
+    """
+    import functools
+
+    import grpc
+
+    tracer = telemetry.get_tracer("gateway")
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        import time
+
+        metrics = self.metrics
+        started = time.monotonic()
+        code = grpc.StatusCode.OK
+        metrics.in_flight.inc()
+        span = None
+        if telemetry.enabled():
+            attrs = telemetry.request_attributes(
+                model=getattr(self.model, "name", "") or getattr(self.args, "model", ""),
+                max_tokens=request.sampling.max_tokens,
+                temperature=request.sampling.temperature if request.sampling.HasField("temperature") else None,
+                prompt=request.prompt if request.WhichOneof("input") == "prompt" else None,
+            )
+            attrs["rpc.system"] = "grpc"
+            attrs["rpc.service"] = "pagefleet.v1.Generation"
+            attrs["rpc.method"] = "Generate"
+            span = tracer.start_span("pagefleet.v1.Generation/Generate", context=telemetry.extract_grpc(context),
+                                     kind=telemetry.SpanKind.SERVER, attributes=attrs)
+        token = None if span is None else telemetry.attach(span)
+        num_output, finish, first = 0, None, True
+        try:
+            async for msg in method(self, request, context):
+                if first and msg.token_ids:
+                    first = False
+                    metrics.ttft.observe(time.monotonic() - started)
+                num_output += len(msg.token_ids)
+                if msg.finish_reason:
+                    finish = msg
+                yield msg
+        except BaseException as e:
+            code = _status_code(context, e)
+            raise
+        finally:
+            metrics.in_flight.dec()
+            metrics.finished(code, time.monotonic() - started)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                metrics.shed.inc()
+            if span is not None:
+                _end_generate_span(span, request, finish, num_output, code)
+                telemetry.detach(token)
+
+    return wrapper
+
+
+def _status_code(context: Any, error: BaseException):
+    import asyncio
+
+    import grpc
+
+    code = context.code() if hasattr(context, "code") else None
+    if code is not None and code != grpc.StatusCode.OK:
+        return code
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
+def _end_generate_span(span: Any, request: Any, finish: Any, num_output: int, code: Any) -> None:
+    import grpc
+
+    from pagefleet.protos import generation_pb2 as pb
+
+    reason = pb.FinishReason.Name(finish.finish_reason).removeprefix("FINISH_REASON_").lower() if finish else None
+    span.set_attributes(telemetry.finish_attributes(reason, num_output))
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if finish is not None and finish.HasField("usage"):
+        span.set_attribute(telemetry.GEN_AI_USAGE_INPUT_TOKENS, finish.usage.prompt_tokens)
+    if request.request_id:
+        span.set_attribute(telemetry.REQUEST_ID, request.request_id)
+    if code != grpc.StatusCode.OK:
+        span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, code.name))
+    span.end()
+
+
+def enqueue_span(msg: Any, stream: str):
+    """Around the gateway's XADD: a PRODUCER span whose context ``msg.traceparent`` carries.
+
+    A no-op context manager while tracing is off (``msg.traceparent`` stays as it was).
+    """
+    import contextlib
+
+    if not telemetry.enabled():
+        return contextlib.nullcontext()
+    return _enqueue_span(msg, stream)
+
+
+def _enqueue_span(msg: Any, stream: str):
+    import contextlib
+
+    tracer = telemetry.get_tracer("gateway")
+
+    @contextlib.contextmanager
+    def span_cm():
+        attrs = {telemetry.REQUEST_ID: msg.request_id, "messaging.system": "redis",
+                 "messaging.operation.type": "send", "messaging.destination.name": stream,
+                 telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(msg.prompt_token_ids)}
+        with tracer.start_as_current_span(f"send {stream}", kind=telemetry.SpanKind.PRODUCER,
+                                          attributes=attrs) as span:
+            msg.traceparent = telemetry.inject().get("traceparent", msg.traceparent)
+            yield span
+
+    return span_cm()
+
+
+# -- the scheduler ---------------------------------------------------------------------------
+def assign_span(p: Any, worker: Any):
+    """Around the scheduler's Assign call: the request's queue wait and the assignment.
+
+    Writes a CONSUMER span ``queue_wait`` (from when the request joined the global queue)
+    and, under it, a CLIENT span ``assign`` with the chosen worker and its free blocks.
+    Yields the gRPC metadata that carries the assign span to the worker (empty while
+    tracing is off).
+    """
+    import contextlib
+
+    if not telemetry.enabled():
+        return contextlib.nullcontext(())
+    return _assign_span(p, worker)
+
+
+def _assign_span(p: Any, worker: Any):
+    import contextlib
+    import time
+
+    tracer = telemetry.get_tracer("scheduler")
+
+    @contextlib.contextmanager
+    def span_cm():
+        parent = telemetry.extract({"traceparent": p.assign.traceparent}) if p.assign.traceparent else None
+        waited_s = max(0.0, time.monotonic() - p.enqueued_at)
+        start_ns = time.time_ns() - int(waited_s * 1e9)
+        rid = p.request_id
+        queue = tracer.start_span(
+            "queue_wait", context=parent, kind=telemetry.SpanKind.CONSUMER, start_time=start_ns,
+            attributes={telemetry.REQUEST_ID: rid, telemetry.QUEUE_WAIT_SECONDS: waited_s,
+                        telemetry.PRIORITY: p.assign.priority,
+                        "pagefleet.num_resumed_tokens": len(p.assign.output_token_ids)},
+        )
+        queue.end()
+        report = getattr(worker, "report", None)
+        attrs = {telemetry.REQUEST_ID: rid, telemetry.WORKER_ID: worker.worker_id,
+                 "pagefleet.worker_address": worker.address,
+                 "pagefleet.num_available_blocks": getattr(worker, "num_available_blocks", 0)}
+        if report is not None:
+            attrs[telemetry.NUM_FREE_BLOCKS] = report.num_free_blocks
+            attrs[telemetry.NUM_BLOCKS] = report.num_blocks
+        ctx = telemetry.otel_context.Context() if parent is None else parent
+        with tracer.start_as_current_span(
+            "assign", context=telemetry.trace.set_span_in_context(queue, ctx),
+            kind=telemetry.SpanKind.CLIENT, attributes=attrs,
+        ) as span:
+            yield telemetry.grpc_metadata()
+            span.set_attribute("pagefleet.accepted", True)
+
+    return span_cm()

@@ -50,13 +50,18 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"),
                         help="json for machines; auto picks console on a terminal")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on this port (0: any free port; default: off)")
 
 
 def setup_logging(component: str, args) -> None:
-    """Logs as ``pagefleet.log`` sets them up, at the level and format of the flags."""
+    """Logs as ``pagefleet.log`` sets them up, at the level and format of the flags; and
+    tracing, when the ``OTEL_*`` variables ask for it (``pagefleet.telemetry``)."""
     from pagefleet.log import configure_logging
+    from pagefleet.telemetry import setup_tracing
 
     configure_logging(component, level=args.log_level, fmt=args.log_format)
+    setup_tracing(component)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -38,6 +38,8 @@ __all__ = [
     "inject",
     "record_prompts",
     "request_attributes",
+    "otel_context",
+    "trace",
     "setup_tracing",
     "shutdown_tracing",
 ]
@@ -257,6 +259,15 @@ def extract_grpc(servicer_context: Any) -> otel_context.Context:
         return otel_context.Context()
     metadata = servicer_context.invocation_metadata() or ()
     return extract({m[0]: m[1] for m in metadata if m[0] in TRACE_FIELDS})
+
+
+def attach(span: Span) -> object:
+    """Make ``span`` current (until :func:`detach` with the returned token)."""
+    return otel_context.attach(trace.set_span_in_context(span))
+
+
+def detach(token: object) -> None:
+    otel_context.detach(token)
 
 
 def span_context_of(span_or_context: Span | otel_context.Context | None) -> trace.SpanContext | None:

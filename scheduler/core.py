@@ -30,6 +30,8 @@ import grpc
 import structlog
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
+from pagefleet.metrics import SchedulerMetrics
+from pagefleet.observe import assign_span
 from pagefleet.redis_util import GROUP, Keys, OutEntry, read_emitted, retry
 from pagefleet.service import CHANNEL_OPTIONS
 
@@ -59,7 +61,7 @@ class SchedulerConfig:
 
 
 class ClusterScheduler:
-    def __init__(self, redis, keys: Keys, config: SchedulerConfig) -> None:
+    def __init__(self, redis, keys: Keys, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.cfg = config
@@ -75,6 +77,8 @@ class ClusterScheduler:
         self._published_waiting = -1
         self._published_at = 0.0
         self._tasks: list[asyncio.Task] = []
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        self.metrics.bind(self)
 
     # -- life ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -286,6 +290,7 @@ class ClusterScheduler:
         if not w.alive:
             return
         w.alive = False
+        self.metrics.dead_workers.inc()
         if self.workers.get(w.worker_id) is w:
             del self.workers[w.worker_id]
         await retry(lambda: self.redis.hdel(self.keys.workers, w.worker_id), what="hdel_worker")
@@ -297,6 +302,7 @@ class ClusterScheduler:
             if self.where.get(rid) == w.worker_id:
                 del self.where[rid]
                 self.num_reassigned += 1
+                self.metrics.reassignments.inc()
                 await self._requeue(pl.pending)
         with contextlib.suppress(Exception):
             await w.channel.close(grace=0)
@@ -325,9 +331,11 @@ class ClusterScheduler:
             self._wake.clear()
             while (p := self.queue.peek()) is not None:
                 live = list(self.workers.values())
+                t0 = time.perf_counter()
                 w = pick_worker(live, p, self.cfg.headroom_tokens)
                 if w is None and self.cfg.preempt_mode != "off":
                     w = await self._preempt_for(p, live)
+                self.metrics.decision_latency.observe(time.perf_counter() - t0)
                 if w is None:
                     break  # head of line: it waits until a report shows room
                 await self._assign(p, w)
@@ -337,7 +345,8 @@ class ClusterScheduler:
         w.place(p, self.cfg.headroom_tokens)
         self.where[p.request_id] = w.worker_id
         try:
-            resp = await w.stub.Assign(p.assign, timeout=self.cfg.rpc_timeout_s)
+            with assign_span(p, w) as metadata:  # the trace goes on to the worker
+                resp = await w.stub.Assign(p.assign, timeout=self.cfg.rpc_timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             await self._worker_dead(w, f"Assign failed: {e.code().name}")
             return
@@ -346,6 +355,7 @@ class ClusterScheduler:
             self.where.pop(p.request_id, None)
             self.queue.push(p)
             return
+        self.metrics.admissions.inc()
         log.info("request.placed", request_id=p.request_id, worker_id=w.worker_id,
                  num_tokens=p.num_tokens, num_resumed_tokens=len(p.assign.output_token_ids),
                  num_available_blocks=w.num_available_blocks)
@@ -367,6 +377,7 @@ class ClusterScheduler:
                 return None
             pl.preempted_at = time.monotonic()
             self.num_preemptions += 1
+            self.metrics.preemptions.inc()
             log.info("request.preempted", request_id=rid, worker_id=w.worker_id, for_request_id=p.request_id,
                      outcome=cluster_pb2.PreemptOutcome.Name(resp.outcome), num_freed_blocks=resp.num_freed_blocks)
             if resp.outcome == cluster_pb2.PREEMPT_OUTCOME_HANDED_BACK:

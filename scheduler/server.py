@@ -18,6 +18,7 @@ import grpc
 import structlog
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
+from pagefleet.metrics import SchedulerMetrics, serve_metrics
 from pagefleet.redis_util import Keys, connect, retry
 from pagefleet.service import (
     SERVER_OPTIONS,
@@ -89,6 +90,8 @@ async def serve(args) -> int:
     cluster_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = server.add_insecure_port(f"{args.host}:{args.port}")
+    metrics = SchedulerMetrics()
+    serve_metrics(args, metrics.registry, "scheduler")
     await server.start()
     await set_serving(health, names, False)
     log.info("scheduler.standby", port=port, instance=me)
@@ -106,7 +109,7 @@ async def serve(args) -> int:
         core = ClusterScheduler(redis, keys, SchedulerConfig(
             policy=args.policy, aging_s=args.aging_seconds, headroom_tokens=args.headroom_tokens,
             preempt_mode=args.preempt_mode, dead_after_s=args.dead_after,
-        ))
+        ), metrics=metrics)
         servicer.core = core
         run = asyncio.create_task(core.run())
         await set_serving(health, names, True)

@@ -65,8 +65,10 @@ class Snapshot:
 
 
 class EngineLoop:
-    def __init__(self, engine, emit: Callable[[list[Emit]], None], notify: Callable[[], None]) -> None:
+    def __init__(self, engine, emit: Callable[[list[Emit]], None], notify: Callable[[], None],
+                 observer=None) -> None:
         self.engine = engine
+        self.observer = observer  # pagefleet.observe.WorkerObserver: metrics and spans
         self.emit = emit
         self.notify = notify
         self.held: dict[str, Held] = {}
@@ -109,12 +111,15 @@ class EngineLoop:
                 break
             if not self.engine.has_unfinished_requests():
                 continue
+            probe = self.observer.before_step(self.engine) if self.observer else None
             try:
                 deltas = self.engine.step()
             except Exception as e:  # a bug must not leave clients waiting forever
                 log.exception("engine.step_failed")
                 self._fail_all(f"engine step failed: {e}")
                 continue
+            if self.observer:
+                self.observer.after_step(probe, self.engine, deltas)
             batch = [m for d in deltas if (m := self._message(d)) is not None]
             self.emit(batch)
             self._refresh()
@@ -160,6 +165,8 @@ class EngineLoop:
             held = self.held.pop(rid, None)
             index = d.index if d is not None else 0
             batch.append(Emit(rid, OutEntry(index, [], "", "error", error), held.entry_id if held else None))
+            if self.observer:
+                self.observer.removed(rid, "error", index, error)
             self._finished(rid)
         self.emit(batch)
         self._refresh()
@@ -195,7 +202,8 @@ class EngineLoop:
             self.notify()
 
     # -- commands (run on the engine thread via `call`) -----------------------------------
-    def assign(self, msg: cluster_pb2.AssignRequest) -> None:
+    def assign(self, msg: cluster_pb2.AssignRequest, parent=None) -> None:
+        """``parent``: the trace context of the scheduler's Assign call."""
         rid = msg.request_id
         if rid in self.engine.requests:
             return  # a repeated Assign (the scheduler retried): already here
@@ -214,6 +222,8 @@ class EngineLoop:
             self._finished(rid)
             return
         self.held[rid] = Held(msg.entry_id, msg.traceparent)
+        if self.observer:
+            self.observer.assigned(msg, parent)
         req = self.engine.requests.get(rid)
         if req is not None and hasattr(req, "trace_context"):
             req.trace_context = msg.traceparent or None
@@ -225,6 +235,8 @@ class EngineLoop:
         held = self.held.pop(request_id, None)
         if d is None:
             return False
+        if self.observer:
+            self.observer.removed(request_id, "abort", d.index)
         if notify_client:
             entry = OutEntry(d.index, list(d.token_ids), d.text, "abort")
             self.emit([Emit(request_id, entry, held.entry_id if held else None)])
@@ -244,6 +256,8 @@ class EngineLoop:
             self.num_directed_preemptions += 1
             self._refresh(force_notify=True)
             after = e.stats().blocks_per_request.get(request_id, 0)
+            if self.observer:
+                self.observer.event(request_id, "preempted", directed=True, num_freed_blocks=max(0, before - after))
             return cluster_pb2.PreemptResponse(
                 outcome=cluster_pb2.PREEMPT_OUTCOME_KEPT, num_freed_blocks=max(0, before - after)
             )
@@ -251,6 +265,8 @@ class EngineLoop:
         emitted = list(req.output_token_ids[: req.num_emitted_tokens])
         e.abort_request(request_id)
         self.held.pop(request_id, None)
+        if self.observer:
+            self.observer.removed(request_id, "preempted", len(emitted))
         self.num_directed_preemptions += 1
         self._refresh(force_notify=True)
         return cluster_pb2.PreemptResponse(

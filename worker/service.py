@@ -22,6 +22,9 @@ import grpc
 import structlog
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
+from pagefleet import telemetry
+from pagefleet.metrics import WorkerMetrics, serve_metrics
+from pagefleet.observe import WorkerObserver
 from pagefleet.redis_util import Keys, connect, retry
 from pagefleet.service import (
     SERVER_OPTIONS,
@@ -75,7 +78,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
     async def Assign(self, request, context):
         if self.w.draining:
             return cluster_pb2.AssignResponse(accepted=False)
-        self.w.loop.call(lambda: self.w.loop.assign(request))  # answered before the engine runs it
+        parent = telemetry.extract_grpc(context)  # the scheduler's assign span
+        self.w.loop.call(lambda: self.w.loop.assign(request, parent))  # answered before the engine runs it
         return cluster_pb2.AssignResponse(accepted=True)
 
     async def Cancel(self, request, context):
@@ -111,12 +115,14 @@ class Worker:
         self.worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.redis = connect(args.redis_url)
         self.writer = OutputWriter(self.redis, self.keys)
+        self.metrics = WorkerMetrics()
         self.aio = asyncio.get_running_loop()
         self.changed = asyncio.Event()
         self.loop = EngineLoop(
             engine,
             emit=lambda batch: self.aio.call_soon_threadsafe(self.writer.put, batch),
             notify=lambda: self.aio.call_soon_threadsafe(self.changed.set),
+            observer=WorkerObserver(self.worker_id, self.metrics, args.model),
         )
         self.draining = False
         self.report_seq = 0
@@ -193,6 +199,7 @@ async def serve(args) -> int:
         seed=args.seed,
     )
     w = Worker(args, engine)
+    serve_metrics(args, w.metrics.registry, "worker")
     server = grpc.aio.server(options=SERVER_OPTIONS)
     cluster_pb2_grpc.add_WorkerServicer_to_server(WorkerService(w), server)
     health, names, _ = add_health_and_reflection(server, [SERVICE])
