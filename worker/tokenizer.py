@@ -18,7 +18,11 @@ class ByteTokenizer:
         return [self.BOS, *text.encode("utf-8")]
 
     def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+        try:
+            raw = bytes(token_ids)
+        except ValueError:  # special tokens present: drop them
+            raw = bytes(t for t in token_ids if t < 256)
+        return raw.decode("utf-8", errors="replace")
 
     def save(self, path: Path) -> None:
         """Nothing to save: the tokenizer is part of the code (``tiny`` checkpoints say so)."""
