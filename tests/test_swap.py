@@ -34,20 +34,16 @@ def test_swap_allocator_prefers_one_extent_and_merges_on_free():
 
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_swap_space_round_trip_is_exact(contiguous):
-    shape = (12, 4, 2, 8)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(3)]
-    before = [(k.clone(), v.clone()) for k, v in caches]
-    space = SwapSpace(caches, num_blocks=6)
+    cache = torch.randn(3, 2, 12, 4, 2, 8)  # [num_layers, 2, num_blocks, block_size, heads, dim]
+    before = cache.clone()
+    space = SwapSpace(cache, num_blocks=6)
     src = [4, 5, 6] if contiguous else [9, 2, 7]
     space.swap_out(list(zip(src, [1, 2, 3], strict=True)))
-    for k, v in caches:
-        k[src] = 0.0
-        v[src] = 0.0
+    cache[:, :, src] = 0.0
     dst = [0, 1, 2] if contiguous else [11, 3, 8]
     space.swap_in(list(zip([1, 2, 3], dst, strict=True)))
     space.fence()
-    for (k, v), (k0, v0) in zip(caches, before, strict=True):
-        assert torch.equal(k[dst], k0[src]) and torch.equal(v[dst], v0[src])
+    assert torch.equal(cache[:, :, dst], before[:, :, src])
     assert space.num_bytes_moved == 2 * 3 * space.block_bytes
     assert space.bytes_per_second > 0
 

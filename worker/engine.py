@@ -101,11 +101,10 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, block_size)
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots must hold finite values (0 * NaN is NaN).
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        # One tensor [num_layers, 2, *shape]; each layer's (key, value) caches are
+        # contiguous views, and a range of blocks moves across all layers in one copy (swap).
+        self.kv_cache = torch.zeros((cfg.num_hidden_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.batching = batching
         self.preemption = preemption
         self.swap_space: SwapSpace | None = None
@@ -115,7 +114,7 @@ class Engine:
         else:
             swap = None
             if num_swap_blocks:
-                self.swap_space = SwapSpace(self.kv_caches, num_swap_blocks)
+                self.swap_space = SwapSpace(self.kv_cache, num_swap_blocks)
                 swap = SwapAllocator(num_swap_blocks)
                 if preemption == "auto":
                     self.cost_model = self._calibrate(max_num_batched_tokens)
@@ -216,8 +215,7 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
         for t in resumed:
             detok.add(t)
-        detok.take(finished=False)
-        detok._emitted = len(detok.text)
+        detok.mark_emitted()
         return Request(
             request_id,
             prompt_ids,
@@ -297,24 +295,28 @@ class Engine:
                 deltas.append(delta)
         return deltas
 
-    def _append(self, req: Request, token: int) -> TokenDelta | None:
-        req.append_token(token)
+    def _append(self, req: Request, token: int) -> TokenDelta:
+        """Record a sampled token; the request's delta. Runs for every running request every step."""
+        out_ids = req.output_token_ids
+        out_ids.append(token)
+        req.all_token_ids.append(token)
         self.num_generated_tokens += 1
-        status = req.check_stop_token(token)
         detok = req.detokenizer
-        if detok.add(token):
+        if detok.add(token) or token in req.eos_token_ids or token in req.stop_token_ids:
             status = RequestStatus.FINISHED_STOPPED
-        elif status is not None and status != RequestStatus.FINISHED_STOPPED:
+        elif len(out_ids) >= req.params.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
             detok.flush()
-        if status is not None:
-            req.status = status
-            self.requests.pop(req.request_id, None)
-            self.scheduler.remove(req)
-        finished = status is not None
+        else:
+            index = req.num_emitted_tokens
+            req.num_emitted_tokens = len(out_ids)
+            return TokenDelta(req.request_id, out_ids[index:], detok.take(False), index)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+        self.scheduler.remove(req)
         index = req.num_emitted_tokens
-        new_ids = req.output_token_ids[index:]
-        req.num_emitted_tokens = req.num_output_tokens
-        return TokenDelta(req.request_id, new_ids, detok.take(finished), index, req.finish_reason)
+        req.num_emitted_tokens = len(out_ids)
+        return TokenDelta(req.request_id, out_ids[index:], detok.take(True), index, req.finish_reason)
 
     # -- the batch API -----------------------------------------------------------------
     def generate(

@@ -6,16 +6,16 @@ scheduler (``policy.py``). This module owns
 * ``SwapAllocator``: the swap pool's block ids. It hands out *contiguous extents* when
   it can, so that the host side of a transfer is one plain copy per extent instead of a
   scatter (host scatters run at a fraction of memory bandwidth).
-* ``SwapSpace``: the swap pool's tensors, per layer ``(key, value)`` with the device
-  pool's block layout ``[num_swap_blocks, block_size, num_kv_heads, head_dim]``
-  (pinned host memory when the device is CUDA), and the copies:
+* ``SwapSpace``: the swap pool's tensor, with the device pool's layout
+  ``[num_layers, 2, num_swap_blocks, block_size, num_kv_heads, head_dim]`` (pinned
+  host memory when the device is CUDA), and the copies:
   ``swap_out(mapping)`` / ``swap_in(mapping)`` with ``mapping`` a list of
   ``(src_block, dst_block)`` pairs.
 
-A transfer is batched: on the device side every layer's blocks are gathered with one
-``index_select`` into a contiguous staging buffer (or scattered from it with one
+A transfer is batched: on the device side the blocks of every layer are gathered with
+one ``index_select`` into a contiguous staging buffer (or scattered from it with one
 ``index_copy_``), and each contiguous extent of the swap pool moves in one copy per
-layer and tensor. Never one copy per block.
+layer and tensor (on CPU, one copy over all layers). Never one copy per block.
 
 On CUDA the copies run on a side stream. Ordering contract with the compute stream:
 
@@ -37,8 +37,6 @@ import time
 from collections.abc import Sequence
 
 import torch
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 # Device staging for one transfer is at most this large; bigger transfers go in chunks.
 _STAGING_BYTES = 256 << 20
@@ -137,26 +135,28 @@ class SwapAllocator:
 
 
 class SwapSpace:
-    """The swap pool's tensors and the batched copies in and out of the device pool."""
+    """The swap pool's tensor and the batched copies in and out of the device pool.
 
-    def __init__(self, device_caches: KVCaches, num_blocks: int) -> None:
-        key0 = device_caches[0][0]
-        self.device = key0.device
-        self.device_caches = device_caches
+    ``device_cache`` is the engine's whole device pool, ``[num_layers, 2, num_blocks,
+    block_size, num_kv_heads, head_dim]`` (each ``[layer, 0|1]`` a layer's key/value
+    cache); the swap pool has the same layout with ``num_blocks`` swap blocks.
+    """
+
+    def __init__(self, device_cache: torch.Tensor, num_blocks: int) -> None:
+        if device_cache.dim() != 6 or device_cache.shape[1] != 2:
+            raise ValueError(f"device_cache must be [num_layers, 2, num_blocks, ...], got {list(device_cache.shape)}")
+        self.device = device_cache.device
+        self.device_cache = device_cache
         self.num_blocks = num_blocks
-        self.num_layers = len(device_caches)
-        self.block_shape = tuple(key0.shape[1:])
-        self.block_numel = key0[0].numel()
-        self.dtype = key0.dtype
+        self.num_layers = device_cache.shape[0]
+        self.block_shape = tuple(device_cache.shape[3:])
+        self.dtype = device_cache.dtype
         self.is_cuda = self.device.type == "cuda"
-        shape = (num_blocks, *self.block_shape)
-        # Empty, not zeroed: a swap block is always written before it is read.
-        self.caches: KVCaches = [
-            (torch.empty(shape, dtype=self.dtype, pin_memory=self.is_cuda),
-             torch.empty(shape, dtype=self.dtype, pin_memory=self.is_cuda))
-            for _ in device_caches
-        ]
-        self.block_bytes = 2 * self.num_layers * self.block_numel * key0.element_size()
+        shape = (self.num_layers, 2, num_blocks, *self.block_shape)
+        # Written before it is ever read; zeroed anyway so its pages are resident up front
+        # (first-touch page faults would otherwise be paid inside the first swap-outs).
+        self.cache = torch.zeros(shape, dtype=self.dtype, pin_memory=self.is_cuda)
+        self.block_bytes = self.cache[:, :, 0].numel() * self.cache.element_size()
         self.max_staging_blocks = max(1, min(num_blocks, _STAGING_BYTES // self.block_bytes))
         self._staging: torch.Tensor | None = None
         self.num_bytes_moved = 0
@@ -201,7 +201,7 @@ class SwapSpace:
     def _transfer(self, mapping: Sequence[tuple[int, int]], *, out: bool) -> None:
         if not mapping:
             return
-        # Group by the swap side so each of its extents is one contiguous copy.
+        # Ordered by the swap side, so each of its extents is one contiguous range.
         pairs = sorted(mapping, key=lambda p: p[1] if out else p[0])
         step = self.max_staging_blocks
         for lo in range(0, len(pairs), step):
@@ -218,25 +218,30 @@ class SwapSpace:
         self.num_transfers += 1
 
     def _host_chunk(self, dev_ids: list[int], swap_ids: list[int], out: bool) -> None:
-        """Both pools in host memory: gather/scatter straight between them, per swap extent."""
+        """Both pools in host memory: per swap extent, one copy over every layer.
+
+        A contiguous device range is a plain (strided) copy; otherwise one
+        ``index_select`` gathers straight into the extent, or one ``index_copy_``
+        scatters from it.
+        """
+        dev_all, swap_all = self.device_cache, self.cache
         for pos, first, n in _runs(swap_ids):
             part = dev_ids[pos : pos + n]
-            dev_runs = _runs(part)
-            idx = None if len(dev_runs) == 1 else torch.tensor(part, dtype=torch.int64)
-            d0 = part[0]
-            for dev_kv, swap_kv in zip(self.device_caches, self.caches, strict=True):
-                for dev, swp in zip(dev_kv, swap_kv, strict=True):
-                    span = swp[first : first + n]
-                    if idx is None:  # both sides contiguous: a plain copy
-                        (span.copy_(dev[d0 : d0 + n]) if out else dev[d0 : d0 + n].copy_(span))
-                    elif out:
-                        torch.index_select(dev, 0, idx, out=span)
-                    else:
-                        dev.index_copy_(0, idx, span)
+            span = swap_all[:, :, first : first + n]
+            if len(_runs(part)) == 1:
+                d0 = part[0]
+                (span.copy_(dev_all[:, :, d0 : d0 + n]) if out
+                 else dev_all[:, :, d0 : d0 + n].copy_(span))
+                continue
+            idx = torch.tensor(part, dtype=torch.int64)
+            if out:
+                torch.index_select(dev_all, 2, idx, out=span)
+            else:
+                dev_all.index_copy_(2, idx, span)
 
     def _cuda_chunk(self, dev_ids: list[int], swap_ids: list[int], out: bool) -> None:
         n = len(dev_ids)
-        stage = self._stage(n)  # [num_layers, 2, n, *block_shape] on the device
+        stage = self._stage(n)  # [num_layers, 2, n, *block_shape] on the device, contiguous
         idx_host = torch.tensor(dev_ids, dtype=torch.int64).pin_memory()
         self._keep.append(idx_host)
         compute = torch.cuda.current_stream(self.device)
@@ -246,18 +251,14 @@ class SwapSpace:
             idx = idx_host.to(self.device, non_blocking=True)
             start.record(self.stream)
             if out:
-                for layer, (k, v) in enumerate(self.device_caches):
-                    torch.index_select(k, 0, idx, out=stage[layer, 0])
-                    torch.index_select(v, 0, idx, out=stage[layer, 1])
+                torch.index_select(self.device_cache, 2, idx, out=stage)  # one gather, all layers
                 gathered = torch.cuda.Event()
                 gathered.record(self.stream)
                 compute.wait_event(gathered)  # only the gather: the copy overlaps compute
                 self._extent_copies(stage, swap_ids, out=True)
             else:
                 self._extent_copies(stage, swap_ids, out=False)
-                for layer, (k, v) in enumerate(self.device_caches):
-                    k.index_copy_(0, idx, stage[layer, 0])
-                    v.index_copy_(0, idx, stage[layer, 1])
+                self.device_cache.index_copy_(2, idx, stage)  # one scatter, all layers
                 done = torch.cuda.Event()
                 done.record(self.stream)
                 self._unfenced.append(done)
@@ -265,19 +266,20 @@ class SwapSpace:
         self._timing.append((start, end))
 
     def _extent_copies(self, stage: torch.Tensor, swap_ids: list[int], *, out: bool) -> None:
+        """Device staging <-> pinned swap extents: one contiguous copy per layer and tensor."""
         for pos, first, n in _runs(swap_ids):
-            for layer, swap_kv in enumerate(self.caches):
-                for j, swp in enumerate(swap_kv):
+            for layer in range(self.num_layers):
+                for j in range(2):
                     dev = stage[layer, j, pos : pos + n]
-                    span = swp[first : first + n]
+                    span = self.cache[layer, j, first : first + n]
                     (span.copy_(dev, non_blocking=True) if out else dev.copy_(span, non_blocking=True))
 
     def _stage(self, n: int) -> torch.Tensor:
-        numel = self.num_layers * 2 * n * self.block_numel
+        numel = self.num_layers * 2 * n * self.cache[0, 0, 0].numel()
         if self._staging is None or self._staging.numel() < numel:
             if self._staging is not None:
                 self.stream.synchronize()  # the old buffer may still be in use
-            cap = self.num_layers * 2 * self.max_staging_blocks * self.block_numel
+            cap = numel // n * self.max_staging_blocks
             self._staging = torch.empty(cap, dtype=self.dtype, device=self.device)
         return self._staging[:numel].view(self.num_layers, 2, n, *self.block_shape)
 
