@@ -38,9 +38,10 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the table to hold ``num_tokens`` tokens; the new block ids, or ``None`` if they don't fit."""
-        need = self.num_new_blocks(request_id, num_tokens)
+        # Called for every running request every step: the common "still fits" case is inlined.
         table = self.block_tables.get(request_id)
-        if need == 0:
+        need = -(-num_tokens // self.block_size) - (0 if table is None else len(table))
+        if need <= 0:
             if table is None:
                 self.block_tables[request_id] = []
             return []

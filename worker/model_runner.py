@@ -40,7 +40,9 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
         self.generator = torch.Generator().manual_seed(seed)
-        self.last_model_seconds = 0.0  # the forward pass alone, for the step-overhead figure
+        # The forward pass alone (wall and this thread's CPU time), for the step-overhead figure.
+        self.last_model_seconds = 0.0
+        self.last_model_cpu_seconds = 0.0
 
     def prepare(self, out: SchedulerOutput):
         """The step's input tensors and the requests whose last row is sampled.
@@ -119,11 +121,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], list[int]]:
         """Run the step; the requests that sampled a token, and their tokens."""
         input_ids, positions, meta, logits_idx, sampled = self.prepare(out)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.last_model_seconds = time.perf_counter() - t0
+        self.last_model_cpu_seconds = time.thread_time() - c0
         if not sampled:
             return [], []
         # Rows of finished static rows come after nothing: pick the sampled ones out.

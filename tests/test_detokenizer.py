@@ -1,0 +1,57 @@
+"""Incremental detokenization: whole characters only, stop strings across tokens."""
+
+from __future__ import annotations
+
+from pagefleet.worker.detokenizer import IncrementalDetokenizer
+from pagefleet.worker.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def stream(text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], bool, str]:
+    d = IncrementalDetokenizer(TOK, TOK.encode("prompt"), stop)
+    pieces, stopped = [], False
+    for b in text.encode("utf-8"):
+        stopped = d.add(b)
+        pieces.append(d.take(stopped))
+        if stopped:
+            break
+    if not stopped:
+        d.flush()
+        pieces.append(d.take(True))
+    return pieces, stopped, d.text
+
+
+def test_multibyte_characters_are_never_split():
+    text = "naïve 東京 🚀 ok"
+    pieces, stopped, full = stream(text)
+    assert not stopped
+    assert "".join(pieces) == text == full
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_shown():
+    pieces, stopped, full = stream("hello STOP world", stop=("STOP",))
+    assert stopped
+    assert full == "hello "
+    assert "".join(pieces) == "hello "
+    assert not any("S" in p for p in pieces)
+
+
+def test_stop_string_made_of_multibyte_characters():
+    pieces, stopped, full = stream("abc東京def", stop=("東京",))
+    assert stopped and full == "abc" and "".join(pieces) == "abc"
+
+
+def test_text_before_a_partial_stop_match_is_released_at_the_end():
+    pieces, stopped, full = stream("the end ST", stop=("STOP",))
+    assert not stopped
+    assert "".join(pieces) == full == "the end ST"
+
+
+def test_an_invalid_byte_sequence_ends_as_replacement_character():
+    d = IncrementalDetokenizer(TOK, [TOK.BOS], ())
+    d.add(0xE6)  # first byte of a three-byte character, never completed
+    assert d.take(False) == ""
+    d.flush()
+    assert d.take(True) == "\ufffd"
