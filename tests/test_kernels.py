@@ -372,7 +372,7 @@ def test_offsets_past_int32():
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("PAGEFLEET_SLOW_TESTS") != "1" and not _HAS_CUDA,
-    reason="exhaustive interpreter grid (~4 min on 2 cores); set PAGEFLEET_SLOW_TESTS=1",
+    reason="exhaustive interpreter grid (~6 CPU-minutes); set PAGEFLEET_SLOW_TESTS=1",
 )
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
