@@ -48,6 +48,24 @@ def test_swap_space_round_trip_is_exact(contiguous):
     assert space.bytes_per_second > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_swap_round_trip_on_a_side_stream():
+    cache = torch.randn(2, 2, 64, 16, 4, 32, device="cuda")
+    before = cache.clone()
+    space = SwapSpace(cache, num_blocks=32)
+    assert space.cache.is_pinned()
+    src = [5, 9, 10, 11, 40]
+    space.swap_out(list(zip(src, [3, 4, 5, 6, 7], strict=True)))
+    cache[:, :, src] = 0.0  # compute-stream writes wait for the gather only
+    dst = [60, 1, 2, 3, 30]
+    space.swap_in(list(zip([3, 4, 5, 6, 7], dst, strict=True)))
+    space.fence()  # the compute stream now waits for the swap-in
+    assert torch.equal(cache[:, :, dst], before[:, :, src])
+    space.synchronize()
+    assert space.bytes_per_second > 0
+
+
 # -- the policy ---------------------------------------------------------------------------
 
 

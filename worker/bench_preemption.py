@@ -14,7 +14,8 @@ completion time), preemption rate (the share of requests preempted at least once
 the seeds' health metric, under 2 % at peak for a healthy deployment) and
 preemptions per request, blocks and bytes swapped, the swap transfers' achieved
 bandwidth and, measured in the same run, a plain ``torch`` copy of the same bytes in
-transfers of the same mean size (device to pinned host memory on CUDA).
+as many contiguous copies (from memory, not cache, on a CPU; device to pinned host
+memory on CUDA).
 """
 
 from __future__ import annotations
@@ -90,26 +91,28 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def plain_copy_gbps(device: torch.device, total_bytes: int, num_copies: int, pool_bytes: int) -> float:
-    """A plain ``copy_`` of ``total_bytes`` in ``num_copies`` equal pieces from a pool-sized buffer."""
-    piece = max(4, total_bytes // max(1, num_copies)) // 4
-    span = max(piece * 4, min(pool_bytes, 1 << 30)) // 4
-    src = torch.randn(span, device=device)
-    dst = torch.empty(span, pin_memory=device.type == "cuda")
-    offsets = [(i * piece * 7) % max(1, span - piece) for i in range(num_copies)]
+def plain_copy_gbps(device: torch.device, total_bytes: int, num_copies: int) -> float:
+    """A plain ``copy_`` of ``total_bytes`` in ``num_copies`` equal contiguous pieces.
 
-    def run() -> None:
+    Sources and destinations rotate through 256 MiB buffers, so on a CPU every piece
+    comes from memory, not cache, as a swapped block does; on CUDA the destination is
+    pinned host memory, as the swap pool is.
+    """
+    piece = max(1, total_bytes // max(1, num_copies) // 4)
+    span = max(piece * (num_copies + 1), (256 << 20) // 4)
+    src = torch.ones(span, device=device)
+    dst = torch.zeros(span, pin_memory=device.type == "cuda")
+    best = float("inf")
+    for rep in range(4):
+        base = rep * piece * num_copies
+        offsets = [(base + i * piece) % (span - piece) for i in range(num_copies)]
+        t0 = time.perf_counter()
         for off in offsets:
             dst[off : off + piece].copy_(src[off : off + piece], non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-
-    run()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
+        if rep:  # the first is a warm-up
+            best = min(best, time.perf_counter() - t0)
     return piece * 4 * num_copies / best / 1e9
 
 
@@ -146,7 +149,7 @@ def run_one(model: str, trace: Trace, mode: str, args) -> Run:
     swap_bw = space.bytes_per_second / 1e9 if space and moved else None
     plain = None
     if moved:
-        plain = plain_copy_gbps(engine.device, moved, space.num_transfers, num_blocks * space.block_bytes)
+        plain = plain_copy_gbps(engine.device, moved, space.num_transfers)
     return Run(
         trace=trace.name, mode=mode, seconds=seconds, output_tokens=produced,
         tokens_per_second=produced / seconds,
