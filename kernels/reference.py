@@ -15,6 +15,9 @@ tested against. Layouts (shared with the Triton kernels):
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +39,26 @@ def write_kv_ref(
         slots, key, value = slots[valid], key[valid], value[valid]
     flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A reusable buffer of ``shape`` for gathered K/V, one per thread.
+
+    Allocating a fresh multi-megabyte tensor every layer of every step costs more in
+    page faults than the gather itself (measured: ~6x slower on CPU).
+    """
+    bufs = getattr(_scratch_local, "bufs", None)
+    if bufs is None:
+        bufs = _scratch_local.bufs = {}
+    numel = math.prod(shape)
+    key = (name, like.dtype, like.device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel].view(shape)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -110,8 +133,12 @@ def _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, rows, 
     in_use = torch.arange(max_blocks, device=query.device)[None, :] < num_used[:, None]
     tables = torch.where(in_use, tables, 0)
     n = len(rows)
-    k = key_cache[tables].reshape(n, max_blocks * block_size, *key_cache.shape[2:])
-    v = value_cache[tables].reshape(n, max_blocks * block_size, *value_cache.shape[2:])
+    flat = tables.reshape(-1)
+    shape = (n * max_blocks, *key_cache.shape[1:])
+    k = torch.index_select(key_cache, 0, flat, out=_scratch("k", shape, key_cache))
+    v = torch.index_select(value_cache, 0, flat, out=_scratch("v", shape, value_cache))
+    k = k.view(n, max_blocks * block_size, *key_cache.shape[2:])
+    v = v.view(n, max_blocks * block_size, *value_cache.shape[2:])
     q_rows = torch.tensor([qsl[i] for i in rows], device=query.device)
     q = query.index_select(0, q_rows)  # [n, num_heads, head_dim]
     mask = torch.arange(max_blocks * block_size, device=query.device)[None, :] < seq_lens[:, None]
