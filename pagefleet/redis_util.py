@@ -72,6 +72,9 @@ def connect(url: str):
         health_check_interval=30,
         socket_keepalive=True,
         socket_connect_timeout=5,
+        # Longer than any blocking read here (XREAD/XREADGROUP block at most 5 s); redis-py's
+        # default of 5 s would cut those reads off.
+        socket_timeout=30,
     )
 
 

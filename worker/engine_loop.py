@@ -192,7 +192,7 @@ class EngineLoop:
             snap.num_swapped_blocks = occ.num_swapped_blocks
             snap.num_swapped = occ.num_swapped
             snap.num_waiting = occ.num_waiting
-            snap.blocks_per_request = dict(occ.blocks_per_request)
+            # blocks_per_request stays the device pool's: that is what admission and victims need.
         self.snapshot = snap
         ids = frozenset(snap.request_ids)
         last_free, last_ids = self._last_notified
@@ -248,6 +248,7 @@ class EngineLoop:
         e = self.engine
         req = e.requests.get(request_id)
         if req is None:
+            log.warning("preempt.not_found", request_id=request_id, held=list(e.requests))
             return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_NOT_FOUND)
         before = e.stats().blocks_per_request.get(request_id, 0)
         if hasattr(e, "preempt_request"):

@@ -31,8 +31,8 @@ from pagefleet.service import (
     EnvArgumentParser,
     add_common_flags,
     add_health_and_reflection,
-    configure_logging,
     set_serving,
+    setup_logging,
 )
 
 from .engine_loop import EngineLoop
@@ -63,6 +63,10 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
+    p.add_argument("--num-swap-blocks", type=int, default=0,
+                   help="CPU swap blocks for preempted sequences (0: recompute only)")
+    p.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"),
+                   help="how the engine preempts when its pool runs out")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let held requests finish on SIGTERM before handing them back")
     add_common_flags(p)
@@ -197,6 +201,8 @@ async def serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        num_swap_blocks=args.num_swap_blocks,
+        preemption=args.preemption,
     )
     w = Worker(args, engine)
     serve_metrics(args, w.metrics.registry, "worker")
@@ -231,5 +237,5 @@ async def serve(args) -> int:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, args.log_format, component="worker")
+    setup_logging("worker", args)
     return asyncio.run(serve(args))
