@@ -55,29 +55,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_copy(space: SwapSpace, num_device_blocks: int, reps: int = 3) -> tuple[float, float]:
+def measure_copy(space: SwapSpace, num_device_blocks: int, reps: int = 5) -> tuple[float, float]:
     """``(bytes_per_s, overhead_s)`` of one swap transfer, from a 1-block and a large one.
 
     Uses blocks from the start of both pools: call it only while they are free.
+    On a CPU the pools are warm in cache here, so this overstates a later swap's rate.
     """
-    big = max(2, min(space.num_blocks, num_device_blocks, space.max_staging_blocks,
+    # Every other device block: a victim's blocks are scattered, so measure the gather.
+    big = max(1, min(space.num_blocks, num_device_blocks // 2, space.max_staging_blocks,
                      (32 << 20) // space.block_bytes))
     moved, secs = space.num_bytes_moved, space.transfer_seconds
 
     def round_trip(n: int):
         def run() -> None:
-            mapping = [(i, i) for i in range(n)]
-            space.swap_out(mapping)
-            space.swap_in(mapping)
+            space.swap_out([(2 * i, i) for i in range(n)])
+            space.swap_in([(i, 2 * i) for i in range(n)])
             space.fence()
             space.synchronize()
         return run
 
     t1 = _best_of(round_trip(1), reps) / 2
-    tn = _best_of(round_trip(big), reps) / 2
+    if big == 1:  # pools too small to tell the overhead from the rate
+        per_block, overhead = t1, 0.0
+    else:
+        tn = _best_of(round_trip(big), reps) / 2
+        # The slope, but never slower than the big transfer's own average (noise guard).
+        per_block = max(min((tn - t1) / (big - 1), tn / big), 1e-12)
+        overhead = max(t1 - per_block, 0.0)
     space.num_bytes_moved, space.transfer_seconds = moved, secs  # calibration is not traffic
-    per_block = max((tn - t1) / (big - 1), 1e-12)
-    overhead = max(t1 - per_block, 0.0)
     return space.block_bytes / per_block, overhead
 
 
