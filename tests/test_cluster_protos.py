@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pagefleet.protos import build, cluster_pb2, generation_pb2
 
 
