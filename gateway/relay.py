@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pagefleet.protos import generation_pb2 as pb
-
 from pagefleet.redis_util import Keys, OutEntry, retry
 
 FINISH = {

@@ -18,11 +18,11 @@ import uuid
 
 import grpc
 import structlog
-from pagefleet.protos import cluster_pb2, generation_pb2_grpc
-from pagefleet.protos import generation_pb2 as pb
 
 from pagefleet.metrics import GatewayMetrics, serve_metrics
 from pagefleet.observe import enqueue_span, observed_generate
+from pagefleet.protos import cluster_pb2, generation_pb2_grpc
+from pagefleet.protos import generation_pb2 as pb
 from pagefleet.redis_util import Keys, connect, encode_cancel_entry, encode_request_entry, retry
 from pagefleet.service import (
     SERVER_OPTIONS,
@@ -104,9 +104,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """Queue the request; False when a client-chosen id was already queued (relay only)."""
         depth, length = await self._queue_depth()
         if depth >= self.args.max_queue or length >= self.args.max_stream_len:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"queue is full ({depth} waiting); retry later",
-                                trailing_metadata=retry_metadata("queue is full", self.args.retry_after))
+            message = f"queue is full ({depth} waiting); retry later"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
+                                trailing_metadata=retry_metadata(message, self.args.retry_after))
         if client_id:
             new = await retry(lambda: self.redis.set(self.keys.idempotency(rid), 1, nx=True, ex=IDEMPOTENCY_TTL_S),
                               what="idempotency", attempts=5)

@@ -10,8 +10,8 @@ import re
 
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-from pagefleet.protos import generation_pb2 as pb
 
+from pagefleet.protos import generation_pb2 as pb
 from pagefleet.sampling import from_proto
 
 from .model_info import ModelInfo

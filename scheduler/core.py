@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
-from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from pagefleet.metrics import SchedulerMetrics
 from pagefleet.observe import assign_span
+from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 from pagefleet.redis_util import GROUP, Keys, OutEntry, read_emitted, retry
 from pagefleet.service import CHANNEL_OPTIONS
 

@@ -16,9 +16,9 @@ import uuid
 
 import grpc
 import structlog
-from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from pagefleet.metrics import SchedulerMetrics, serve_metrics
+from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 from pagefleet.redis_util import Keys, connect, retry
 from pagefleet.service import (
     SERVER_OPTIONS,

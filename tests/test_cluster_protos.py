@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagefleet.protos import build, cluster_pb2, generation_pb2
 
 

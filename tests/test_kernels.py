@@ -23,9 +23,10 @@ if not _HAS_CUDA:
 
 triton = pytest.importorskip("triton")
 
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
 from pagefleet.kernels import paged_attention, triton_ops, write_kv  # noqa: E402
 from pagefleet.kernels.reference import paged_attention_ref, write_kv_ref  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 if not _HAS_CUDA and not isinstance(triton_ops._write_kv_kernel, InterpretedFunction):
     triton_ops = importlib.reload(triton_ops)  # decorated before the interpreter was switched on

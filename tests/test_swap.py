@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from pagefleet import Engine, SamplingParams
 from pagefleet.worker.cost_model import CostModel
 from pagefleet.worker.kv_cache_manager import KVCacheManager
 from pagefleet.worker.policy import PreemptionPolicy, pick_victim
 from pagefleet.worker.request import Request, RequestStatus
 from pagefleet.worker.scheduler import Scheduler
 from pagefleet.worker.swap import SwapAllocator, SwapSpace
-
-from pagefleet import Engine, SamplingParams
 
 # -- the mechanism ----------------------------------------------------------------------
 

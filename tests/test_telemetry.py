@@ -181,10 +181,9 @@ def test_console_format_when_asked():
 
 
 def test_worker_observer_follows_a_real_engine(spans):
-    from pagefleet.protos import cluster_pb2
-
     from pagefleet import Engine, SamplingParams
     from pagefleet.observe import WorkerObserver
+    from pagefleet.protos import cluster_pb2
 
     engine = Engine(model="tiny", device="cpu", num_blocks=64, max_num_batched_tokens=16)
     obs = WorkerObserver("w0", model="tiny")

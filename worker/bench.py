@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2))
     print(f"\ntrace: {args.num_requests} requests, {trace.useful_tokens} useful output tokens, "
           f"max_num_seqs {args.max_num_seqs}, block_size {args.block_size}")
-    print(f"| system | seconds | useful tok/s | steps | KV waste at peak | note |\n|---|---|---|---|---|---|")
+    print("| system | seconds | useful tok/s | steps | KV waste at peak | note |\n|---|---|---|---|---|---|")
     for r in results:
         waste = f"{r.kv_waste_at_peak:.1%}" if r.kv_waste_at_peak is not None else "-"
         print(f"| {r.system} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | {r.steps or '-'} | {waste} | {r.note} |")

@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import structlog
-from pagefleet.protos import cluster_pb2
 
+from pagefleet.protos import cluster_pb2
 from pagefleet.redis_util import OutEntry
 from pagefleet.sampling import from_proto
 

@@ -20,11 +20,11 @@ import time
 
 import grpc
 import structlog
-from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from pagefleet import telemetry
 from pagefleet.metrics import WorkerMetrics, serve_metrics
 from pagefleet.observe import WorkerObserver
+from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 from pagefleet.redis_util import Keys, connect, retry
 from pagefleet.service import (
     SERVER_OPTIONS,
@@ -98,7 +98,8 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         interval = request.interval_s or REPORT_INTERVAL_S
         # Finished requests from here on (earlier ones are acknowledged in Redis already).
         cursor = self.w.loop.finished_log[-1][0] if self.w.loop.finished_log else 0
-        while True:
+        # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
+        while not self.w.stopped.is_set():
             report, cursor = self.w.report(cursor)
             yield report
             self.w.changed.clear()
@@ -176,6 +177,7 @@ class Worker:
             log.info("worker.handing_back", num_requests=self.loop.num_held)
         await asyncio.wait_for(self.writer.flush(), 10)
         self.stopped.set()
+        self.changed.set()  # wake occupancy streams so they end before the server stops
 
     async def register(self) -> None:
         """Refresh this worker's row in ``<ns>:workers`` until stopped."""
