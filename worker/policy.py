@@ -1,4 +1,5 @@
-"""Scheduling policy: the order of the waiting queue and the choice of preemption victims.
+"""Scheduling policy: the order of the waiting queue, the choice of preemption victims,
+and how to preempt them (swap or recompute) and when a swapped one comes back.
 
 Kept apart from the mechanism (blocks, tensors) so it can be read and tested alone.
 Priorities: a larger ``priority`` is more important; ties go to the earlier arrival.
