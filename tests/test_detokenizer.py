@@ -55,3 +55,31 @@ def test_an_invalid_byte_sequence_ends_as_replacement_character():
     assert d.take(False) == ""
     d.flush()
     assert d.take(True) == "\ufffd"
+
+
+def test_tokenizer_json_streams_whole_characters(tmp_path):
+    """A byte-level BPE `tokenizer.json`, as Llama-3 and Qwen2 ship, streamed token by token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pagefleet.worker.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world naïve 東京 🚀 the quick brown fox"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path / "tokenizer.json", eos_token_ids=(1,), bos_token_id=0)
+    text = "naïve 東京 🚀 brown STOP fox"
+    ids = hf.encode(text)
+    d = IncrementalDetokenizer(hf, hf.encode("the quick"), ("STOP",))
+    pieces = []
+    for t in ids:
+        stopped = d.add(t)
+        pieces.append(d.take(stopped))
+        if stopped:
+            break
+    assert stopped
+    assert "".join(pieces) == d.text == "naïve 東京 🚀 brown "
+    assert all("\ufffd" not in p for p in pieces)

@@ -1,9 +1,8 @@
 """Incremental detokenization with stop strings.
 
-Text is decoded from a sliding window of token ids (``prefix_offset``..end) and only
-the part past ``read_offset`` is new; a window that ends in U+FFFD is held back, so
-half a UTF-8 character is never emitted. With stop strings, the last
-``len(longest stop) - 1`` characters are held back until the request finishes.
+Each request has its tokenizer's stream decoder, which returns only whole characters.
+With stop strings, the last ``len(longest stop) - 1`` characters are held back until
+the request finishes, so a stop string is never shown, even in part.
 """
 
 from __future__ import annotations
@@ -11,21 +10,21 @@ from __future__ import annotations
 from typing import Protocol
 
 
-class Decoder(Protocol):
-    def decode(self, token_ids: list[int]) -> str: ...
+class TokenStream(Protocol):
+    def step(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class StreamingTokenizer(Protocol):
+    def stream(self, prompt_token_ids: list[int]) -> TokenStream: ...
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset", "_done", "_tail", "_stops", "_hold")
+    __slots__ = ("_stream", "_done", "_tail", "_stops", "_hold")
 
-    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
-        self._tok = tokenizer
-        # A few prompt tokens as left context: some tokenizers decode a token's leading
-        # space differently at the start of a string.
-        ctx = list(prompt_token_ids[-5:])
-        self._ids = ctx
-        self._prefix_offset = 0
-        self._read_offset = len(ctx)
+    def __init__(self, tokenizer: StreamingTokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
+        self._stream = tokenizer.stream(prompt_token_ids)
         self._done: list[str] = []  # text already handed out, in pieces (no quadratic joins)
         self._tail = ""  # text decoded but not yet handed out (the stop-string hold-back)
         self._stops = stop
@@ -38,18 +37,12 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> bool:
         """Append one token; True if a stop string appeared (the text is then cut before it)."""
-        ids = self._ids
-        ids.append(token_id)
-        decode = self._tok.decode
-        prefix = decode(ids[self._prefix_offset : self._read_offset])
-        full = decode(ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or full[-1] == "\ufffd":
+        new = self._stream.step(token_id)
+        if not new:
             return False
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(ids)
         # A stop string that ends in the new text starts at most `hold` characters
         # before it, and those are still in the tail.
-        self._tail += full[len(prefix) :]
+        self._tail += new
         for s in self._stops:
             at = self._tail.find(s)
             if at != -1:
@@ -58,12 +51,8 @@ class IncrementalDetokenizer:
         return False
 
     def flush(self) -> None:
-        """At the end, decode what was held back as incomplete (it stays U+FFFD if it is)."""
-        if self._read_offset < len(self._ids):
-            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-            full = self._tok.decode(self._ids[self._prefix_offset :])
-            self._tail += full[len(prefix) :]
-            self._read_offset = len(self._ids)
+        """At the end, decode what was held back as incomplete (U+FFFD for bytes that never completed)."""
+        self._tail += self._stream.flush()
 
     def take(self, finished: bool) -> str:
         """The text not yet handed out; unless finished, minus what a stop string might still claim."""

@@ -1,7 +1,13 @@
-"""Tokenizers: a byte-level one for the built-in ``tiny`` model, and ``tokenizer.json`` files."""
+"""Tokenizers: a byte-level one for the built-in ``tiny`` model, and ``tokenizer.json`` files.
+
+Each tokenizer also hands out a per-request ``stream``: ``step(token_id)`` returns the text
+that token completes ("" while a character is still incomplete), so detokenizing costs
+one call per token, never a re-decode of a window.
+"""
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 
@@ -24,8 +30,24 @@ class ByteTokenizer:
             raw = bytes(t for t in token_ids if t < 256)
         return raw.decode("utf-8", errors="replace")
 
-    def save(self, path: Path) -> None:
-        """Nothing to save: the tokenizer is part of the code (``tiny`` checkpoints say so)."""
+    def stream(self, prompt_token_ids: list[int]) -> _ByteStream:
+        return _ByteStream()
+
+
+class _ByteStream:
+    __slots__ = ("_utf8",)
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        if token_id >= 256:  # special tokens have no text
+            return ""
+        return self._utf8.decode(bytes((token_id,)))
+
+    def flush(self) -> str:
+        """What an incomplete character at the end decodes to (U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
 
 
 class HFTokenizer:
@@ -45,6 +67,28 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
+    def stream(self, prompt_token_ids: list[int]) -> _HFStream:
+        return _HFStream(self._tok, prompt_token_ids)
+
+
+class _HFStream:
+    """``tokenizers``' own incremental decoder, primed with the prompt's last tokens
+    (some tokenizers decode a token's leading space differently at the start of a text)."""
+
+    __slots__ = ("_tok", "_stream")
+
+    def __init__(self, tok, prompt_token_ids: list[int]) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tok
+        self._stream = DecodeStream(ids=list(prompt_token_ids[-5:]), skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tok, token_id) or ""
+
+    def flush(self) -> str:
+        return ""  # an incomplete character at the very end is dropped
+
 
 class NoTokenizer:
     """For checkpoints without ``tokenizer.json``: prompts must be token ids."""
@@ -57,4 +101,15 @@ class NoTokenizer:
         raise ValueError("prompt: this model has no tokenizer.json; pass prompt token ids")
 
     def decode(self, token_ids: list[int]) -> str:
+        return ""
+
+    def stream(self, prompt_token_ids: list[int]) -> _NoStream:
+        return _NoStream()
+
+
+class _NoStream:
+    def step(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
         return ""
