@@ -288,12 +288,8 @@ class Engine:
             return []
         sampled, tokens = self.runner.execute(out)
         self.scheduler.update_after_step(out)
-        deltas = []
-        for req, tok in zip(sampled, tokens, strict=True):
-            delta = self._append(req, tok)
-            if delta is not None:
-                deltas.append(delta)
-        return deltas
+        append = self._append
+        return [append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
 
     def _append(self, req: Request, token: int) -> TokenDelta:
         """Record a sampled token; the request's delta. Runs for every running request every step."""

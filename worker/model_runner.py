@@ -16,7 +16,7 @@ import torch
 
 from .kv_cache_manager import KVCacheManager
 from .models.llama import AttentionMetadata, LlamaForCausalLM
-from .request import Request
+from .request import Request, RequestStatus
 from .sampler import sample
 from .scheduler import SchedulerOutput
 
@@ -91,18 +91,23 @@ class ModelRunner:
             slots[is_pad] = -1
             # Padding rows are dropped; clamp so they never index past the RoPE table.
             np.minimum(positions, self.max_model_len - 1, out=positions)
-        ends = [st + k for st, k in zip(starts, counts, strict=True)]
-        sampled = []
-        logits_rows = []
-        last_rows = qsl[1:] - 1
-        for i, req in enumerate(reqs):
-            k = counts[i]
-            req.sample_now = k > 0 and ends[i] == req.num_tokens and not req.is_finished
-            if req.sample_now:
-                sampled.append(req)
-                logits_rows.append(int(last_rows[i]) - (int(q[i]) - k))
-            elif k == 0 and pads is not None and pads[i]:
-                logits_rows.append(int(last_rows[i]))  # a finished static row still costs its head
+        # A request samples when this step computes its last missing token.
+        done = RequestStatus.FINISHED_STOPPED
+        flags = [
+            k > 0 and st + k == len(r.all_token_ids) and r.status < done
+            for r, st, k in zip(reqs, starts, counts, strict=True)
+        ]
+        sampled = [r for r, f in zip(reqs, flags, strict=True) if f]
+        last_real = qsl[1:] - 1 - (q - c)  # each sequence's last real row
+        if pads is None:
+            logits_rows = last_real[np.flatnonzero(flags)]
+            keep = None
+        else:
+            # A finished static row still costs its LM head; its logits are dropped.
+            ghost = [k == 0 and p > 0 for k, p in zip(counts, pads, strict=True)]
+            rows_of = [i for i, (f, g) in enumerate(zip(flags, ghost, strict=True)) if f or g]
+            logits_rows = np.where(c[rows_of] > 0, last_real[rows_of], qsl[1:][rows_of] - 1)
+            keep = [j for j, i in enumerate(rows_of) if flags[i]]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
@@ -114,13 +119,14 @@ class ModelRunner:
             torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(positions).to(dev),
             meta,
-            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)).to(dev),
             sampled,
+            keep,
         )
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], list[int]]:
         """Run the step; the requests that sampled a token, and their tokens."""
-        input_ids, positions, meta, logits_idx, sampled = self.prepare(out)
+        input_ids, positions, meta, logits_idx, sampled, keep = self.prepare(out)
         t0, c0 = time.perf_counter(), time.thread_time()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         if logits.is_cuda:
@@ -129,20 +135,6 @@ class ModelRunner:
         self.last_model_cpu_seconds = time.thread_time() - c0
         if not sampled:
             return [], []
-        # Rows of finished static rows come after nothing: pick the sampled ones out.
-        if len(sampled) != logits.shape[0]:
-            keep = [i for i, r in enumerate(_rows_owners(out)) if r is not None]
+        if keep is not None:  # static batching: drop the finished rows' logits
             logits = logits[keep]
         return sampled, sample(logits.cpu(), sampled, self.generator)
-
-
-def _rows_owners(out: SchedulerOutput) -> list[Request | None]:
-    """For each logits row of the step, the request that samples from it (None: discarded)."""
-    owners: list[Request | None] = []
-    pads = out.num_padding_tokens or [0] * len(out.requests)
-    for req, n, pad in zip(out.requests, out.num_scheduled_tokens, pads, strict=True):
-        if req.sample_now:
-            owners.append(req)
-        elif n == 0 and pad:
-            owners.append(None)
-    return owners

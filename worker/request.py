@@ -57,7 +57,6 @@ class Request:
         "resumed_at_step",
         "eos_token_ids",
         "stop_token_ids",
-        "sample_now",
         "trace_context",
     )
 
@@ -93,7 +92,6 @@ class Request:
         self.resumed_at_step = -1
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
-        self.sample_now = False
         self.trace_context = None
 
     @property

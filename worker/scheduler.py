@@ -129,35 +129,35 @@ class Scheduler:
         # Decode rows first, then requests still catching up on their prompt.
         decodes, prefills = [], []
         for r in self.running:
-            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+            (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         scheduled: set[int] = set()
         pressure = False
+        kv, requests, counts = self.kv, out.requests, out.num_scheduled_tokens
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            fits = kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is not None
+            while not fits:
+                pressure = True
                 victim = pick_victim(
                     (r for r in self.running if id(r) not in scheduled),
                     step=self.num_steps,
                     min_resident_steps=self.policy.min_resident_steps,
                 )
                 if victim is None:  # all protected: req sits this step out, keeping its blocks
-                    pressure = True
                     break
                 self._preempt(victim, out)
-                pressure = True
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING or not self.kv.can_allocate(
-                req.request_id, req.num_computed_tokens + n
-            ):
+                fits = kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is not None
+            if not fits:
                 continue
             scheduled.add(id(req))
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(n)
+            requests.append(req)
+            counts.append(n)
             budget -= n
         if not pressure:
             self._admit(out, budget)
