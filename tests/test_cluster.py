@@ -154,12 +154,14 @@ def test_queue_past_its_limit_is_resource_exhausted(cluster, tmp_path):
 
             threading.Thread(target=drain, daemon=True).start()  # keep it open
             def shed():
+                # Until the first request is in the stream, a second one is queued too (and
+                # times out waiting); only a RESOURCE_EXHAUSTED answer ends the wait.
                 try:
-                    c.generate("one too many", max_tokens=4, timeout=10)
+                    c.generate("one too many", max_tokens=4, timeout=2)
                 except grpc.RpcError as e:
-                    return e
+                    return e if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
                 return None
-            err = wait_for(shed, 20, "RESOURCE_EXHAUSTED", every_s=0.2)
+            err = wait_for(shed, 30, "RESOURCE_EXHAUSTED", every_s=0.2)
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             status = rpc_status.from_call(err)
             info = error_details_pb2.RetryInfo()
