@@ -54,7 +54,8 @@ def _scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Ten
     if bufs is None:
         bufs = _scratch_local.bufs = {}
     numel = math.prod(shape)
-    key = (name, like.dtype, like.device)
+    # Buffers made under inference mode can't be written outside it, and vice versa.
+    key = (name, like.dtype, like.device, torch.is_inference_mode_enabled())
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
         buf = bufs[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
