@@ -242,3 +242,11 @@ def test_request_larger_than_the_pool_is_refused():
         engine.add_request("x" * 10, SamplingParams(max_tokens=10))
     assert engine.generate(["ab"], SamplingParams(max_tokens=4, temperature=0))[0].finish_reason
     assert_pool_free(engine)
+
+
+def test_swap_pool_none_matches_the_device_pool():
+    engine = Engine("tiny", num_blocks=32, num_swap_blocks=None, preemption="swap")
+    assert engine.stats().num_swap_blocks == 32
+    assert Engine("tiny", num_blocks=32).stats().num_swap_blocks == 0
+    with pytest.raises(ValueError, match="num_swap_blocks"):
+        Engine("tiny", num_blocks=32, num_swap_blocks=-1)

@@ -28,6 +28,8 @@ Prompt = str | Sequence[int]
 # Without num_blocks on a CPU: at most this much memory for the KV pool.
 _CPU_KV_BYTES = 1 << 30
 _GPU_MEMORY_UTILIZATION = 0.90
+# With num_swap_blocks=None: at most this much host memory for the swap pool (vLLM's default too).
+_SWAP_BYTES = 4 << 30
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -42,6 +44,12 @@ def _resolve_device(device: str) -> torch.device:
 
 class Engine:
     """One model, one paged KV pool, continuous (or static) batching.
+
+    ``num_blocks=None`` sizes the pool from free memory. ``num_swap_blocks`` is the CPU
+    swap pool for preempted sequences: 0 (the default in-process) recomputes instead,
+    ``None`` takes as many blocks as the device pool within 4 GiB of host memory (the
+    worker service's default). ``preemption="auto"`` measures this machine's copy and
+    prefill speed at start-up and picks swap or recompute per victim.
 
     >>> engine = Engine(model="tiny")
     >>> out = engine.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0))[0]
@@ -60,15 +68,15 @@ class Engine:
         max_model_len: int | None = None,
         batching: str = "continuous",
         seed: int = 0,
-        num_swap_blocks: int = 0,
+        num_swap_blocks: int | None = 0,
         preemption: str = "auto",
     ) -> None:
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
-        if not isinstance(num_swap_blocks, int) or num_swap_blocks < 0:
-            raise ValueError(f"num_swap_blocks must be a non-negative integer, got {num_swap_blocks!r}")
+        if num_swap_blocks is not None and (not isinstance(num_swap_blocks, int) or num_swap_blocks < 0):
+            raise ValueError(f"num_swap_blocks must be a non-negative integer or None, got {num_swap_blocks!r}")
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
@@ -113,6 +121,8 @@ class Engine:
             self.scheduler = StaticScheduler(self.kv, max_num_seqs=max_num_seqs)
         else:
             swap = None
+            if num_swap_blocks is None:  # as many as the device pool, within the host budget
+                num_swap_blocks = min(num_blocks, _SWAP_BYTES // self.block_bytes())
             if num_swap_blocks:
                 self.swap_space = SwapSpace(self.kv_cache, num_swap_blocks)
                 swap = SwapAllocator(num_swap_blocks)

@@ -63,8 +63,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
-    p.add_argument("--num-swap-blocks", type=int, default=0,
-                   help="CPU swap blocks for preempted sequences (0: recompute only)")
+    p.add_argument("--num-swap-blocks", type=int, default=None,
+                   help="CPU swap blocks for preempted sequences (default: as many as the device "
+                        "pool, within 4 GiB of host memory; 0: recompute only)")
     p.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"),
                    help="how the engine preempts when its pool runs out")
     p.add_argument("--drain-timeout", type=float, default=30.0,
