@@ -12,13 +12,14 @@ def stream(text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], bool, str]
     d = IncrementalDetokenizer(TOK, TOK.encode("prompt"), stop)
     pieces, stopped = [], False
     for b in text.encode("utf-8"):
-        stopped = d.add(b)
-        pieces.append(d.take(stopped))
-        if stopped:
+        out = d.push(b)
+        if out is None:
+            stopped = True
+            pieces.append(d.finish(flush=False))
             break
+        pieces.append(out)
     if not stopped:
-        d.flush()
-        pieces.append(d.take(True))
+        pieces.append(d.finish(flush=True))
     return pieces, stopped, d.text
 
 
@@ -51,10 +52,8 @@ def test_text_before_a_partial_stop_match_is_released_at_the_end():
 
 def test_an_invalid_byte_sequence_ends_as_replacement_character():
     d = IncrementalDetokenizer(TOK, [TOK.BOS], ())
-    d.add(0xE6)  # first byte of a three-byte character, never completed
-    assert d.take(False) == ""
-    d.flush()
-    assert d.take(True) == "\ufffd"
+    assert d.push(0xE6) == ""  # first byte of a three-byte character, never completed
+    assert d.finish(flush=True) == "\ufffd"
 
 
 def test_tokenizer_json_streams_whole_characters(tmp_path):
@@ -74,12 +73,14 @@ def test_tokenizer_json_streams_whole_characters(tmp_path):
     text = "naïve 東京 🚀 brown STOP fox"
     ids = hf.encode(text)
     d = IncrementalDetokenizer(hf, hf.encode("the quick"), ("STOP",))
-    pieces = []
+    pieces, stopped = [], False
     for t in ids:
-        stopped = d.add(t)
-        pieces.append(d.take(stopped))
-        if stopped:
+        out = d.push(t)
+        if out is None:
+            stopped = True
+            pieces.append(d.finish(flush=False))
             break
+        pieces.append(out)
     assert stopped
     assert "".join(pieces) == d.text == "naïve 東京 🚀 brown "
     assert all("\ufffd" not in p for p in pieces)

@@ -35,37 +35,38 @@ class IncrementalDetokenizer:
         """The output's text so far (cut before a stop string, if one appeared)."""
         return "".join(self._done) + self._tail
 
-    def add(self, token_id: int) -> bool:
-        """Append one token; True if a stop string appeared (the text is then cut before it)."""
+    def push(self, token_id: int) -> str | None:
+        """Append one token; the text to hand out now, or None if a stop string appeared.
+
+        After None the text is cut before the stop string; ``finish`` returns what is left.
+        """
         new = self._stream.step(token_id)
+        if not self._stops:  # nothing to hold back
+            if new:
+                self._done.append(new)
+            return new
         if not new:
-            return False
+            return ""
         # A stop string that ends in the new text starts at most `hold` characters
         # before it, and those are still in the tail.
-        self._tail += new
+        tail = self._tail + new
         for s in self._stops:
-            at = self._tail.find(s)
+            at = tail.find(s)
             if at != -1:
-                self._tail = self._tail[:at]
-                return True
-        return False
-
-    def flush(self) -> None:
-        """At the end, decode what was held back as incomplete (U+FFFD for bytes that never completed)."""
-        self._tail += self._stream.flush()
-
-    def take(self, finished: bool) -> str:
-        """The text not yet handed out; unless finished, minus what a stop string might still claim."""
-        tail = self._tail
-        if not tail:
-            return ""
-        cut = len(tail) if finished else len(tail) - self._hold
+                self._tail = tail[:at]
+                return None
+        cut = len(tail) - self._hold
         if cut <= 0:
+            self._tail = tail
             return ""
         out, self._tail = tail[:cut], tail[cut:]
         self._done.append(out)
         return out
 
-    def mark_emitted(self) -> None:
-        """Everything decoded so far counts as handed out (a resumed request's earlier text)."""
-        self.take(finished=True)
+    def finish(self, flush: bool) -> str:
+        """The text not yet handed out; with ``flush``, an incomplete last character too (as U+FFFD)."""
+        tail = self._tail + (self._stream.flush() if flush else "")
+        self._tail = ""
+        if tail:
+            self._done.append(tail)
+        return tail

@@ -223,9 +223,10 @@ class Engine:
                 f"has {self.kv.num_blocks}; lower max_tokens"
             )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
-        for t in resumed:
-            detok.add(t)
-        detok.mark_emitted()
+        for t in resumed:  # their text was handed out where they were made
+            if detok.push(t) is None:
+                break
+        detok.finish(flush=False)
         return Request(
             request_id,
             prompt_ids,
@@ -266,7 +267,7 @@ class Engine:
             return None
         req.status = RequestStatus.FINISHED_ABORTED
         self.scheduler.remove(req)
-        return TokenDelta(request_id, [], req.detokenizer.take(True), req.num_output_tokens, "abort")
+        return TokenDelta(request_id, [], req.detokenizer.finish(flush=False), req.num_output_tokens, "abort")
 
     def preempt_request(self, request_id: str, mode: str = "auto") -> bool:
         """Take a running sequence off the device now; it resumes here when room returns.
@@ -308,21 +309,23 @@ class Engine:
         req.all_token_ids.append(token)
         self.num_generated_tokens += 1
         detok = req.detokenizer
-        if detok.add(token) or token in req.eos_token_ids or token in req.stop_token_ids:
+        text = detok.push(token)
+        if text is None or token in req.eos_token_ids or token in req.stop_token_ids:
             status = RequestStatus.FINISHED_STOPPED
+            text = (text or "") + detok.finish(flush=False)
         elif len(out_ids) >= req.params.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
-            detok.flush()
+            text += detok.finish(flush=True)
         else:
             index = req.num_emitted_tokens
             req.num_emitted_tokens = len(out_ids)
-            return TokenDelta(req.request_id, out_ids[index:], detok.take(False), index)
+            return TokenDelta(req.request_id, out_ids[index:], text, index)
         req.status = status
         self.requests.pop(req.request_id, None)
         self.scheduler.remove(req)
         index = req.num_emitted_tokens
         req.num_emitted_tokens = len(out_ids)
-        return TokenDelta(req.request_id, out_ids[index:], detok.take(True), index, req.finish_reason)
+        return TokenDelta(req.request_id, out_ids[index:], text, index, req.finish_reason)
 
     # -- the batch API -----------------------------------------------------------------
     def generate(
