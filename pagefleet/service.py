@@ -28,7 +28,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def add_argument(self, *names, **kwargs):  # noqa: D401 - argparse signature
         long = next((n for n in names if n.startswith("--")), None)
-        if long is None:
+        if long is None or long == "--help":
             return super().add_argument(*names, **kwargs)
         var = env_name(long)
         kwargs["help"] = f"{kwargs.get('help', '')} [env {var}]".strip()

@@ -155,9 +155,7 @@ class SwapSpace:
         shape = (self.num_layers, 2, num_blocks, *self.block_shape)
         # Written before it is ever read; zeroed anyway so its pages are resident up front
         # (first-touch page faults would otherwise be paid inside the first swap-outs).
-        # Empty, not zeroed: only blocks copied out are ever copied back, so untouched
-        # pages are never read (and a large pool costs no memory until it is used).
-        self.cache = torch.empty(shape, dtype=self.dtype, pin_memory=self.is_cuda)
+        self.cache = torch.zeros(shape, dtype=self.dtype, pin_memory=self.is_cuda)
         self.block_bytes = self.cache[:, :, 0].numel() * self.cache.element_size()
         self.max_staging_blocks = max(1, min(num_blocks, _STAGING_BYTES // self.block_bytes))
         self._staging: torch.Tensor | None = None
