@@ -333,14 +333,24 @@ class ClusterScheduler:
                 live = list(self.workers.values())
                 t0 = time.perf_counter()
                 w = pick_worker(live, p, self.cfg.headroom_tokens)
+                found = None
                 if w is None and self.cfg.preempt_mode != "off":
-                    w = await self._preempt_for(p, live)
+                    found = pick_victims(live, p, self.cfg.headroom_tokens)
                 self.metrics.decision_latency.observe(time.perf_counter() - t0)
-                if w is None:
+                if w is not None:
+                    await self._assign(p, w)
+                elif found is not None:
+                    # Assign first, then preempt: the request is already waiting on the worker
+                    # when the victims' blocks come free, so it (the higher priority) takes
+                    # them, not a victim swapping straight back in.
+                    w, victims = found
+                    if await self._assign(p, w):
+                        await self._preempt(w, victims, p)
+                else:
                     break  # head of line: it waits until a report shows room
-                await self._assign(p, w)
 
-    async def _assign(self, p: Pending, w: WorkerEntry) -> None:
+    async def _assign(self, p: Pending, w: WorkerEntry) -> bool:
+        """Send ``p`` to ``w``; False if it went back to the queue (worker draining or dead)."""
         self.queue.remove(p.request_id)
         w.place(p, self.cfg.headroom_tokens)
         self.where[p.request_id] = w.worker_id
@@ -349,23 +359,20 @@ class ClusterScheduler:
                 resp = await w.stub.Assign(p.assign, timeout=self.cfg.rpc_timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             await self._worker_dead(w, f"Assign failed: {e.code().name}")
-            return
+            return False
         if not resp.accepted:  # draining: back to the queue, elsewhere next time
             w.placed.pop(p.request_id, None)
             self.where.pop(p.request_id, None)
             self.queue.push(p)
-            return
+            return False
         self.metrics.admissions.inc()
         log.info("request.placed", request_id=p.request_id, worker_id=w.worker_id,
                  num_tokens=p.num_tokens, num_resumed_tokens=len(p.assign.output_token_ids),
                  num_available_blocks=w.num_available_blocks)
+        return True
 
-    async def _preempt_for(self, p: Pending, live: list[WorkerEntry]) -> WorkerEntry | None:
-        """Preempt lower-priority sequences on the best-placed worker; that worker, or None."""
-        found = pick_victims(live, p, self.cfg.headroom_tokens)
-        if found is None:
-            return None
-        w, victims = found
+    async def _preempt(self, w: WorkerEntry, victims, p: Pending) -> None:
+        """Tell ``w`` to swap out (or recompute) ``victims`` to make room for ``p``."""
         mode = PREEMPT_MODES[self.cfg.preempt_mode]
         for pl in victims:
             rid = pl.pending.request_id
@@ -374,7 +381,7 @@ class ClusterScheduler:
                                             timeout=self.cfg.rpc_timeout_s)
             except grpc.RpcError as e:
                 await self._worker_dead(w, f"Preempt failed: {e.code().name}")
-                return None
+                return
             pl.preempted_at = time.monotonic()
             self.num_preemptions += 1
             self.metrics.preemptions.inc()
@@ -384,7 +391,6 @@ class ClusterScheduler:
                 w.placed.pop(rid, None)
                 self.where.pop(rid, None)
                 await self._requeue(pl.pending, list(resp.output_token_ids))
-        return w
 
     # -- the view --------------------------------------------------------------------------------
     def state(self) -> cluster_pb2.SchedulerState:

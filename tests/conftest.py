@@ -83,3 +83,36 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 def checkpoint_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_registry():
+    """Every Engine made in this test process, weakly held (module-scoped ones included)."""
+    import weakref
+
+    from pagefleet.worker.engine import Engine
+
+    live: weakref.WeakSet = weakref.WeakSet()
+    init = Engine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        live.add(self)
+
+    Engine.__init__ = tracking_init
+    yield live
+    Engine.__init__ = init
+
+
+@pytest.fixture(autouse=True)
+def engines_end_with_every_block_free(_engine_registry):
+    """After every test, each live engine with nothing left to run holds no blocks in
+    either pool, and its pool adds up (free + used == total)."""
+    yield
+    for engine in list(_engine_registry):
+        if engine.has_unfinished_requests():
+            continue
+        engine.check_integrity()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks, "device blocks leaked"
+        stats = engine.stats()
+        assert stats.num_free_swap_blocks == stats.num_swap_blocks, "swap blocks leaked"

@@ -237,8 +237,12 @@ def test_high_priority_preempts_low_priority(small_cluster):
     for t in [*lows, high]:
         t.join(150)
     assert small_cluster.scheduler_state().num_preemptions > before
-    # It did not wait for the low-priority work to drain (the lows it displaced resume after it).
-    assert done_at["high"] < max(done_at[f"low{i}"] for i in range(4))
+    # It did not wait for the low-priority work to drain: every low it displaced finishes after it.
+    victims = {e["request_id"] for e in log_events(small_cluster.log_dir, "scheduler")
+               if e.get("event") == "request.preempted" and e.get("for_request_id") == results["high"].request_id}
+    assert victims, "the scheduler should have displaced a low-priority request for the high one"
+    by_id = {results[f"low{i}"].request_id: f"low{i}" for i in range(4)}
+    assert all(done_at["high"] < done_at[by_id[v]] for v in victims)
     assert [results[f"low{i}"].token_ids for i in range(4)] == reference(low_prompts, max_low)
     assert results["high"].token_ids == reference([high_prompt], max_high)[0]
 

@@ -35,13 +35,16 @@ class Trace:
     max_tokens: list[int]
 
     @classmethod
-    def long_tailed(cls, n: int, seed: int, vocab: int = 256) -> Trace:
+    def long_tailed(
+        cls, n: int, seed: int, *, long_fraction: float = 0.1, short: tuple[int, int] = (8, 32),
+        long: tuple[int, int] = (256, 512), vocab: int = 256,
+    ) -> Trace:
+        """Prompts of 64-256 tokens; most answers short, ``long_fraction`` of them long."""
         rng = random.Random(seed)
         prompts, outs = [], []
         for _ in range(n):
             prompts.append([rng.randrange(vocab) for _ in range(rng.randint(64, 256))])
-            # 80 % short answers, 20 % long ones.
-            outs.append(rng.randint(8, 48) if rng.random() < 0.8 else rng.randint(128, 384))
+            outs.append(rng.randint(*long) if rng.random() < long_fraction else rng.randint(*short))
         return cls(prompts, outs)
 
     @property
@@ -180,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long-fraction", type=float, default=0.1, help="share of requests with long outputs")
+    p.add_argument("--short", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"),
+                   help="output tokens of a short request")
+    p.add_argument("--long", type=int, nargs=2, default=(256, 512), metavar=("MIN", "MAX"),
+                   help="output tokens of a long request")
     p.add_argument("--json", default="bench-results/engine.json")
     p.add_argument("--skip-transformers", action="store_true", help="only the pagefleet modes")
     p.add_argument("--quick", action="store_true", help="a 32-request trace, for a smoke run")
@@ -187,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.num_requests = 32
     torch.manual_seed(0)
-    trace = Trace.long_tailed(args.num_requests, args.seed)
+    trace = Trace.long_tailed(args.num_requests, args.seed, long_fraction=args.long_fraction,
+                              short=tuple(args.short), long=tuple(args.long))
     from pagefleet.worker.models.loader import save_tiny
 
     results: list[Result] = []
@@ -218,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch threads",
         "torch": torch.__version__,
         "trace": {"num_requests": args.num_requests, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
+                  "long_fraction": args.long_fraction, "short": list(args.short), "long": list(args.long),
                   "block_size": args.block_size, "useful_tokens": trace.useful_tokens,
                   "prompt_tokens": sum(len(x) for x in trace.prompts)},
         "results": [asdict(r) for r in results],
