@@ -28,6 +28,7 @@ from pagefleet.service import EnvArgumentParser, add_common_flags, free_port
 @dataclass
 class ClusterConfig:
     port: int = 50051
+    host: str = "127.0.0.1"  # the gateway's bind address (0.0.0.0: every interface)
     num_workers: int = 2
     model: str = "tiny"
     device: str = "auto"
@@ -55,7 +56,8 @@ class LocalCluster:
 
     @property
     def gateway_target(self) -> str:
-        return f"127.0.0.1:{self.gateway_port}"
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
+        return f"{host}:{self.gateway_port}"
 
     @property
     def scheduler_target(self) -> str:
@@ -85,7 +87,7 @@ class LocalCluster:
         self.start_scheduler()
         for _ in range(self.cfg.num_workers):
             self.add_worker()
-        self._spawn("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(self.gateway_port),
+        self._spawn("gateway", ["gateway", "--host", self.cfg.host, "--port", str(self.gateway_port),
                                 "--model", self.cfg.model, *self.cfg.gateway_args])
         self.wait_ready(timeout_s)
         return self
@@ -179,7 +181,8 @@ class LocalCluster:
 
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="pagefleet up", description="Start a whole cluster on this machine.")
-    p.add_argument("--port", type=int, default=50051, help="gateway port")
+    p.add_argument("--port", type=int, default=50051, help="gateway port (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address (0.0.0.0: every interface)")
     p.add_argument("--workers", type=int, default=2, help="number of workers")
     p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
@@ -210,9 +213,12 @@ def _demo(target: str, prompt: str, max_tokens: int) -> int:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     worker_args = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
-    cfg = ClusterConfig(port=args.port, num_workers=args.workers, model=args.model, device=args.device,
-                        redis_url=args.redis_url, worker_args=worker_args,
-                        scheduler_args=["--policy", args.policy], log_level=args.log_level)
+    # The demo shows the stream, not every component's info logs (--log-level still wins).
+    quiet = args.demo is not None and "--log-level" not in argv and "PAGEFLEET_LOG_LEVEL" not in os.environ
+    cfg = ClusterConfig(port=args.port, host=args.host, num_workers=args.workers, model=args.model,
+                        device=args.device, redis_url=args.redis_url, worker_args=worker_args,
+                        scheduler_args=["--policy", args.policy],
+                        log_level="warning" if quiet else args.log_level)
     cluster = LocalCluster(cfg)
     stopping = False
 
