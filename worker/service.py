@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 
 import grpc
@@ -241,4 +242,8 @@ async def serve(args) -> int:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("worker", args)
+    # The engine thread holds the GIL through long stretches of Python between torch ops;
+    # handing it over every 0.5 ms (not the default 5 ms) lets the event loop write tokens
+    # and answer RPCs promptly (measured: ~10 % more cluster throughput, lower TTFT).
+    sys.setswitchinterval(0.0005)
     return asyncio.run(serve(args))
