@@ -299,6 +299,7 @@ class Engine:
             return []
         sampled, tokens = self.runner.execute(out)
         self.scheduler.update_after_step(out)
+        self.num_generated_tokens += len(tokens)
         append = self._append
         return [append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
 
@@ -307,13 +308,12 @@ class Engine:
         out_ids = req.output_token_ids
         out_ids.append(token)
         req.all_token_ids.append(token)
-        self.num_generated_tokens += 1
         detok = req.detokenizer
         text = detok.push(token)
-        if text is None or token in req.eos_token_ids or token in req.stop_token_ids:
+        if text is None or token in req.finish_token_ids:
             status = RequestStatus.FINISHED_STOPPED
             text = (text or "") + detok.finish(flush=False)
-        elif len(out_ids) >= req.params.max_tokens:
+        elif len(out_ids) >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
             text += detok.finish(flush=True)
         else:

@@ -65,20 +65,23 @@ class ModelRunner:
         )
         c = np.array(counts, dtype=np.int64)
         s = np.array(starts, dtype=np.int64)
-        q = c if pads is None else c + np.array(pads, dtype=np.int64)
-        qsl = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(q, out=qsl[1:])
-        total = int(qsl[-1])
-        seq_of_row = np.repeat(np.arange(n), q)
-        offset_in_seq = np.arange(total) - qsl[:-1][seq_of_row]
-        positions = s[seq_of_row] + offset_in_seq
-        block_idx = np.minimum(positions // bs, width - 1)
-        slots = block_tables[seq_of_row, block_idx].astype(np.int64) * bs + positions % bs
-        if pads is None and total == n:  # pure decode: one token per request
+        if pads is None and counts.count(1) == n:  # one token per request: mostly decoding
+            q, qsl = c, np.arange(n + 1, dtype=np.int64)
+            positions = s
+            slots = block_tables[np.arange(n), s // bs].astype(np.int64) * bs + s % bs
             input_ids = np.fromiter(
                 (r.all_token_ids[st] for r, st in zip(reqs, starts, strict=True)), np.int64, n
             )
         else:
+            q = c if pads is None else c + np.array(pads, dtype=np.int64)
+            qsl = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(q, out=qsl[1:])
+            total = int(qsl[-1])
+            seq_of_row = np.repeat(np.arange(n), q)
+            offset_in_seq = np.arange(total) - qsl[:-1][seq_of_row]
+            positions = s[seq_of_row] + offset_in_seq
+            block_idx = np.minimum(positions // bs, width - 1)
+            slots = block_tables[seq_of_row, block_idx].astype(np.int64) * bs + positions % bs
             input_ids = np.fromiter(
                 itertools.chain.from_iterable(
                     r.all_token_ids[st : st + k] + [0] * (qq - k)
@@ -87,8 +90,7 @@ class ModelRunner:
                 np.int64,
                 total,
             )
-            is_pad = offset_in_seq >= c[seq_of_row]
-            slots[is_pad] = -1
+            slots[offset_in_seq >= c[seq_of_row]] = -1  # padding rows (static batching)
             # Padding rows are dropped; clamp so they never index past the RoPE table.
             np.minimum(positions, self.max_model_len - 1, out=positions)
         # A request samples when this step computes its last missing token.

@@ -57,6 +57,8 @@ class Request:
         "resumed_at_step",
         "eos_token_ids",
         "stop_token_ids",
+        "finish_token_ids",
+        "max_tokens",
         "trace_context",
     )
 
@@ -92,6 +94,9 @@ class Request:
         self.resumed_at_step = -1
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        # Checked for every token: the union, and the budget, as plain attributes.
+        self.finish_token_ids = self.eos_token_ids | self.stop_token_ids
+        self.max_tokens = params.max_tokens
         self.trace_context = None
 
     @property
@@ -120,7 +125,7 @@ class Request:
 
     def check_stop_token(self, token_id: int) -> RequestStatus | None:
         """The finished status the new token puts the request in, if any (strings are checked later)."""
-        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+        if token_id in self.finish_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= self.params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -14,8 +14,8 @@ from .request import Request
 
 def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator) -> list[int]:
     """One token id per row of ``logits`` ``[len(reqs), vocab]`` (float32)."""
-    greedy = [r.params.greedy for r in reqs]
     argmax = logits.argmax(dim=-1)
+    greedy = [r.params.temperature == 0.0 for r in reqs]
     if all(greedy):
         return argmax.tolist()
     temps = torch.tensor(

@@ -130,9 +130,13 @@ class Scheduler:
         decodes, prefills = [], []
         for r in self.running:
             (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        kv, requests, counts = self.kv, out.requests, out.num_scheduled_tokens
+        if not prefills and len(decodes) <= budget and self._decode_all(decodes, out):
+            budget -= len(decodes)
+            self._admit(out, budget)
+            return out
         scheduled: set[int] = set()
         pressure = False
-        kv, requests, counts = self.kv, out.requests, out.num_scheduled_tokens
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -162,6 +166,23 @@ class Scheduler:
         if not pressure:
             self._admit(out, budget)
         return out
+
+    def _decode_all(self, decodes: list[Request], out: SchedulerOutput) -> bool:
+        """Steady decoding, the common step: every running request computes one token.
+
+        Only requests whose next token starts a new block need one; if the pool has them
+        all, schedule everyone in one pass (no victims to pick). False: take the full path.
+        """
+        kv, bs = self.kv, self.kv.block_size
+        tables = kv.block_tables
+        grow = [r for r in decodes if len(tables.get(r.request_id, ())) * bs <= r.num_computed_tokens]
+        if not kv.pool.can_allocate(len(grow)):
+            return False
+        for r in grow:
+            kv.allocate_slots(r.request_id, r.num_computed_tokens + 1)
+        out.requests.extend(decodes)
+        out.num_scheduled_tokens.extend([1] * len(decodes))
+        return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Bring back swapped sequences and admit waiting ones, in ``queue_key`` order.

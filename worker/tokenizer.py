@@ -34,6 +34,9 @@ class ByteTokenizer:
         return _ByteStream()
 
 
+_BYTES = [bytes((i,)) for i in range(256)]
+
+
 class _ByteStream:
     __slots__ = ("_utf8",)
 
@@ -43,7 +46,7 @@ class _ByteStream:
     def step(self, token_id: int) -> str:
         if token_id >= 256:  # special tokens have no text
             return ""
-        return self._utf8.decode(bytes((token_id,)))
+        return self._utf8.decode(_BYTES[token_id])
 
     def flush(self) -> str:
         """What an incomplete character at the end decodes to (U+FFFD)."""
