@@ -123,6 +123,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 await retry(lambda: self.redis.xadd(self.keys.requests, fields, maxlen=self.args.max_stream_len,
                                                     approximate=True), what="xadd", attempts=5)
             except Exception:
+                if client_id:  # not queued: a retry with the same id must queue it, not wait for it
+                    with contextlib.suppress(Exception):
+                        await self.redis.delete(self.keys.idempotency(rid))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the request queue (Redis) is unreachable")
         return True
 

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,6 @@ class LocalCluster:
         self.gateway_port = cfg.port or free_port()
         self.procs: dict[str, subprocess.Popen] = {}
         self._worker_seq = 0
-        self._tmp = tempfile.mkdtemp(prefix="pagefleet-up-")
 
     @property
     def gateway_target(self) -> str:

@@ -159,7 +159,12 @@ class ClusterScheduler:
                 log.warning("entry.malformed", entry_id=entry_id)
             await self._ack(entry_id)
             return
-        msg = cluster_pb2.AssignRequest.FromString(fields[b"payload"])
+        try:
+            msg = cluster_pb2.AssignRequest.FromString(fields[b"payload"])
+        except Exception:  # not ours to run, and it must not stop the scheduler (now or after restarts)
+            log.warning("entry.malformed", entry_id=entry_id, request_id=rid)
+            await self._ack(entry_id)
+            return
         msg.entry_id = entry_id
         p = Pending(rid, entry_id, msg, next(self._seq))
         self.known[rid] = p

@@ -250,3 +250,41 @@ def test_swap_pool_none_matches_the_device_pool():
     assert Engine("tiny", num_blocks=32).stats().num_swap_blocks == 0
     with pytest.raises(ValueError, match="num_swap_blocks"):
         Engine("tiny", num_blocks=32, num_swap_blocks=-1)
+
+
+def test_static_batch_takes_only_the_rows_its_pool_can_reserve():
+    """Two requests that each fit, but not together at the batch's padded length."""
+    engine = Engine("tiny", num_blocks=8, block_size=16, batching="static")
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)]
+    outs = engine.generate([[65] * 100, [66] * 10], params)
+    assert [len(o.token_ids) for o in outs] == [10, 100]
+
+
+def test_tiny_temperature_is_greedy(tiny):
+    greedy = tiny.generate(["abc"], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    tiny_t = tiny.generate(["abc"], SamplingParams(max_tokens=8, temperature=1e-45))[0].token_ids
+    assert tiny_t == greedy
+
+
+def test_stop_strings_are_bounded(tiny):
+    with pytest.raises(ValueError, match="stop"):
+        tiny.add_request("abc", SamplingParams(stop=["x"] * 65))
+    with pytest.raises(ValueError, match="stop"):
+        tiny.add_request("abc", SamplingParams(stop=["y" * 300]))
+
+
+def test_resumed_request_with_stop_strings_keeps_its_held_back_text(tiny):
+    """Text held back for a stop string before the resume point still reaches the client."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=["@@@@@@@@"])
+    full = tiny.generate(["resume with stops"], params)[0]
+    rid = tiny.add_request("resume with stops", params, request_id="first-half")
+    text = ""
+    while len(tiny.requests[rid].output_token_ids) < 8:
+        text += "".join(d.text for d in tiny.step())
+    emitted = tiny.requests[rid].output_token_ids[:]
+    tiny.abort_request(rid)  # the worker died: its held-back text never went out
+    tiny.add_request("resume with stops", params, request_id="second-half", output_token_ids=emitted)
+    while tiny.has_unfinished_requests():
+        text += "".join(d.text for d in tiny.step())
+    assert text == full.text

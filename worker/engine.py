@@ -223,10 +223,11 @@ class Engine:
                 f"has {self.kv.num_blocks}; lower max_tokens"
             )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
-        for t in resumed:  # their text was handed out where they were made
+        # Replay the earlier tokens: their text went out where they were made, except what
+        # was held back for stop strings, which stays in the tail and goes out with the next.
+        for t in resumed:
             if detok.push(t) is None:
                 break
-        detok.finish(flush=False)
         return Request(
             request_id,
             prompt_ids,

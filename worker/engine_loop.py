@@ -74,6 +74,7 @@ class EngineLoop:
         self.held: dict[str, Held] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._paused = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # (sequence number, request id) of finished requests, for every report stream.
         self.finished_log: collections.deque[tuple[int, str]] = collections.deque(maxlen=100_000)
@@ -103,26 +104,30 @@ class EngineLoop:
         return len(self.engine.requests)
 
     # -- the thread --------------------------------------------------------------------
+    def pause(self) -> None:
+        """Run no more steps (commands still run): the held requests are being handed back."""
+        self._paused = True
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished_requests()
+            busy = not self._paused and self.engine.has_unfinished_requests()
             self._run_commands(block=not busy)
             if self._stop.is_set():
                 break
-            if not self.engine.has_unfinished_requests():
+            if self._paused or not self.engine.has_unfinished_requests():
                 continue
-            probe = self.observer.before_step(self.engine) if self.observer else None
             try:
+                probe = self.observer.before_step(self.engine) if self.observer else None
                 deltas = self.engine.step()
+                if self.observer:
+                    self.observer.after_step(probe, self.engine, deltas)
+                batch = [m for d in deltas if (m := self._message(d)) is not None]
+                self.emit(batch)
+                self._refresh()
             except Exception as e:  # a bug must not leave clients waiting forever
                 log.exception("engine.step_failed")
                 self._fail_all(f"engine step failed: {e}")
                 continue
-            if self.observer:
-                self.observer.after_step(probe, self.engine, deltas)
-            batch = [m for d in deltas if (m := self._message(d)) is not None]
-            self.emit(batch)
-            self._refresh()
             if not deltas:
                 time.sleep(0.001)  # nothing schedulable this step (e.g. waiting for swap-in room)
 
@@ -215,7 +220,7 @@ class EngineLoop:
                 priority=msg.priority,
                 output_token_ids=list(msg.output_token_ids) or None,
             )
-        except ValueError as e:
+        except Exception as e:  # bad input (ValueError) or a bug: the request fails alone, visibly
             log.warning("request.refused", request_id=rid, error=str(e))
             entry = OutEntry(len(msg.output_token_ids), [], "", "error", str(e))
             self.emit([Emit(rid, entry, msg.entry_id or None)])

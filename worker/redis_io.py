@@ -58,7 +58,10 @@ class OutputWriter:
             batch = await self._queue.get()
             while not self._queue.empty():
                 batch.extend(self._queue.get_nowait())
-            await retry(lambda b=batch: self._write(b), what="write_outputs")
+            try:
+                await retry(lambda b=batch: self._write(b), what="write_outputs")
+            except Exception:  # not a connection blip (those are retried): never stop the writer
+                log.exception("outputs.write_failed", num_messages=len(batch))
             self.num_round_trips += 1
             if self._queue.empty():
                 self._idle.set()

@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 
 from .request import Request
+from .sampling_params import GREEDY_TEMPERATURE
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator) -> list[int]:
     """One token id per row of ``logits`` ``[len(reqs), vocab]`` (float32)."""
     argmax = logits.argmax(dim=-1)
-    greedy = [r.params.temperature == 0.0 for r in reqs]
+    greedy = [r.params.temperature < GREEDY_TEMPERATURE for r in reqs]
     if all(greedy):
         return argmax.tolist()
     temps = torch.tensor(

@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 1024
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -32,7 +37,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32: treat it as greedy (as vLLM does).
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field that is out of range."""
@@ -52,6 +58,13 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError("stop must be a list of non-empty strings")
+        # Every stop string is searched for at every token: bound the work one request adds.
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}")
+        if any(len(s) > MAX_STOP_STRING_LEN for s in self.stop_strings):
+            raise ValueError(f"stop: each string at most {MAX_STOP_STRING_LEN} characters")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
         for t_id in self.stop_token_ids or ():
             if not isinstance(t_id, int) or t_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t_id!r}")

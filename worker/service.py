@@ -139,9 +139,10 @@ class Worker:
 
     def report(self, cursor: int) -> tuple[cluster_pb2.OccupancyReport, int]:
         s = self.loop.snapshot
-        finished = [rid for seq, rid in list(self.loop.finished_log) if seq > cursor]
-        if self.loop.finished_log:
-            cursor = max(cursor, self.loop.finished_log[-1][0])
+        log_now = list(self.loop.finished_log)  # one copy: the engine thread appends to it
+        finished = [rid for seq, rid in log_now if seq > cursor]
+        if log_now:
+            cursor = max(cursor, log_now[-1][0])
         self.report_seq += 1
         return cluster_pb2.OccupancyReport(
             worker_id=self.worker_id,
@@ -172,14 +173,22 @@ class Worker:
             asyncio.ensure_future(self._drain(timeout_s or self.drain_timeout))
 
     async def _drain(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.loop.num_held and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.loop.num_held:
-            log.info("worker.handing_back", num_requests=self.loop.num_held)
-        await asyncio.wait_for(self.writer.flush(), 10)
-        self.stopped.set()
-        self.changed.set()  # wake occupancy streams so they end before the server stops
+        try:
+            deadline = time.monotonic() + timeout_s
+            while self.loop.num_held and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.loop.num_held:
+                log.info("worker.handing_back", num_requests=self.loop.num_held)
+                # Stop generating before the scheduler resumes them elsewhere: no token of
+                # ours may land past the point the next worker resumes from. (Paused, not
+                # aborted: they stay in our reports, so nobody takes them for finished.)
+                await asyncio.wrap_future(self.loop.call(self.loop.pause))
+            await asyncio.wait_for(self.writer.flush(), 10)
+        except Exception:
+            log.exception("worker.drain_failed")
+        finally:
+            self.stopped.set()
+            self.changed.set()  # wake occupancy streams so they end before the server stops
 
     async def register(self) -> None:
         """Refresh this worker's row in ``<ns>:workers`` until stopped."""

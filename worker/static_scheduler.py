@@ -74,26 +74,27 @@ class StaticScheduler:
         return out
 
     def _take_batch(self) -> bool:
+        """Take rows in queue order while every row's reservation (padded prompt + longest
+        ``max_tokens``, both over the rows taken so far) still fits the pool."""
         rows: list[Request] = []
+        padded = max_tokens = 0
         while self.waiting and len(rows) < self.max_num_seqs:
-            rows.append(self.waiting.pop())
-        if not rows:
-            return False
-        padded = max(r.num_tokens for r in rows)
-        reserve = padded + max(r.params.max_tokens for r in rows)
-        # Reserve every row's whole length now; rows that do not fit go back to the queue.
-        for i, req in enumerate(rows):
-            if self.kv.allocate_slots(req.request_id, reserve) is None:
-                for r in rows[i:]:
-                    self.waiting.push(r)
-                rows = rows[:i]
+            req = self.waiting.peek()
+            p, m = max(padded, req.num_tokens), max(max_tokens, req.params.max_tokens)
+            if (len(rows) + 1) * self.kv.num_blocks_for(p + m) > self.kv.num_free_blocks:
                 break
+            rows.append(self.waiting.pop())
+            padded, max_tokens = p, m
         if not rows:
-            raise RuntimeError(f"the pool cannot hold one static row of {reserve} tokens")
-        for r in rows:
-            r.status = RequestStatus.RUNNING
+            if self.waiting:  # validation keeps every request within the pool on its own
+                raise RuntimeError("the pool cannot hold one static row")
+            return False
+        for req in rows:
+            if self.kv.allocate_slots(req.request_id, padded + max_tokens) is None:
+                raise RuntimeError("static reservation failed after it was checked")
+            req.status = RequestStatus.RUNNING
         self.batch = rows
-        self._padded_len = max(r.num_tokens for r in rows)
+        self._padded_len = padded
         self._prefilled = False
         return True
 
