@@ -1,9 +1,12 @@
 """The worker table: what each worker last reported, and what was sent since.
 
 Admission: a request fits on a worker when the worker's free blocks, minus the blocks
-of its swapped-out sequences (they come back first), minus the blocks promised to
-requests sent there but not yet seen holding blocks in a report, cover the request's
-tokens plus ``headroom_tokens`` of its expected output.
+of its swapped-out sequences (they come back first), minus the blocks still owed to the
+requests placed there, cover the request's tokens plus ``headroom_tokens`` of its
+expected output. A placed request is owed its own tokens plus headroom: all of it until
+a report shows it holding blocks, then whatever it has not grown into yet (so a worker
+is not filled past what its running sequences will need a moment later, which would
+only turn into preemptions there).
 
 Score (larger wins): **the fraction of the worker's pool still free after placing the
 request, minus a small penalty per running sequence** - spread by memory, break ties
@@ -56,9 +59,18 @@ class WorkerEntry:
     def block_size(self) -> int:
         return self.report.block_size if self.report else 16
 
+    def owed_blocks(self, rid: str, pl: Placed) -> int:
+        """Blocks ``pl`` may still claim on this worker beyond what it holds now."""
+        if not pl.reflected:
+            return pl.promised_blocks
+        held = self.report.blocks_per_request.get(rid, 0) if self.report else 0
+        # Holding none after it held some: swapped out (counted as swapped blocks) or
+        # queued again inside the worker; either way not growing now.
+        return max(0, pl.promised_blocks - held) if held else 0
+
     @property
     def num_promised_blocks(self) -> int:
-        return sum(p.promised_blocks for p in self.placed.values() if not p.reflected)
+        return sum(self.owed_blocks(rid, pl) for rid, pl in self.placed.items())
 
     @property
     def num_available_blocks(self) -> int:
@@ -151,7 +163,8 @@ def pick_victims(
             if avail >= need:
                 break
             chosen.append(pl)
-            avail += w.report.blocks_per_request.get(pl.pending.request_id, 0)
+            rid = pl.pending.request_id
+            avail += w.report.blocks_per_request.get(rid, 0) + w.owed_blocks(rid, pl)
         if avail >= need and chosen and (best is None or len(chosen) < len(best[1])):
             best = (w, chosen)
     return best
