@@ -310,17 +310,15 @@ class Engine:
         out_ids.append(token)
         req.all_token_ids.append(token)
         detok = req.detokenizer
-        text = detok.push(token)
-        if text is None or token in req.finish_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-            text = (text or "") + detok.finish(flush=False)
-        elif len(out_ids) >= req.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-            text += detok.finish(flush=True)
-        else:
+        text = detok.push(token)  # None: a stop string appeared
+        status = RequestStatus.FINISHED_STOPPED if text is None else req.check_stop_token(token)
+        if status is None:
             index = req.num_emitted_tokens
             req.num_emitted_tokens = len(out_ids)
             return TokenDelta(req.request_id, out_ids[index:], text, index)
+        # Ended by a stop: what is held back is cut off; by length: an incomplete last
+        # character still goes out (as U+FFFD).
+        text = (text or "") + detok.finish(flush=status == RequestStatus.FINISHED_LENGTH)
         req.status = status
         self.requests.pop(req.request_id, None)
         self.scheduler.remove(req)

@@ -127,7 +127,7 @@ class Request:
         """The finished status the new token puts the request in, if any (strings are checked later)."""
         if token_id in self.finish_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if len(self.output_token_ids) >= self.params.max_tokens:
+        if len(self.output_token_ids) >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
