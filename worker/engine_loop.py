@@ -179,7 +179,8 @@ class EngineLoop:
     # -- occupancy -----------------------------------------------------------------------
     def _refresh(self, force_notify: bool = False) -> None:
         e = self.engine
-        occ = e.occupancy() if hasattr(e, "occupancy") else None
+        # Once per step on the engine thread: one stats() carries both pools' counts.
+        # blocks_per_request is the device pool's: that is what admission and victims need.
         stats = e.stats()
         snap = Snapshot(
             num_blocks=stats.num_blocks,
@@ -188,16 +189,13 @@ class EngineLoop:
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             num_preemptions=stats.num_preemptions + self.num_directed_preemptions,
-            blocks_per_request=dict(stats.blocks_per_request),
+            blocks_per_request=stats.blocks_per_request,  # a fresh dict per call
             request_ids=list(e.requests),
+            num_swap_blocks=stats.num_swap_blocks,
+            num_free_swap_blocks=stats.num_free_swap_blocks,
+            num_swapped_blocks=stats.num_swap_blocks - stats.num_free_swap_blocks,
+            num_swapped=stats.num_swapped,
         )
-        if occ is not None:
-            snap.num_swap_blocks = occ.num_swap_blocks
-            snap.num_free_swap_blocks = occ.num_free_swap_blocks
-            snap.num_swapped_blocks = occ.num_swapped_blocks
-            snap.num_swapped = occ.num_swapped
-            snap.num_waiting = occ.num_waiting
-            # blocks_per_request stays the device pool's: that is what admission and victims need.
         self.snapshot = snap
         ids = frozenset(snap.request_ids)
         last_free, last_ids = self._last_notified
@@ -229,9 +227,7 @@ class EngineLoop:
         self.held[rid] = Held(msg.entry_id, msg.traceparent)
         if self.observer:
             self.observer.assigned(msg, parent)
-        req = self.engine.requests.get(rid)
-        if req is not None and hasattr(req, "trace_context"):
-            req.trace_context = msg.traceparent or None
+        self.engine.requests[rid].trace_context = msg.traceparent or None
         log.info("request.assigned", request_id=rid, traceparent=msg.traceparent,
                  num_prompt_tokens=len(msg.prompt_token_ids), num_resumed_tokens=len(msg.output_token_ids))
 
@@ -256,25 +252,13 @@ class EngineLoop:
             log.warning("preempt.not_found", request_id=request_id, held=list(e.requests))
             return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_NOT_FOUND)
         before = e.stats().blocks_per_request.get(request_id, 0)
-        if hasattr(e, "preempt_request"):
-            if not e.preempt_request(request_id, mode=_PREEMPT_MODES.get(mode, "auto")):
-                return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_REFUSED)
-            self.num_directed_preemptions += 1
-            self._refresh(force_notify=True)
-            after = e.stats().blocks_per_request.get(request_id, 0)
-            if self.observer:
-                self.observer.event(request_id, "preempted", directed=True, num_freed_blocks=max(0, before - after))
-            return cluster_pb2.PreemptResponse(
-                outcome=cluster_pb2.PREEMPT_OUTCOME_KEPT, num_freed_blocks=max(0, before - after)
-            )
-        # No directed preemption in this engine: abort here, the scheduler resumes it elsewhere.
-        emitted = list(req.output_token_ids[: req.num_emitted_tokens])
-        e.abort_request(request_id)
-        self.held.pop(request_id, None)
-        if self.observer:
-            self.observer.removed(request_id, "preempted", len(emitted))
+        if not e.preempt_request(request_id, mode=_PREEMPT_MODES.get(mode, "auto")):
+            return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_REFUSED)
         self.num_directed_preemptions += 1
         self._refresh(force_notify=True)
+        after = self.snapshot.blocks_per_request.get(request_id, 0)
+        if self.observer:
+            self.observer.event(request_id, "preempted", directed=True, num_freed_blocks=max(0, before - after))
         return cluster_pb2.PreemptResponse(
-            outcome=cluster_pb2.PREEMPT_OUTCOME_HANDED_BACK, num_freed_blocks=before, output_token_ids=emitted
+            outcome=cluster_pb2.PREEMPT_OUTCOME_KEPT, num_freed_blocks=max(0, before - after)
         )
