@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from pagefleet.common.redis import Keys, OutEntry, retry
 from pagefleet.protos import generation_pb2 as pb
-from pagefleet.redis_util import Keys, OutEntry, retry
 
 FINISH = {
     "stop": pb.FINISH_REASON_STOP,

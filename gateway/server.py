@@ -19,12 +19,17 @@ import uuid
 import grpc
 import structlog
 
-from pagefleet.metrics import GatewayMetrics, serve_metrics
-from pagefleet.observe import enqueue_span, observed_generate
-from pagefleet.protos import cluster_pb2, generation_pb2_grpc
-from pagefleet.protos import generation_pb2 as pb
-from pagefleet.redis_util import Keys, connect, encode_cancel_entry, encode_request_entry, retry
-from pagefleet.service import (
+from pagefleet.common.metrics import GatewayMetrics, serve_metrics
+from pagefleet.common.model_config import ModelSpec, load_model_spec
+from pagefleet.common.redis import (
+    IDEMPOTENCY_TTL_S,
+    Keys,
+    connect,
+    encode_cancel_entry,
+    encode_request_entry,
+    retry,
+)
+from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
     add_common_flags,
@@ -32,13 +37,14 @@ from pagefleet.service import (
     set_serving,
     setup_logging,
 )
+from pagefleet.protos import cluster_pb2, generation_pb2_grpc
+from pagefleet.protos import generation_pb2 as pb
 
-from .model_info import ModelInfo
+from .observe import enqueue_span, observed_generate
 from .relay import relay
 from .validate import BadField, bad_request_metadata, check, retry_metadata
 
 SERVICE = "pagefleet.v1.Generation"
-IDEMPOTENCY_TTL_S = 3600
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 log = structlog.get_logger("gateway")
@@ -70,17 +76,18 @@ def traceparent_of(context) -> str:
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, redis, keys: Keys, model: ModelInfo, args) -> None:
+    def __init__(self, redis, keys: Keys, model: ModelSpec, args) -> None:
         self.redis = redis
         self.keys = keys
         self.model = model
+        self.max_model_len = model.max_model_len(args.max_model_len)
         self.args = args
         self.metrics = GatewayMetrics()
 
     @observed_generate
     async def Generate(self, request, context):
         try:
-            prompt_ids = check(request, self.model)
+            prompt_ids = check(request, self.model, self.max_model_len)
         except BadField as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
         rid = request.request_id or uuid.uuid4().hex
@@ -158,7 +165,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 async def serve(args) -> int:
     import signal
 
-    model = ModelInfo.load(args.model, args.max_model_len)
+    model = load_model_spec(args.model)
     keys = Keys(args.namespace)
     redis = connect(args.redis_url)
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -170,7 +177,7 @@ async def serve(args) -> int:
     await retry(redis.ping, what="ping")
     await server.start()
     await set_serving(health, names, True)
-    log.info("gateway.ready", port=port, model=args.model, max_model_len=model.max_model_len)
+    log.info("gateway.ready", port=port, model=args.model, max_model_len=servicer.max_model_len)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -11,10 +11,9 @@ import re
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from pagefleet.common.model_config import ModelSpec
+from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import generation_pb2 as pb
-from pagefleet.sampling import from_proto
-
-from .model_info import ModelInfo
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop")
@@ -27,7 +26,7 @@ class BadField(ValueError):
         self.reason = reason
 
 
-def check(req: pb.GenerateRequest, model: ModelInfo) -> list[int]:
+def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int) -> list[int]:
     """The prompt's token ids; ``BadField`` if anything is wrong."""
     if req.request_id and not _REQUEST_ID.match(req.request_id):
         raise BadField("request_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
@@ -58,10 +57,10 @@ def check(req: pb.GenerateRequest, model: ModelInfo) -> list[int]:
         if bad is not None:
             raise BadField("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
     total = len(ids) + params.max_tokens
-    if total > model.max_model_len:
+    if total > max_model_len:
         field = "prompt" if which == "prompt" else "prompt_token_ids"
         raise BadField(field, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = {total} "
-                              f"exceeds the model's context of {model.max_model_len} tokens")
+                              f"exceeds the model's context of {max_model_len} tokens")
     return ids
 
 

@@ -21,7 +21,7 @@ def __getattr__(name: str):
 
         return Engine
     if name == "SamplingParams":
-        from pagefleet.worker.sampling_params import SamplingParams
+        from pagefleet.common.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "RequestOutput":

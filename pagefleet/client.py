@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pagefleet.common.service import CHANNEL_OPTIONS, EnvArgumentParser
 from pagefleet.protos import generation_pb2 as pb
 from pagefleet.protos import generation_pb2_grpc
-from pagefleet.service import CHANNEL_OPTIONS, EnvArgumentParser
 
 FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",

@@ -5,6 +5,10 @@ on a free port in a temp dir; or ``--redis-url`` for an external one), the sched
 N workers and a gateway, each a ``pagefleet <component>`` process in its own process
 group. Prints one line when the cluster is ready; SIGINT/SIGTERM stops everything it
 started (SIGTERM, then SIGKILL after a grace period), leaving no process behind.
+
+Metrics: ``--metrics-port N`` gives every component its own ``/metrics`` port, the
+gateway N, the scheduler N+1 and worker i N+2+i (``0``: a free port each); the ready
+line lists them. Unset, no component serves metrics.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from pathlib import Path
 
 import grpc
 
-from pagefleet.redis_util import RedisServer
-from pagefleet.service import EnvArgumentParser, add_common_flags, free_port
+from pagefleet.common.redis import RedisServer
+from pagefleet.common.service import EnvArgumentParser, add_common_flags, free_port
+
+METRICS_PORT_HELP = ("serve Prometheus /metrics, one port per component: the gateway on N, the scheduler "
+                     "on N+1, worker i on N+2+i (0: any free port for each; default: off)")
 
 
 @dataclass
@@ -38,6 +45,9 @@ class ClusterConfig:
     gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: children write to this process's stderr
     log_level: str = "info"
+    # /metrics: the gateway on N, the scheduler on N+1, worker i on N+2+i; 0: a free port
+    # each (chosen here, so the launcher knows them); None: no metrics.
+    metrics_port: int | None = None
 
 
 class LocalCluster:
@@ -51,6 +61,10 @@ class LocalCluster:
         self.gateway_port = cfg.port or free_port()
         self.procs: dict[str, subprocess.Popen] = {}
         self._worker_seq = 0
+        # component name -> its /metrics port (gateway, scheduler, then workers as they are added)
+        self.metrics_ports: dict[str, int] = {}
+        self._metrics_port("gateway", 0)
+        self._metrics_port("scheduler", 1)
 
     @property
     def gateway_target(self) -> str:
@@ -61,8 +75,30 @@ class LocalCluster:
     def scheduler_target(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
 
+    def metrics_url(self, name: str) -> str:
+        """``http://127.0.0.1:<port>/metrics`` of one component (KeyError: it serves none)."""
+        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+
+    def _metrics_port(self, name: str, offset: int) -> int | None:
+        """The /metrics port of component ``name`` (the ``offset``-th), chosen once and kept."""
+        base = self.cfg.metrics_port
+        if base is None:
+            return None
+        if name not in self.metrics_ports:
+            if base == 0:
+                taken = {self.scheduler_port, self.gateway_port, *self.metrics_ports.values()}
+                port = free_port()
+                while port in taken:
+                    port = free_port()
+            else:
+                port = base + offset
+                if not 0 < port <= 65535:
+                    raise ValueError(f"metrics port {port} of {name} is not between 1 and 65535")
+            self.metrics_ports[name] = port
+        return self.metrics_ports[name]
+
     # -- processes ------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], metrics_port: int | None = None) -> subprocess.Popen:
         env = dict(os.environ, PAGEFLEET_LOG_LEVEL=self.cfg.log_level)
         env.pop("PAGEFLEET_METRICS_PORT", None)  # one port per process: pass --metrics-port per component
         if self.cfg.log_dir:
@@ -71,6 +107,8 @@ class LocalCluster:
         else:
             out = None
         common = ["--redis-url", self.redis_url, "--namespace", self.cfg.namespace]
+        if metrics_port is not None:
+            common += ["--metrics-port", str(metrics_port)]
         proc = subprocess.Popen([sys.executable, "-m", "pagefleet", *args, *common], env=env,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
         if out is not None:
@@ -86,18 +124,22 @@ class LocalCluster:
         for _ in range(self.cfg.num_workers):
             self.add_worker()
         self._spawn("gateway", ["gateway", "--host", self.cfg.host, "--port", str(self.gateway_port),
-                                "--model", self.cfg.model, *self.cfg.gateway_args])
+                                "--model", self.cfg.model, *self.cfg.gateway_args],
+                    self._metrics_port("gateway", 0))
         self.wait_ready(timeout_s)
         return self
 
     def start_scheduler(self) -> subprocess.Popen:
-        return self._spawn("scheduler", ["scheduler", "--port", str(self.scheduler_port), *self.cfg.scheduler_args])
+        return self._spawn("scheduler", ["scheduler", "--port", str(self.scheduler_port), *self.cfg.scheduler_args],
+                           self._metrics_port("scheduler", 1))
 
     def add_worker(self, extra: list[str] | None = None) -> str:
-        name = f"worker-{self._worker_seq}"
+        seq = self._worker_seq
+        name = f"worker-{seq}"
         self._worker_seq += 1
         self._spawn(name, ["worker", "--worker-id", name, "--model", self.cfg.model, "--device", self.cfg.device,
-                           "--drain-timeout", "5", *self.cfg.worker_args, *(extra or [])])
+                           "--drain-timeout", "5", *self.cfg.worker_args, *(extra or [])],
+                    self._metrics_port(name, 2 + seq))
         return name
 
     def kill(self, name: str, sig: int = signal.SIGKILL, wait_s: float = 10.0) -> None:
@@ -190,8 +232,15 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--demo", default=None, metavar="PROMPT",
                    help="stream one greedy generation of PROMPT once ready, then stop everything")
     p.add_argument("--demo-tokens", type=int, default=48, help="tokens the demo generates")
-    add_common_flags(p)
+    add_common_flags(p, metrics_help=METRICS_PORT_HELP)  # `up` runs several processes: one port each
     return p
+
+
+def _metrics_summary(ports: dict[str, int]) -> str:
+    """``metrics gateway :9100, scheduler :9101, worker-0 :9102`` (empty without metrics)."""
+    if not ports:
+        return ""
+    return ", metrics " + ", ".join(f"{name} :{port}" for name, port in ports.items())
 
 
 def _demo(target: str, prompt: str, max_tokens: int) -> int:
@@ -209,14 +258,23 @@ def _demo(target: str, prompt: str, max_tokens: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.metrics_port is not None and args.metrics_port != 0:
+        last = args.metrics_port + 1 + args.workers  # worker i: N+2+i
+        if args.metrics_port < 0 or last > 65535:
+            parser.error(f"--metrics-port {args.metrics_port}: the ports N..N+{1 + args.workers} "
+                         f"(gateway, scheduler, {args.workers} workers) must lie in 1..65535")
+        if args.metrics_port <= args.port <= last:
+            parser.error(f"--metrics-port {args.metrics_port} takes ports {args.metrics_port}..{last}, "
+                         f"which include the gateway's --port {args.port}")
     worker_args = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     # The demo shows the stream, not every component's info logs (--log-level still wins).
     quiet = args.demo is not None and "--log-level" not in argv and "PAGEFLEET_LOG_LEVEL" not in os.environ
     cfg = ClusterConfig(port=args.port, host=args.host, num_workers=args.workers, model=args.model,
                         device=args.device, redis_url=args.redis_url, worker_args=worker_args,
                         scheduler_args=["--policy", args.policy],
-                        log_level="warning" if quiet else args.log_level)
+                        log_level="warning" if quiet else args.log_level, metrics_port=args.metrics_port)
     cluster = LocalCluster(cfg)
     stopping = False
 
@@ -231,7 +289,8 @@ def main(argv: list[str]) -> int:
     try:
         cluster.start()
         print(f"pagefleet ready: gateway {cluster.gateway_target}, {args.workers} workers, "
-              f"scheduler {cluster.scheduler_target}, redis {cluster.redis_url} (Ctrl-C stops everything)",
+              f"scheduler {cluster.scheduler_target}, redis {cluster.redis_url}"
+              f"{_metrics_summary(cluster.metrics_ports)} (Ctrl-C stops everything)",
               flush=True)
         if args.demo is not None:
             rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens)

@@ -19,7 +19,6 @@ class PreemptOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PREEMPT_OUTCOME_UNSPECIFIED: _ClassVar[PreemptOutcome]
     PREEMPT_OUTCOME_KEPT: _ClassVar[PreemptOutcome]
-    PREEMPT_OUTCOME_HANDED_BACK: _ClassVar[PreemptOutcome]
     PREEMPT_OUTCOME_NOT_FOUND: _ClassVar[PreemptOutcome]
     PREEMPT_OUTCOME_REFUSED: _ClassVar[PreemptOutcome]
 PREEMPT_MODE_UNSPECIFIED: PreemptMode
@@ -28,7 +27,6 @@ PREEMPT_MODE_SWAP: PreemptMode
 PREEMPT_MODE_RECOMPUTE: PreemptMode
 PREEMPT_OUTCOME_UNSPECIFIED: PreemptOutcome
 PREEMPT_OUTCOME_KEPT: PreemptOutcome
-PREEMPT_OUTCOME_HANDED_BACK: PreemptOutcome
 PREEMPT_OUTCOME_NOT_FOUND: PreemptOutcome
 PREEMPT_OUTCOME_REFUSED: PreemptOutcome
 
@@ -81,14 +79,12 @@ class PreemptRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[PreemptMode, str]] = ...) -> None: ...
 
 class PreemptResponse(_message.Message):
-    __slots__ = ("outcome", "num_freed_blocks", "output_token_ids")
+    __slots__ = ("outcome", "num_freed_blocks")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     NUM_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     outcome: PreemptOutcome
     num_freed_blocks: int
-    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, outcome: _Optional[_Union[PreemptOutcome, str]] = ..., num_freed_blocks: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, outcome: _Optional[_Union[PreemptOutcome, str]] = ..., num_freed_blocks: _Optional[int] = ...) -> None: ...
 
 class OccupancyRequest(_message.Message):
     __slots__ = ("interval_s",)
@@ -160,20 +156,20 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("worker_id", "address", "report", "num_promised_blocks", "request_ids", "num_assigned")
+    __slots__ = ("worker_id", "address", "report", "num_owed_blocks", "request_ids", "num_assigned")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
-    NUM_PROMISED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OWED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     report: OccupancyReport
-    num_promised_blocks: int
+    num_owed_blocks: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_assigned: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., report: _Optional[_Union[OccupancyReport, _Mapping]] = ..., num_promised_blocks: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_assigned: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., report: _Optional[_Union[OccupancyReport, _Mapping]] = ..., num_owed_blocks: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_assigned: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
     __slots__ = ("active", "workers", "waiting_request_ids", "num_preemptions", "num_reassigned", "policy")

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from pagefleet.metrics import SchedulerMetrics
-from pagefleet.observe import assign_span
+from pagefleet.common.metrics import SchedulerMetrics
+from pagefleet.common.redis import GROUP, OUT_TTL_DONE_S, Keys, OutEntry, read_emitted, retry
+from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
-from pagefleet.redis_util import GROUP, Keys, OutEntry, read_emitted, retry
-from pagefleet.service import CHANNEL_OPTIONS
 
-from .queue import Pending, WaitingQueue
+from .observe import assign_span
+from .queue import GlobalQueue, Pending
 from .workers import WorkerEntry, pick_victims, pick_worker
 
 log = structlog.get_logger("scheduler")
@@ -65,7 +65,7 @@ class ClusterScheduler:
         self.redis = redis
         self.keys = keys
         self.cfg = config
-        self.queue = WaitingQueue(config.policy, config.aging_s)
+        self.queue = GlobalQueue(config.policy, config.aging_s)
         self.workers: dict[str, WorkerEntry] = {}
         self.known: dict[str, Pending] = {}  # every unfinished request: queued or placed
         self.where: dict[str, str] = {}  # request_id -> worker_id
@@ -120,7 +120,7 @@ class ClusterScheduler:
             await asyncio.sleep(0.05)
             if self.workers and all(w.report is not None for w in self.workers.values()):
                 break
-        held = {rid: w for w in self.workers.values() if w.report for rid in w.report.request_ids}
+        holders = {rid: w for w in self.workers.values() if w.report for rid in w.report.request_ids}
         start = "0"
         while True:
             resp = await retry(lambda s=start: self.redis.xreadgroup(
@@ -129,7 +129,7 @@ class ClusterScheduler:
             if not entries:
                 break
             for entry_id, fields in entries:
-                await self._on_entry(entry_id, fields, held)
+                await self._on_entry(entry_id, fields, holders)
             start = entries[-1][0]
         self._adopting = False
         log.info("scheduler.adopted", num_placed=len(self.where), num_waiting=len(self.queue),
@@ -146,7 +146,9 @@ class ClusterScheduler:
                     await self._on_entry(entry_id, fields, None)
             self._wake.set()
 
-    async def _on_entry(self, entry_id, fields: dict, held: dict | None) -> None:
+    async def _on_entry(self, entry_id, fields: dict, holders: dict[str, WorkerEntry] | None) -> None:
+        """One entry of the requests stream; ``holders`` (takeover only): request id -> the
+        worker whose report lists it."""
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         kind = fields.get(b"kind", b"").decode()
         rid = fields.get(b"rid", b"").decode()
@@ -168,21 +170,19 @@ class ClusterScheduler:
         msg.entry_id = entry_id
         p = Pending(rid, entry_id, msg, next(self._seq))
         self.known[rid] = p
-        if held is not None and rid in held:  # takeover: a worker already runs it
-            w = held[rid]
+        if holders is not None and rid in holders:  # takeover: a worker already runs it
+            w = holders[rid]
             w.place(p, self.cfg.headroom_tokens)
             w.placed[rid].reflected = True
             self.where[rid] = w.worker_id
-        elif held is not None:  # takeover: it may have run somewhere; resume from its output
+        elif holders is not None:  # takeover: it may have run somewhere; resume from its output
             await self._requeue(p)
         else:
             self.queue.push(p)
 
-    async def _requeue(self, p: Pending, emitted: list[int] | None = None) -> None:
-        """Queue ``p`` again to resume after the tokens it emitted (read from Redis if not given)."""
-        finish = ""
-        if emitted is None:
-            emitted, finish = await read_emitted(self.redis, self.keys, p.request_id)
+    async def _requeue(self, p: Pending) -> None:
+        """Queue ``p`` again to resume after the tokens it emitted (read from Redis)."""
+        emitted, finish = await read_emitted(self.redis, self.keys, p.request_id)
         if finish:
             self.known.pop(p.request_id, None)
             await self._ack(p.entry_id)
@@ -218,7 +218,7 @@ class ClusterScheduler:
         async def write():
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(key, entry.encode())
-            pipe.expire(key, 300)
+            pipe.expire(key, OUT_TTL_DONE_S)
             pipe.xack(self.keys.requests, GROUP, p.entry_id)
             pipe.xdel(self.keys.requests, p.entry_id)
             await pipe.execute()
@@ -266,6 +266,7 @@ class ClusterScheduler:
                 if not w.alive:
                     return
                 finished, orphans = w.apply_report(report)
+                self.metrics.free_blocks.labels(worker=w.worker_id).set(report.num_free_blocks)
                 for rid in finished:
                     self._forget(rid, w.worker_id)
                 if orphans and not self._adopting:
@@ -298,6 +299,8 @@ class ClusterScheduler:
         self.metrics.dead_workers.inc()
         if self.workers.get(w.worker_id) is w:
             del self.workers[w.worker_id]
+            with contextlib.suppress(KeyError):  # no report came in: never labelled
+                self.metrics.free_blocks.remove(w.worker_id)
         await retry(lambda: self.redis.hdel(self.keys.workers, w.worker_id), what="hdel_worker")
         placed = list(w.placed.values())
         w.placed.clear()
@@ -377,7 +380,8 @@ class ClusterScheduler:
         return True
 
     async def _preempt(self, w: WorkerEntry, victims, p: Pending) -> None:
-        """Tell ``w`` to swap out (or recompute) ``victims`` to make room for ``p``."""
+        """Tell ``w`` to swap out (or recompute) ``victims`` to make room for ``p``; they stay
+        placed on ``w`` and resume there."""
         mode = PREEMPT_MODES[self.cfg.preempt_mode]
         for pl in victims:
             rid = pl.pending.request_id
@@ -392,10 +396,6 @@ class ClusterScheduler:
             self.metrics.preemptions.inc()
             log.info("request.preempted", request_id=rid, worker_id=w.worker_id, for_request_id=p.request_id,
                      outcome=cluster_pb2.PreemptOutcome.Name(resp.outcome), num_freed_blocks=resp.num_freed_blocks)
-            if resp.outcome == cluster_pb2.PREEMPT_OUTCOME_HANDED_BACK:
-                w.placed.pop(rid, None)
-                self.where.pop(rid, None)
-                await self._requeue(pl.pending, list(resp.output_token_ids))
 
     # -- the view --------------------------------------------------------------------------------
     def state(self) -> cluster_pb2.SchedulerState:

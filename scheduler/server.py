@@ -17,10 +17,9 @@ import uuid
 import grpc
 import structlog
 
-from pagefleet.metrics import SchedulerMetrics, serve_metrics
-from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
-from pagefleet.redis_util import Keys, connect, retry
-from pagefleet.service import (
+from pagefleet.common.metrics import SchedulerMetrics, serve_metrics
+from pagefleet.common.redis import Keys, connect, retry
+from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
     add_common_flags,
@@ -28,6 +27,7 @@ from pagefleet.service import (
     set_serving,
     setup_logging,
 )
+from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .core import ClusterScheduler, SchedulerConfig
 from .queue import POLICIES

@@ -4,7 +4,7 @@ Admission: a request fits on a worker when the worker's free blocks, minus the b
 of its swapped-out sequences (they come back first), minus the blocks still owed to the
 requests placed there, cover the request's tokens plus ``headroom_tokens`` of its
 expected output. A placed request is owed its own tokens plus headroom: all of it until
-a report shows it holding blocks, then whatever it has not grown into yet (so a worker
+a report shows it with device blocks, then whatever it has not grown into yet (so a worker
 is not filled past what its running sequences will need a moment later, which would
 only turn into preemptions there).
 
@@ -18,13 +18,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pagefleet.common.blocks import num_blocks_for
 from pagefleet.protos import cluster_pb2
 
 from .queue import Pending
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclass(slots=True)
@@ -32,7 +29,7 @@ class Placed:
     """A request placed on a worker."""
 
     pending: Pending
-    promised_blocks: int  # counted against the worker until a report shows the request's blocks
+    num_reserved_blocks: int  # its tokens plus headroom, set aside at placement (see num_owed_blocks)
     reflected: bool = False  # seen in a report since it was sent
     placed_at: float = field(default_factory=time.monotonic)
     preempted_at: float = 0.0
@@ -59,28 +56,29 @@ class WorkerEntry:
     def block_size(self) -> int:
         return self.report.block_size if self.report else 16
 
-    def owed_blocks(self, rid: str, pl: Placed) -> int:
-        """Blocks ``pl`` may still claim on this worker beyond what it holds now."""
+    def num_owed_blocks(self, rid: str, pl: Placed) -> int:
+        """Blocks ``pl`` may still claim on this worker beyond the device blocks it has now."""
         if not pl.reflected:
-            return pl.promised_blocks
-        held = self.report.blocks_per_request.get(rid, 0) if self.report else 0
-        # Holding none after it held some: swapped out (counted as swapped blocks) or
-        # queued again inside the worker; either way not growing now.
-        return max(0, pl.promised_blocks - held) if held else 0
+            return pl.num_reserved_blocks
+        num_device_blocks = self.report.blocks_per_request.get(rid, 0) if self.report else 0
+        # None after it had some: swapped out (counted as swapped blocks) or queued again
+        # inside the worker; either way not growing now.
+        return max(0, pl.num_reserved_blocks - num_device_blocks) if num_device_blocks else 0
 
     @property
-    def num_promised_blocks(self) -> int:
-        return sum(self.owed_blocks(rid, pl) for rid, pl in self.placed.items())
+    def num_owed_blocks_total(self) -> int:
+        """Blocks owed to all the requests placed here."""
+        return sum(self.num_owed_blocks(rid, pl) for rid, pl in self.placed.items())
 
     @property
     def num_available_blocks(self) -> int:
         r = self.report
         if r is None:
             return 0
-        return r.num_free_blocks - r.num_swapped_blocks - self.num_promised_blocks
+        return r.num_free_blocks - r.num_swapped_blocks - self.num_owed_blocks_total
 
     def blocks_needed(self, p: Pending, headroom_tokens: int) -> int:
-        return blocks_for(p.num_tokens + min(p.num_remaining_tokens, headroom_tokens), self.block_size)
+        return num_blocks_for(p.num_tokens + min(p.num_remaining_tokens, headroom_tokens), self.block_size)
 
     def fits(self, p: Pending, headroom_tokens: int) -> bool:
         r = self.report
@@ -105,18 +103,18 @@ class WorkerEntry:
         requests the worker holds that were not placed there."""
         self.report = report
         self.last_report_at = time.monotonic()
-        held = set(report.request_ids)
+        reported_ids = set(report.request_ids)
         finished = [rid for rid in report.finished_request_ids if rid in self.placed]
         for rid in finished:
             del self.placed[rid]
         for rid, pl in list(self.placed.items()):
-            if rid in held:
+            if rid in reported_ids:
                 if report.blocks_per_request.get(rid, 0) > 0:
                     pl.reflected = True
             elif pl.reflected:  # it was there and is gone: finished, its notice lost
                 del self.placed[rid]
                 finished.append(rid)
-        orphans = [rid for rid in held if rid not in self.placed]
+        orphans = [rid for rid in reported_ids if rid not in self.placed]
         return finished, orphans
 
     def to_proto(self) -> cluster_pb2.WorkerState:
@@ -124,7 +122,7 @@ class WorkerEntry:
             worker_id=self.worker_id,
             address=self.address,
             report=self.report,
-            num_promised_blocks=self.num_promised_blocks,
+            num_owed_blocks=self.num_owed_blocks_total,
             request_ids=list(self.placed),
             num_assigned=self.num_assigned,
         )
@@ -164,7 +162,7 @@ def pick_victims(
                 break
             chosen.append(pl)
             rid = pl.pending.request_id
-            avail += w.report.blocks_per_request.get(rid, 0) + w.owed_blocks(rid, pl)
+            avail += w.report.blocks_per_request.get(rid, 0) + w.num_owed_blocks(rid, pl)
         if avail >= need and chosen and (best is None or len(chosen) < len(best[1])):
             best = (w, chosen)
     return best

@@ -37,13 +37,13 @@ def test_a_request_is_owed_its_headroom_until_it_has_grown_into_it():
     w.apply_report(report(free=28, held={"a": 4}))
     assert w.num_available_blocks == 28 - 13
     assert not w.fits(second, HEADROOM), "filling the worker now would only cause preemptions there"
-    # `a` has grown into its promise: nothing more is owed.
+    # `a` has grown into what it was owed: nothing more is owed.
     w.apply_report(report(free=15, held={"a": 17}))
     assert w.num_available_blocks == 15
     assert pick_worker([w], second, HEADROOM) is None
 
 
-def test_a_finished_request_frees_its_promise():
+def test_a_finished_request_is_owed_nothing():
     w = WorkerEntry("w", "addr", report=report(free=32))
     w.place(pending("a", 60, 200), HEADROOM)
     w.apply_report(report(free=28, held={"a": 4}))

@@ -133,7 +133,7 @@ def test_idempotent_request_id_relays_the_same_output(cluster):
 
 def test_queue_past_its_limit_is_resource_exhausted(cluster, tmp_path):
     """A gateway on a namespace no scheduler serves: the first request waits, the second is shed."""
-    from pagefleet.service import free_port
+    from pagefleet.common.service import free_port
 
     port = free_port()
     log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115

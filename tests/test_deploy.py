@@ -117,7 +117,7 @@ def test_overlays_differ_where_they_should(rendered):
 
 
 def test_keda_scales_workers_on_the_request_stream(rendered):
-    from pagefleet.redis_util import Keys
+    from pagefleet.common.redis import Keys
 
     for name, objs in rendered.items():
         scaled = by_kind(objs, "ScaledObject")

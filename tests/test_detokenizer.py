@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pagefleet.common.tokenizer import ByteTokenizer
 from pagefleet.worker.detokenizer import IncrementalDetokenizer
-from pagefleet.worker.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 
@@ -60,7 +60,7 @@ def test_tokenizer_json_streams_whole_characters(tmp_path):
     """A byte-level BPE `tokenizer.json`, as Llama-3 and Qwen2 ship, streamed token by token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from pagefleet.worker.tokenizer import HFTokenizer
+    from pagefleet.common.tokenizer import HFTokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

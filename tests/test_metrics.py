@@ -8,7 +8,12 @@ from types import SimpleNamespace
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagefleet.metrics import GatewayMetrics, SchedulerMetrics, WorkerMetrics, start_metrics_server
+from pagefleet.common.metrics import (
+    GatewayMetrics,
+    SchedulerMetrics,
+    WorkerMetrics,
+    start_metrics_server,
+)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -23,7 +28,7 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def stats(**kw):
-    base = dict(num_blocks=100, num_free_blocks=100, num_running=0, num_waiting=0, num_preemptions=0)
+    base = dict(num_blocks=100, num_free_blocks=100, num_running=0, num_waiting=0, num_preemptions_total=0)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -40,8 +45,8 @@ def test_worker_metrics_follow_the_engine():
     m.observe_step([delta("a", 1)], stats(num_free_blocks=80, num_running=2), 4, now=10.25)
     m.observe_step(
         [delta("a", 1, "length"), delta("b", 1)],
-        stats(num_free_blocks=95, num_running=1, num_preemptions=2, num_swapped=1,
-              num_swapped_out_blocks=6, num_swapped_in_blocks=0),
+        stats(num_free_blocks=95, num_running=1, num_preemptions_total=2, num_swapped=1,
+              num_swapped_out_blocks_total=6, num_swapped_in_blocks_total=0),
         2, now=10.5,
     )
     m.request_removed("b")
@@ -64,7 +69,7 @@ def test_worker_metrics_follow_the_engine():
     assert get("pagefleet:request_success_total", {"finished_reason": "length"}) == 1
     assert get("pagefleet:request_success_total", {"finished_reason": "abort"}) == 1
     # cumulative engine counters never make a Prometheus counter go down
-    m.observe_stats(stats(num_preemptions=1))
+    m.observe_stats(stats(num_preemptions_total=1))
     assert get("pagefleet:num_preemptions_total") == 2
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from pagefleet.common.sampling_params import SamplingParams
+from pagefleet.worker.continuous_scheduler import ContinuousScheduler
 from pagefleet.worker.kv_cache_manager import KVCacheManager
 from pagefleet.worker.request import Request, RequestStatus
-from pagefleet.worker.sampling_params import SamplingParams
-from pagefleet.worker.scheduler import Scheduler
 from pagefleet.worker.static_scheduler import StaticScheduler
 
 _arrivals = iter(range(10**9))
@@ -33,7 +33,7 @@ def run_step(sched, fake_token: int = 7) -> dict[str, int]:
 
 def test_decode_first_then_chunked_prefill_under_budget():
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
+    s = ContinuousScheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
     a = make_request("a", 3)
     s.add(a)
     assert run_step(s) == {"a": 3}
@@ -50,7 +50,7 @@ def test_decode_first_then_chunked_prefill_under_budget():
 
 def test_max_num_seqs_caps_running():
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    s = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=100)
+    s = ContinuousScheduler(kv, max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(4):
         s.add(make_request(f"r{i}", 2))
     assert set(run_step(s)) == {"r0", "r1"}
@@ -59,7 +59,7 @@ def test_max_num_seqs_caps_running():
 
 def test_waiting_is_fcfs_and_blocks_gate_admission():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    s = ContinuousScheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
     s.add(make_request("big", 12))  # 3 blocks
     s.add(make_request("small", 8))  # 2 blocks: does not fit behind big
     s.add(make_request("tiny", 1))  # would fit, but must not jump the queue
@@ -69,7 +69,7 @@ def test_waiting_is_fcfs_and_blocks_gate_admission():
 
 def test_preemption_frees_the_lowest_priority_latest_request():
     kv = KVCacheManager(num_blocks=3, block_size=2)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    s = ContinuousScheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
     lo = make_request("lo", 2, max_tokens=10, priority=0)
     hi = make_request("hi", 2, max_tokens=10, priority=5)
     s.add(lo)  # arrives first, and is still the victim: priority comes before age
@@ -78,14 +78,14 @@ def test_preemption_frees_the_lowest_priority_latest_request():
     plan = run_step(s)  # both need a second block: hi takes the free one, lo is the victim
     assert lo.status == RequestStatus.PREEMPTED and lo.num_computed_tokens == 0
     assert plan == {"hi": 1}
-    assert s.num_preemptions == 1
+    assert s.num_preemptions_total == 1
     assert s.waiting.peek() is lo
     kv.check_integrity()
 
 
 def test_preempted_request_is_recomputed_with_its_output():
     kv = KVCacheManager(num_blocks=3, block_size=2)  # each fits alone, not both
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    s = ContinuousScheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
     a, b = make_request("a", 2, max_tokens=4), make_request("b", 1, max_tokens=4)
     s.add(a)
     s.add(b)
@@ -94,14 +94,14 @@ def test_preempted_request_is_recomputed_with_its_output():
             break
         run_step(s)
     assert a.num_output_tokens == 4 and b.num_output_tokens == 4
-    assert s.num_preemptions >= 1
+    assert s.num_preemptions_total >= 1
     assert kv.num_free_blocks == 3
     kv.check_integrity()
 
 
 def test_request_preempting_itself_waits():
     kv = KVCacheManager(num_blocks=1, block_size=2)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    s = ContinuousScheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
     a = make_request("a", 2, max_tokens=3)
     s.add(a)
     run_step(s)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from pagefleet import Engine, SamplingParams
+from pagefleet.worker.continuous_scheduler import ContinuousScheduler
 from pagefleet.worker.cost_model import CostModel
 from pagefleet.worker.kv_cache_manager import KVCacheManager
 from pagefleet.worker.policy import PreemptionPolicy, pick_victim
 from pagefleet.worker.request import Request, RequestStatus
-from pagefleet.worker.scheduler import Scheduler
 from pagefleet.worker.swap import SwapAllocator, SwapSpace
 
 # -- the mechanism ----------------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_swap_in_keeps_a_watermark_unless_idle():
 
 def test_swapped_sequence_comes_back_before_new_admissions():
     kv = KVCacheManager(num_blocks=4, block_size=2)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=SwapAllocator(8),
+    s = ContinuousScheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, swap=SwapAllocator(8),
                   policy=PreemptionPolicy("swap", watermark=0.0))
     a = Request("a", [1, 2], SamplingParams(max_tokens=8), arrival_seq=0)
     b = Request("b", [1, 2], SamplingParams(max_tokens=8), arrival_seq=1)
@@ -168,12 +168,12 @@ def test_small_pool_gives_exactly_the_unconstrained_tokens(llama_dir, reference,
     outs = engine.generate(PROMPTS, _params())
     assert [o.token_ids for o in outs] == reference
     s = engine.stats()
-    assert s.num_preemptions > 0
+    assert s.num_preemptions_total > 0
     if mode == "swap":
-        assert s.num_swapped_out_blocks > 0 and s.num_swapped_in_blocks == s.num_swapped_out_blocks
-        assert s.num_recomputes == 0
+        assert s.num_swapped_out_blocks_total > 0 and s.num_swapped_in_blocks_total == s.num_swapped_out_blocks_total
+        assert s.num_recomputes_total == 0
     if mode == "recompute":
-        assert s.num_swapped_out_blocks == 0 and s.num_recomputes == s.num_preemptions
+        assert s.num_swapped_out_blocks_total == 0 and s.num_recomputes_total == s.num_preemptions_total
     _assert_all_free(engine)
 
 
@@ -182,7 +182,7 @@ def test_full_swap_pool_falls_back_to_recompute(llama_dir, reference):
     outs = engine.generate(PROMPTS, _params())
     assert [o.token_ids for o in outs] == reference
     s = engine.stats()
-    assert s.num_recomputes > 0 and s.num_swapped_out_blocks > 0
+    assert s.num_recomputes_total > 0 and s.num_swapped_out_blocks_total > 0
     _assert_all_free(engine)
 
 
@@ -207,9 +207,9 @@ def test_abort_frees_both_pools_at_once(llama_dir, reference, status):
     reqs = dict(engine.requests)
     victim = _run_until(engine, status)
     rid = victim.request_id
-    assert engine.occupancy().blocks_per_request[rid] > 0
+    assert engine.stats().num_blocks_of(rid) > 0
     assert engine.abort_request(rid).finish_reason == "abort"
-    assert rid not in engine.occupancy().blocks_per_request
+    assert engine.stats().num_blocks_of(rid) == 0
     assert rid not in engine.scheduler.swap.block_tables and rid not in engine.kv.block_tables
     engine.check_integrity()
     _drain(engine)
@@ -226,11 +226,11 @@ def test_directed_preemption_and_occupancy(llama_dir, reference):
     reqs = dict(engine.requests)
     for _ in range(3):
         engine.step()
-    occ = engine.occupancy()
+    occ = engine.stats()
     held = occ.blocks_per_request[ids[1]]
     assert occ.num_running == 3 and occ.num_swapped == 0 and occ.num_swapped_blocks == 0
     assert engine.preempt_request(ids[1], mode="swap")
-    occ = engine.occupancy()
+    occ = engine.stats()
     assert occ.num_running == 2 and occ.num_swapped == 1
     assert occ.num_swapped_blocks == held and occ.num_free_blocks == occ.num_blocks - sum(
         n for r, n in occ.blocks_per_request.items() if r != ids[1]
@@ -240,5 +240,5 @@ def test_directed_preemption_and_occupancy(llama_dir, reference):
     _drain(engine)
     for i, rid in enumerate(ids):
         assert reqs[rid].output_token_ids == reference[i]
-    assert engine.stats().num_swapped_in_blocks == held
+    assert engine.stats().num_swapped_in_blocks_total == held
     _assert_all_free(engine)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pagefleet import log, telemetry
+from pagefleet.common import log, telemetry
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +182,8 @@ def test_console_format_when_asked():
 
 def test_worker_observer_follows_a_real_engine(spans):
     from pagefleet import Engine, SamplingParams
-    from pagefleet.observe import WorkerObserver
     from pagefleet.protos import cluster_pb2
+    from pagefleet.worker.observe import WorkerObserver
 
     engine = Engine(model="tiny", device="cpu", num_blocks=64, max_num_batched_tokens=16)
     obs = WorkerObserver("w0", model="tiny")
@@ -199,7 +199,7 @@ def test_worker_observer_follows_a_real_engine(spans):
         if not engine.has_unfinished_requests():
             break
         token = obs.before_step(engine)
-        obs.after_step(token, engine, engine.step())
+        obs.after_step(token, engine, engine.step(), engine.stats())
     got = spans()
     requests = {s.attributes["pagefleet.request_id"]: s for s in got if s.name == "worker.request"}
     assert set(requests) == {"a", "b"}

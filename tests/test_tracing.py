@@ -19,7 +19,7 @@ from cluster_fixtures import generate_all, start_cluster, wait_for
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from test_metrics import scrape
 
-from pagefleet.service import free_port
+from pagefleet.common.service import free_port
 
 PROMPTS = ["tracing " * 9, "where did the time go?", "a b c"]
 MAX_TOKENS = 6
@@ -99,10 +99,11 @@ def test_each_request_is_one_trace_across_three_processes(traced_cluster, receiv
         by_trace = defaultdict(list)
         for service, span in receiver.snapshot():
             by_trace[_hex(span.trace_id)].append((service, span))
+        # Each process exports on its own schedule: wait until every part of each trace is in.
+        names = ("pagefleet.v1.Generation/Generate", "send pf:requests", "queue_wait", "assign",
+                 "worker.request", "decode")
         complete = {t: s for t, s in by_trace.items()
-                    if any(sp.name == "pagefleet.v1.Generation/Generate" for _, sp in s)
-                    and any(sp.name == "decode" for _, sp in s)
-                    and any(sp.name == "worker.request" for _, sp in s)}
+                    if all(any(sp.name == n for _, sp in s) for n in names)}
         return complete if len(complete) >= len(PROMPTS) else None
 
     found = wait_for(traces, 30, "every request's spans from all three processes")

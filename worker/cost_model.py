@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagefleet.common.blocks import num_blocks_for
+
 from .models.llama import AttentionMetadata
 from .swap import SwapSpace
 
@@ -90,7 +92,7 @@ def measure_copy(space: SwapSpace, num_device_blocks: int, reps: int = 5) -> tup
 def measure_prefill(model, kv_caches, block_size: int, num_tokens: int, device: torch.device,
                     reps: int = 2) -> float:
     """Prefill tokens per second for one ``num_tokens`` prompt (K/V writes skipped)."""
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = num_blocks_for(num_tokens, block_size)
     meta = AttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :]

@@ -11,15 +11,19 @@ from collections.abc import Sequence
 
 import torch
 
+from pagefleet.common.blocks import num_blocks_for
+from pagefleet.common.model_config import load_model_spec
+from pagefleet.common.sampling_params import SamplingParams
+
+from .batch_scheduler import BatchScheduler
+from .continuous_scheduler import ContinuousScheduler
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .models.loader import load_model
-from .outputs import EngineStats, Occupancy, RequestOutput, TokenDelta
+from .outputs import EngineStats, RequestOutput, TokenDelta
 from .policy import PREEMPTION_MODES, PreemptionPolicy
 from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
 from .static_scheduler import StaticScheduler
 from .swap import SwapAllocator, SwapSpace
 
@@ -86,17 +90,11 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.device = _resolve_device(device)
         self.model_name = model
-        self.model, self.tokenizer, self.model_config = load_model(
-            model, self.device, dtype, max_positions=max_model_len
-        )
+        self.spec = load_model_spec(model)
+        max_model_len = self.spec.max_model_len(max_model_len)
+        self.tokenizer, self.model_config = self.spec.tokenizer, self.spec.config
         cfg = self.model_config
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window:  # attention is exact only while the window never slides
-            limit = min(limit, cfg.sliding_window)
-        if max_model_len is None:
-            max_model_len = limit
-        elif not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len must be between 1 and {limit} for this model, got {max_model_len!r}")
+        self.model = load_model(self.spec, self.device, dtype, max_positions=max_model_len)
         if max_model_len > self.model.rope.cos.shape[0]:
             self.model.rope = type(self.model.rope)(cfg, max_model_len).to(self.device)
         self.max_model_len = max_model_len
@@ -118,7 +116,7 @@ class Engine:
         self.swap_space: SwapSpace | None = None
         self.cost_model = None
         if batching == "static":  # static batching reserves up front and never preempts
-            self.scheduler = StaticScheduler(self.kv, max_num_seqs=max_num_seqs)
+            self.scheduler: BatchScheduler = StaticScheduler(self.kv, max_num_seqs=max_num_seqs)
         else:
             swap = None
             if num_swap_blocks is None:  # as many as the device pool, within the host budget
@@ -128,7 +126,7 @@ class Engine:
                 swap = SwapAllocator(num_swap_blocks)
                 if preemption == "auto":
                     self.cost_model = self._calibrate(max_num_batched_tokens)
-            self.scheduler = Scheduler(
+            self.scheduler = ContinuousScheduler(
                 self.kv,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -140,7 +138,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
-        self.num_generated_tokens = 0
+        self.num_generated_tokens_total = 0
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
 
     # -- sizing ------------------------------------------------------------------------
@@ -156,7 +154,7 @@ class Engine:
         else:
             budget = _CPU_KV_BYTES
         num = budget // self.block_bytes()
-        need = -(-self.max_model_len // self.block_size)
+        need = num_blocks_for(self.max_model_len, self.block_size)
         if num < need:
             raise ValueError(
                 f"num_blocks: only {num} blocks fit in memory but one max_model_len sequence needs {need}; "
@@ -280,7 +278,7 @@ class Engine:
         if mode not in PREEMPTION_MODES:
             raise ValueError(f"mode must be one of {PREEMPTION_MODES}, got {mode!r}")
         req = self.requests.get(request_id)
-        if req is None or not isinstance(self.scheduler, Scheduler):
+        if req is None:
             return False
         return self.scheduler.preempt(req, None if mode == "auto" else mode)
 
@@ -300,7 +298,7 @@ class Engine:
             return []
         sampled, tokens = self.runner.execute(out)
         self.scheduler.update_after_step(out)
-        self.num_generated_tokens += len(tokens)
+        self.num_generated_tokens_total += len(tokens)
         append = self._append
         return [append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
 
@@ -364,47 +362,32 @@ class Engine:
 
     # -- introspection -----------------------------------------------------------------
     def stats(self) -> EngineStats:
+        """Both pools and the queues now; the counters since the engine was made."""
         s = self.scheduler
-        swap = getattr(s, "swap", None)
+        swap = s.swap
         return EngineStats(
             num_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
             block_size=self.block_size,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_preemptions=s.num_preemptions,
-            num_steps=s.num_steps,
-            num_generated_tokens=self.num_generated_tokens,
-            blocks_per_request={rid: len(t) for rid, t in self.kv.block_tables.items()},
             num_swap_blocks=swap.num_blocks if swap else 0,
             num_free_swap_blocks=swap.num_free_blocks if swap else 0,
-            num_swapped=getattr(s, "num_swapped", 0),
-            num_swapped_out_blocks=getattr(s, "num_swapped_out_blocks", 0),
-            num_swapped_in_blocks=getattr(s, "num_swapped_in_blocks", 0),
-            num_recomputes=getattr(s, "num_recomputes", 0),
-        )
-
-    def occupancy(self) -> Occupancy:
-        """Both pools and the queues now, for the worker's reports."""
-        s = self.scheduler
-        swap = getattr(s, "swap", None)
-        held = {rid: len(t) for rid, t in self.kv.block_tables.items() if t}
-        for rid, t in (swap.block_tables.items() if swap else ()):
-            held[rid] = held.get(rid, 0) + len(t)
-        return Occupancy(
-            num_blocks=self.kv.num_blocks,
-            num_free_blocks=self.kv.num_free_blocks,
-            num_swap_blocks=swap.num_blocks if swap else 0,
-            num_free_swap_blocks=swap.num_free_blocks if swap else 0,
-            num_swapped_blocks=swap.num_used_blocks if swap else 0,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
-            num_swapped=getattr(s, "num_swapped", 0),
-            blocks_per_request=held,
+            num_swapped=s.num_swapped,
+            blocks_per_request={rid: len(t) for rid, t in self.kv.block_tables.items() if t},
+            swap_blocks_per_request=(
+                {rid: len(t) for rid, t in swap.block_tables.items() if t} if swap else {}
+            ),
+            request_ids=list(self.requests),
+            num_steps_total=s.num_steps_total,
+            num_generated_tokens_total=self.num_generated_tokens_total,
+            num_preemptions_total=s.num_preemptions_total,
+            num_recomputes_total=s.num_recomputes_total,
+            num_swapped_out_blocks_total=s.num_swapped_out_blocks_total,
+            num_swapped_in_blocks_total=s.num_swapped_in_blocks_total,
         )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        swap = getattr(self.scheduler, "swap", None)
-        if swap is not None:
-            swap.check_integrity()
+        if self.scheduler.swap is not None:
+            self.scheduler.swap.check_integrity()

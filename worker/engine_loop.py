@@ -2,12 +2,13 @@
 
 gRPC handlers never touch the engine: they ``call`` a function that runs on this thread
 between two steps and get a ``concurrent.futures.Future``. After every step the loop
-hands the step's messages to ``emit`` and refreshes ``snapshot`` (the occupancy the
-reports carry); ``notify`` is called when occupancy changed a lot.
+hands the step's messages to ``emit`` and refreshes ``snapshot`` (``EngineStats``, what the
+reports carry); ``notify`` is called when occupancy changed a lot. Every occupancy stream
+``subscribe``s to the ids of requests that finish, so a report carries what changed since
+the previous one and nothing older.
 
-Directed preemption uses ``engine.preempt_request`` when the engine has it (the sequence
-stays on this worker and resumes here); otherwise the sequence is aborted here and handed
-back to the scheduler with the tokens it has emitted, to be resumed wherever room is.
+Directed preemption (``preempt``) keeps the sequence on this worker, off the device; it
+resumes here when room returns.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import structlog
 
+from pagefleet.common.redis import OutEntry
+from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import cluster_pb2
-from pagefleet.redis_util import OutEntry
-from pagefleet.sampling import from_proto
 
+from .outputs import EngineStats
 from .redis_io import Emit
 
 log = structlog.get_logger("worker.engine")
@@ -38,50 +39,29 @@ _PREEMPT_MODES = {
 }
 
 
-@dataclass(slots=True)
-class Held:
-    """What the worker keeps about each request beside the engine's state."""
-
-    entry_id: str
-    traceparent: str
-
-
-@dataclass(slots=True)
-class Snapshot:
-    """Occupancy at one moment (built on the engine thread, read anywhere)."""
-
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    block_size: int = 0
-    num_swap_blocks: int = 0
-    num_free_swap_blocks: int = 0
-    num_swapped_blocks: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    num_preemptions: int = 0
-    blocks_per_request: dict[str, int] = field(default_factory=dict)
-    request_ids: list[str] = field(default_factory=list)
+# Finished request ids one occupancy stream may fall behind by before the oldest are dropped
+# (the scheduler then learns of those from the request ids its reports no longer carry).
+MAX_UNREPORTED_FINISHED = 100_000
 
 
 class EngineLoop:
     def __init__(self, engine, emit: Callable[[list[Emit]], None], notify: Callable[[], None],
                  observer=None) -> None:
         self.engine = engine
-        self.observer = observer  # pagefleet.observe.WorkerObserver: metrics and spans
+        self.observer = observer  # observe.WorkerObserver: metrics and spans
         self.emit = emit
         self.notify = notify
-        self.held: dict[str, Held] = {}
+        # request id -> its entry in the Redis requests stream, acknowledged with its last write
+        self.entry_ids: dict[str, str] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._paused = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        # (sequence number, request id) of finished requests, for every report stream.
-        self.finished_log: collections.deque[tuple[int, str]] = collections.deque(maxlen=100_000)
-        self._finished_seq = 0
-        self.snapshot = Snapshot()
+        # One queue of finished request ids per occupancy stream (appended on this thread).
+        self._subscribers: tuple[collections.deque[str], ...] = ()
+        self._subscribers_lock = threading.Lock()
+        self.snapshot: EngineStats = engine.stats()
         self._last_notified: tuple[int, frozenset[str]] = (-1, frozenset())
-        self.num_directed_preemptions = 0
         self._refresh(force_notify=True)
 
     # -- life --------------------------------------------------------------------------
@@ -100,8 +80,20 @@ class EngineLoop:
         return fut
 
     @property
-    def num_held(self) -> int:
+    def num_requests(self) -> int:
+        """Requests the engine holds (running, waiting or swapped)."""
         return len(self.engine.requests)
+
+    def subscribe(self) -> collections.deque[str]:
+        """A queue that receives the id of every request that finishes from now on."""
+        q: collections.deque[str] = collections.deque(maxlen=MAX_UNREPORTED_FINISHED)
+        with self._subscribers_lock:
+            self._subscribers = (*self._subscribers, q)
+        return q
+
+    def unsubscribe(self, q: collections.deque[str]) -> None:
+        with self._subscribers_lock:
+            self._subscribers = tuple(s for s in self._subscribers if s is not q)
 
     # -- the thread --------------------------------------------------------------------
     def pause(self) -> None:
@@ -119,11 +111,11 @@ class EngineLoop:
             try:
                 probe = self.observer.before_step(self.engine) if self.observer else None
                 deltas = self.engine.step()
-                if self.observer:
-                    self.observer.after_step(probe, self.engine, deltas)
                 batch = [m for d in deltas if (m := self._message(d)) is not None]
                 self.emit(batch)
                 self._refresh()
+                if self.observer:
+                    self.observer.after_step(probe, self.engine, deltas, self.snapshot)
             except Exception as e:  # a bug must not leave clients waiting forever
                 log.exception("engine.step_failed")
                 self._fail_all(f"engine step failed: {e}")
@@ -154,22 +146,21 @@ class EngineLoop:
             return None
         entry_id = None
         if d.finish_reason:
-            held = self.held.pop(d.request_id, None)
-            entry_id = held.entry_id if held else None
+            entry_id = self.entry_ids.pop(d.request_id, None)
             self._finished(d.request_id)
         return Emit(d.request_id, OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason or ""), entry_id)
 
     def _finished(self, request_id: str) -> None:
-        self._finished_seq += 1
-        self.finished_log.append((self._finished_seq, request_id))
+        for q in self._subscribers:
+            q.append(request_id)
 
     def _fail_all(self, error: str) -> None:
         batch = []
         for rid in list(self.engine.requests):
             d = self.engine.abort_request(rid)
-            held = self.held.pop(rid, None)
+            entry_id = self.entry_ids.pop(rid, None)
             index = d.index if d is not None else 0
-            batch.append(Emit(rid, OutEntry(index, [], "", "error", error), held.entry_id if held else None))
+            batch.append(Emit(rid, OutEntry(index, [], "", "error", error), entry_id))
             if self.observer:
                 self.observer.removed(rid, "error", index, error)
             self._finished(rid)
@@ -178,25 +169,7 @@ class EngineLoop:
 
     # -- occupancy -----------------------------------------------------------------------
     def _refresh(self, force_notify: bool = False) -> None:
-        e = self.engine
-        # Once per step on the engine thread: one stats() carries both pools' counts.
-        # blocks_per_request is the device pool's: that is what admission and victims need.
-        stats = e.stats()
-        snap = Snapshot(
-            num_blocks=stats.num_blocks,
-            num_free_blocks=stats.num_free_blocks,
-            block_size=stats.block_size,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_preemptions=stats.num_preemptions + self.num_directed_preemptions,
-            blocks_per_request=stats.blocks_per_request,  # a fresh dict per call
-            request_ids=list(e.requests),
-            num_swap_blocks=stats.num_swap_blocks,
-            num_free_swap_blocks=stats.num_free_swap_blocks,
-            num_swapped_blocks=stats.num_swap_blocks - stats.num_free_swap_blocks,
-            num_swapped=stats.num_swapped,
-        )
-        self.snapshot = snap
+        snap = self.snapshot = self.engine.stats()  # once per step, on the engine thread
         ids = frozenset(snap.request_ids)
         last_free, last_ids = self._last_notified
         big = max(1, snap.num_blocks // 20)
@@ -224,23 +197,22 @@ class EngineLoop:
             self.emit([Emit(rid, entry, msg.entry_id or None)])
             self._finished(rid)
             return
-        self.held[rid] = Held(msg.entry_id, msg.traceparent)
+        self.entry_ids[rid] = msg.entry_id
         if self.observer:
             self.observer.assigned(msg, parent)
-        self.engine.requests[rid].trace_context = msg.traceparent or None
         log.info("request.assigned", request_id=rid, traceparent=msg.traceparent,
                  num_prompt_tokens=len(msg.prompt_token_ids), num_resumed_tokens=len(msg.output_token_ids))
 
     def cancel(self, request_id: str, notify_client: bool) -> bool:
         d = self.engine.abort_request(request_id)
-        held = self.held.pop(request_id, None)
+        entry_id = self.entry_ids.pop(request_id, None)
         if d is None:
             return False
         if self.observer:
             self.observer.removed(request_id, "abort", d.index)
         if notify_client:
             entry = OutEntry(d.index, list(d.token_ids), d.text, "abort")
-            self.emit([Emit(request_id, entry, held.entry_id if held else None)])
+            self.emit([Emit(request_id, entry, entry_id)])
         self._finished(request_id)
         log.info("request.cancelled", request_id=request_id, notify_client=notify_client)
         return True
@@ -249,12 +221,11 @@ class EngineLoop:
         e = self.engine
         req = e.requests.get(request_id)
         if req is None:
-            log.warning("preempt.not_found", request_id=request_id, held=list(e.requests))
+            log.warning("preempt.not_found", request_id=request_id, request_ids=list(e.requests))
             return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_NOT_FOUND)
-        before = e.stats().blocks_per_request.get(request_id, 0)
+        before = self.snapshot.blocks_per_request.get(request_id, 0)
         if not e.preempt_request(request_id, mode=_PREEMPT_MODES.get(mode, "auto")):
             return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_REFUSED)
-        self.num_directed_preemptions += 1
         self._refresh(force_notify=True)
         after = self.snapshot.blocks_per_request.get(request_id, 0)
         if self.observer:

@@ -6,6 +6,8 @@ or returns ``None`` with nothing changed; ``free`` hands a request's blocks back
 
 from __future__ import annotations
 
+from pagefleet.common.blocks import num_blocks_for
+
 from .block_pool import BlockPool
 
 
@@ -26,7 +28,7 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return num_blocks_for(num_tokens, self.block_size)
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """How many more blocks ``request_id`` needs to hold ``num_tokens`` tokens."""
@@ -38,9 +40,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the table to hold ``num_tokens`` tokens; the new block ids, or ``None`` if they don't fit."""
-        # Called for every running request every step: the common "still fits" case is inlined.
         table = self.block_tables.get(request_id)
-        need = -(-num_tokens // self.block_size) - (0 if table is None else len(table))
+        need = num_blocks_for(num_tokens, self.block_size) - (0 if table is None else len(table))
         if need <= 0:
             if table is None:
                 self.block_tables[request_id] = []

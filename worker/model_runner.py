@@ -14,11 +14,11 @@ import time
 import numpy as np
 import torch
 
+from .batch_scheduler import SchedulerOutput
 from .kv_cache_manager import KVCacheManager
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .request import Request, RequestStatus
 from .sampler import sample
-from .scheduler import SchedulerOutput
 
 _EMPTY: list[int] = []
 
@@ -39,8 +39,11 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
-        self.generator = torch.Generator().manual_seed(seed)
-        # The forward pass alone (wall and this thread's CPU time), for the step-overhead figure.
+        # Unseeded requests' random draws (seeded ones hash their seed: see sampler).
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        # profile=True times the forward pass alone (wall and this thread's CPU time), for the
+        # step-overhead figure; it waits for the device, so it is off while serving.
+        self.profile = False
         self.last_model_seconds = 0.0
         self.last_model_cpu_seconds = 0.0
 
@@ -129,14 +132,17 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], list[int]]:
         """Run the step; the requests that sampled a token, and their tokens."""
         input_ids, positions, meta, logits_idx, sampled, keep = self.prepare(out)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        if self.profile:
+            t0, c0 = time.perf_counter(), time.thread_time()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
-        self.last_model_seconds = time.perf_counter() - t0
-        self.last_model_cpu_seconds = time.thread_time() - c0
+        if self.profile:
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)
+            self.last_model_seconds = time.perf_counter() - t0
+            self.last_model_cpu_seconds = time.thread_time() - c0
         if not sampled:
             return [], []
         if keep is not None:  # static batching: drop the finished rows' logits
             logits = logits[keep]
-        return sampled, sample(logits.cpu(), sampled, self.generator)
+        # The step's one wait for the device: reading the sampled ids.
+        return sampled, sample(logits, sampled, self.generator).tolist()

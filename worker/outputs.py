@@ -38,43 +38,42 @@ class TokenDelta:
 
 @dataclass(slots=True)
 class EngineStats:
-    """A snapshot of the engine's pool and queues."""
+    """A worker's engine at one moment: its pools, its queues, and counters since it started.
+
+    The one shape of a worker's state: ``Engine.stats()`` returns it, the engine loop keeps
+    the latest as its snapshot, and the worker converts it to its ``OccupancyReport`` in one
+    place (``worker/report.py``). ``blocks_per_request`` counts device blocks (what admission
+    and victim choice need); ``swap_blocks_per_request`` the swap pool's. Fields ending in
+    ``_total`` are cumulative.
+    """
 
     num_blocks: int
     num_free_blocks: int
     block_size: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    num_steps: int
-    num_generated_tokens: int
-    blocks_per_request: dict[str, int] = field(default_factory=dict)
     num_swap_blocks: int = 0
     num_free_swap_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
     num_swapped: int = 0  # sequences whose K/V is in the swap pool
-    num_swapped_out_blocks: int = 0  # cumulative
-    num_swapped_in_blocks: int = 0  # cumulative
-    num_recomputes: int = 0  # preemptions that dropped the K/V (cumulative)
+    blocks_per_request: dict[str, int] = field(default_factory=dict)
+    swap_blocks_per_request: dict[str, int] = field(default_factory=dict)
+    request_ids: list[str] = field(default_factory=list)  # every request the engine holds
+    num_steps_total: int = 0
+    num_generated_tokens_total: int = 0
+    num_preemptions_total: int = 0  # the engine's own and directed ones
+    num_recomputes_total: int = 0  # preemptions that dropped the K/V
+    num_swapped_out_blocks_total: int = 0
+    num_swapped_in_blocks_total: int = 0
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Swap-pool blocks in use now."""
+        return self.num_swap_blocks - self.num_free_swap_blocks
 
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
-
-@dataclass(slots=True)
-class Occupancy:
-    """The worker's report of its pools and queues at one moment (``Engine.occupancy``).
-
-    ``num_swapped_blocks`` are swap-pool blocks in use; ``blocks_per_request`` counts
-    the blocks each live request holds in both pools.
-    """
-
-    num_blocks: int
-    num_free_blocks: int
-    num_swap_blocks: int
-    num_free_swap_blocks: int
-    num_swapped_blocks: int
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    blocks_per_request: dict[str, int] = field(default_factory=dict)
+    def num_blocks_of(self, request_id: str) -> int:
+        """Blocks ``request_id`` holds in both pools."""
+        return self.blocks_per_request.get(request_id, 0) + self.swap_blocks_per_request.get(request_id, 0)

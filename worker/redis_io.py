@@ -15,14 +15,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from pagefleet.redis_util import GROUP, Keys, OutEntry, retry
+from pagefleet.common.redis import GROUP, OUT_TTL_ACTIVE_S, OUT_TTL_DONE_S, Keys, OutEntry, retry
 
 log = structlog.get_logger("worker.redis")
 
-# A finished request's output stream lives this long (seconds) for late or repeated readers.
-OUT_TTL_DONE_S = 300
-# While it runs, a stream is kept at least this long after its latest message.
-OUT_TTL_ACTIVE_S = 3600
 
 
 @dataclass(slots=True)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import enum
 
-import torch
+from pagefleet.common.sampling_params import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer
-from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -50,7 +49,6 @@ class Request:
         "priority",
         "arrival_seq",
         "admit_seq",
-        "generator",
         "detokenizer",
         "num_emitted_tokens",
         "num_preemptions",
@@ -59,7 +57,6 @@ class Request:
         "stop_token_ids",
         "finish_token_ids",
         "max_tokens",
-        "trace_context",
     )
 
     def __init__(
@@ -84,9 +81,6 @@ class Request:
         self.priority = priority  # larger is more important
         self.arrival_seq = arrival_seq
         self.admit_seq = -1
-        self.generator: torch.Generator | None = None
-        if params.seed is not None and not params.greedy:
-            self.generator = torch.Generator().manual_seed(params.seed)
         self.detokenizer = detokenizer
         # Tokens already handed out (resumed requests start past their earlier output).
         self.num_emitted_tokens = len(self.output_token_ids)
@@ -97,7 +91,6 @@ class Request:
         # Checked for every token: the union, and the budget, as plain attributes.
         self.finish_token_ids = self.eos_token_ids | self.stop_token_ids
         self.max_tokens = params.max_tokens
-        self.trace_context = None
 
     @property
     def num_tokens(self) -> int:

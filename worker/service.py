@@ -11,6 +11,7 @@ rest are handed back (the scheduler resumes them elsewhere from their emitted to
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -22,12 +23,10 @@ import time
 import grpc
 import structlog
 
-from pagefleet import telemetry
-from pagefleet.metrics import WorkerMetrics, serve_metrics
-from pagefleet.observe import WorkerObserver
-from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
-from pagefleet.redis_util import Keys, connect, retry
-from pagefleet.service import (
+from pagefleet.common import telemetry
+from pagefleet.common.metrics import WorkerMetrics, serve_metrics
+from pagefleet.common.redis import Keys, connect, retry
+from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
     add_common_flags,
@@ -35,9 +34,12 @@ from pagefleet.service import (
     set_serving,
     setup_logging,
 )
+from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .engine_loop import EngineLoop
+from .observe import WorkerObserver
 from .redis_io import OutputWriter
+from .report import occupancy_report
 
 SERVICE = "pagefleet.v1.Worker"
 REPORT_INTERVAL_S = 0.1
@@ -99,17 +101,19 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
     async def StreamOccupancy(self, request, context):
         interval = request.interval_s or REPORT_INTERVAL_S
         # Finished requests from here on (earlier ones are acknowledged in Redis already).
-        cursor = self.w.loop.finished_log[-1][0] if self.w.loop.finished_log else 0
-        # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
-        while not self.w.stopped.is_set():
-            report, cursor = self.w.report(cursor)
-            yield report
-            self.w.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.w.changed.wait(), interval)
+        finished = self.w.loop.subscribe()
+        try:
+            # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
+            while not self.w.stopped.is_set():
+                yield self.w.report(finished)
+                self.w.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.w.changed.wait(), interval)
+        finally:
+            self.w.loop.unsubscribe(finished)
 
     async def Drain(self, request, context):
-        n = self.w.loop.num_held
+        n = self.w.loop.num_requests
         self.w.begin_drain(request.timeout_s or None)
         return cluster_pb2.DrainResponse(num_requests=n)
 
@@ -137,48 +141,31 @@ class Worker:
         self.drain_timeout = args.drain_timeout
         self.address = ""
 
-    def report(self, cursor: int) -> tuple[cluster_pb2.OccupancyReport, int]:
+    def report(self, finished: collections.deque[str]) -> cluster_pb2.OccupancyReport:
+        """The latest snapshot, with the requests that finished since the previous report."""
         s = self.loop.snapshot
-        log_now = list(self.loop.finished_log)  # one copy: the engine thread appends to it
-        finished = [rid for seq, rid in log_now if seq > cursor]
-        if log_now:
-            cursor = max(cursor, log_now[-1][0])
+        ids = [finished.popleft() for _ in range(len(finished))]
         self.report_seq += 1
-        return cluster_pb2.OccupancyReport(
-            worker_id=self.worker_id,
-            seq=self.report_seq,
-            num_blocks=s.num_blocks,
-            num_free_blocks=s.num_free_blocks,
-            block_size=s.block_size,
-            num_swap_blocks=s.num_swap_blocks,
-            num_free_swap_blocks=s.num_free_swap_blocks,
-            num_swapped_blocks=s.num_swapped_blocks,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_swapped=s.num_swapped,
-            blocks_per_request=s.blocks_per_request,
-            request_ids=s.request_ids,
-            finished_request_ids=finished,
-            max_num_seqs=self.args.max_num_seqs,
-            max_model_len=self.engine.max_model_len,
+        return occupancy_report(
+            s, worker_id=self.worker_id, seq=self.report_seq, finished_request_ids=ids,
+            max_num_seqs=self.args.max_num_seqs, max_model_len=self.engine.max_model_len,
             draining=self.draining,
-            num_preemptions=s.num_preemptions,
-        ), cursor
+        )
 
     def begin_drain(self, timeout_s: float | None = None) -> None:
         if not self.draining:
             self.draining = True
             self.changed.set()
-            log.info("worker.draining", num_requests=self.loop.num_held)
+            log.info("worker.draining", num_requests=self.loop.num_requests)
             asyncio.ensure_future(self._drain(timeout_s or self.drain_timeout))
 
     async def _drain(self, timeout_s: float) -> None:
         try:
             deadline = time.monotonic() + timeout_s
-            while self.loop.num_held and time.monotonic() < deadline:
+            while self.loop.num_requests and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if self.loop.num_held:
-                log.info("worker.handing_back", num_requests=self.loop.num_held)
+            if self.loop.num_requests:
+                log.info("worker.handing_back", num_requests=self.loop.num_requests)
                 # Stop generating before the scheduler resumes them elsewhere: no token of
                 # ours may land past the point the next worker resumes from. (Paused, not
                 # aborted: they stay in our reports, so nobody takes them for finished.)

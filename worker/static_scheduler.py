@@ -9,22 +9,23 @@ Only then is the next batch taken.
 
 from __future__ import annotations
 
+from .batch_scheduler import BatchScheduler, SchedulerOutput
 from .kv_cache_manager import KVCacheManager
 from .policy import WaitingQueue
 from .request import Request, RequestStatus
-from .scheduler import SchedulerOutput
 
 
-class StaticScheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, **_: object) -> None:
+class StaticScheduler(BatchScheduler):
+    """Never preempts and never swaps (its reservations cannot run out)."""
+
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int) -> None:
+        super().__init__()
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.waiting = WaitingQueue()
         self.batch: list[Request] = []  # the rows of the batch in flight, finished ones included
         self._prefilled = False
         self._padded_len = 0
-        self.num_preemptions = 0  # static batching never preempts
-        self.num_steps = 0
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -41,19 +42,11 @@ class StaticScheduler:
     def running(self) -> list[Request]:
         return [r for r in self.batch if not r.is_finished]
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
     def has_unfinished(self) -> bool:
         return bool(self.batch) or bool(self.waiting)
 
     def schedule(self) -> SchedulerOutput:
-        self.num_steps += 1
+        self.num_steps_total += 1
         self.release_if_done()
         if not self.batch and not self._take_batch():
             return SchedulerOutput()

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagefleet.common.model_config import ModelConfig
 from pagefleet.kernels import paged_attention, write_kv
-
-from .config import ModelConfig
 
 
 @dataclass(slots=True)

@@ -7,28 +7,11 @@ from pathlib import Path
 
 import torch
 
-from ..tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer
-from .config import ModelConfig
+from pagefleet.common.model_config import ModelConfig, ModelSpec, tiny_config
+
 from .llama import LlamaForCausalLM
 
 TINY_SEED = 1234
-
-
-def tiny_config() -> ModelConfig:
-    """A small Llama shape (GQA, untied head) over the byte tokenizer."""
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=ByteTokenizer.vocab_size,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        max_position_embeddings=2048,
-        bos_token_id=ByteTokenizer.BOS,
-        eos_token_ids=ByteTokenizer.eos_token_ids,
-    )
 
 
 def tiny_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -68,34 +51,11 @@ def resolve_dtype(dtype: str, device: torch.device, cfg_dtype: str | None) -> to
     return names[dtype]
 
 
-def load_model(model: str, device: torch.device, dtype: str, max_positions: int | None = None):
-    """``(model, tokenizer, config)`` for ``"tiny"`` or a checkpoint directory."""
-    if model == "tiny":
-        cfg = tiny_config()
-        state = tiny_state_dict(cfg)
-        tokenizer = ByteTokenizer()
-        cfg_dtype = "float32"
-    else:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model: {model!r} is neither 'tiny' nor a directory with config.json "
-                "(no model can be downloaded; pass a local Hugging Face checkpoint)"
-            )
-        raw = json.loads((path / "config.json").read_text())
-        cfg = ModelConfig.from_hf(raw)
-        cfg_dtype = raw.get("dtype") or raw.get("torch_dtype")
-        state = _read_safetensors(path)
-        eos = cfg.eos_token_ids
-        gen_cfg = path / "generation_config.json"
-        if gen_cfg.is_file():
-            g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            if g_eos is not None:
-                eos = tuple(sorted(set(eos) | set(g_eos if isinstance(g_eos, list) else [g_eos])))
-        if (path / "tokenizer.json").is_file():
-            tokenizer = HFTokenizer(path / "tokenizer.json", eos, cfg.bos_token_id)
-        else:
-            tokenizer = NoTokenizer(eos)
+def load_model(spec: ModelSpec, device: torch.device, dtype: str, max_positions: int | None = None):
+    """The network of ``spec`` (``load_model_spec``), weights loaded, on ``device``."""
+    cfg = spec.config
+    state = tiny_state_dict(cfg) if spec.path is None else _read_safetensors(spec.path)
+    cfg_dtype = spec.dtype
     torch_dtype = resolve_dtype(dtype, device, cfg_dtype)
     net = LlamaForCausalLM(cfg, max_positions=max_positions)
     state = {k.removeprefix("base_model."): v for k, v in state.items()}
@@ -114,7 +74,7 @@ def load_model(model: str, device: torch.device, dtype: str, max_positions: int 
     # RoPE tables stay float32 for accuracy; they are cast per use.
     net.rope.float()
     net.eval()
-    return net, tokenizer, cfg
+    return net
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -151,6 +151,7 @@ def step_overhead(model: str, num_seqs: int = 256, steps: int = 30) -> dict:
     from pagefleet import Engine, SamplingParams
 
     engine = Engine(model, num_blocks=num_seqs * 8, max_num_seqs=num_seqs, max_num_batched_tokens=4096)
+    engine.runner.profile = True  # time the forward pass apart from the rest of the step
     rng = random.Random(0)
     for _ in range(num_seqs):
         engine.add_request([rng.randrange(256) for _ in range(64)],

@@ -1,4 +1,4 @@
-"""``pagefleet bench <suite>``: routes to each suite's own benchmark module."""
+"""The benchmarks, kept apart from the serving packages; ``pagefleet bench <suite>`` routes here."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import importlib
 import sys
 
 SUITES = {
-    "engine": "pagefleet.worker.bench",
-    "kernels": "pagefleet.kernels.bench",
-    "preemption": "pagefleet.worker.bench_preemption",
-    "serve": "pagefleet.bench_serve",
+    "engine": "pagefleet.bench.engine",
+    "kernels": "pagefleet.bench.kernels",
+    "preemption": "pagefleet.bench.preemption",
+    "serve": "pagefleet.bench.serve",
 }
 
 

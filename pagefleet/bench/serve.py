@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pagefleet.service import EnvArgumentParser
+from pagefleet.common.service import EnvArgumentParser
 
 
 @dataclass(slots=True)

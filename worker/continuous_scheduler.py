@@ -15,9 +15,9 @@ next step on, so the copy overlaps a forward on devices that can do both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .batch_scheduler import BatchScheduler, SchedulerOutput
 from .kv_cache_manager import KVCacheManager
 from .policy import PreemptionPolicy, WaitingQueue, pick_victim, queue_key
 from .request import Request, RequestStatus
@@ -27,33 +27,7 @@ if TYPE_CHECKING:
     from .swap import SwapAllocator
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step. ``requests[i]`` computes ``num_scheduled_tokens[i]`` of its missing tokens.
-
-    ``num_padding_tokens[i]`` (static batching only) extra rows follow them: computed,
-    never written to the cache, their outputs dropped.
-    """
-
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_padding_tokens: list[int] | None = None
-    preempted: list[Request] = field(default_factory=list)
-    # Block copies to run before the model, in this order: (device block, swap block)
-    # pairs out, then (swap block, device block) pairs in.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        pad = sum(self.num_padding_tokens) if self.num_padding_tokens else 0
-        return sum(self.num_scheduled_tokens) + pad
-
-    def __bool__(self) -> bool:
-        return bool(self.requests or self.blocks_to_swap_out or self.blocks_to_swap_in)
-
-
-class Scheduler:
+class ContinuousScheduler(BatchScheduler):
     """Continuous batching with chunked prefill and preemption by swap or recompute.
 
     Without ``swap`` (the swap pool's allocator) every preemption is a recompute.
@@ -69,6 +43,7 @@ class Scheduler:
         policy: PreemptionPolicy | None = None,
         cost_model: CostModel | None = None,
     ) -> None:
+        super().__init__()
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -79,11 +54,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped = WaitingQueue()  # in the swap pool only
         self.swapping_in: list[Request] = []  # copies issued; in both pools until next step
-        self.num_preemptions = 0
-        self.num_recomputes = 0
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
-        self.num_steps = 0
         self._admit_counter = 0
         self._pending = SchedulerOutput()  # directed preemptions, shipped with the next step
 
@@ -105,14 +75,6 @@ class Scheduler:
             self.swap.free(req.request_id)
 
     @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def num_swapped(self) -> int:
         """Sequences whose K/V is in the swap pool (swapping in included)."""
         return len(self.swapped) + len(self.swapping_in)
@@ -122,7 +84,7 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self.num_steps += 1
+        self.num_steps_total += 1
         out, self._pending = self._pending, SchedulerOutput()
         self._finish_swap_ins()
         budget = self.max_num_batched_tokens
@@ -148,7 +110,7 @@ class Scheduler:
                 pressure = True
                 victim = pick_victim(
                     (r for r in self.running if id(r) not in scheduled),
-                    step=self.num_steps,
+                    step=self.num_steps_total,
                     min_resident_steps=self.policy.min_resident_steps,
                 )
                 if victim is None:  # all protected: req sits this step out, keeping its blocks
@@ -207,7 +169,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self._admit_counter += 1
             req.admit_seq = self._admit_counter
-            req.resumed_at_step = self.num_steps
+            req.resumed_at_step = self.num_steps_total
             self.running.append(req)
             out.requests.append(req)
             out.num_scheduled_tokens.append(n)
@@ -217,15 +179,14 @@ class Scheduler:
         """Take ``victim`` off the device: swap it out if the policy (or ``mode``) says so, else recompute."""
         self.running.remove(victim)
         victim.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(victim)
+        self.num_preemptions_total += 1
         if self._choose(victim, mode) == "swap":
             self._swap_out(victim, out)
             return
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
-        self.num_recomputes += 1
+        self.num_recomputes_total += 1
         self.waiting.push(victim)
 
     def _choose(self, victim: Request, mode: str | None) -> str:
@@ -250,7 +211,7 @@ class Scheduler:
         out.blocks_to_swap_out.extend(zip(device_ids, swap_ids, strict=True))
         # Freed now, reused this step: the engine copies them out before the model runs.
         self.kv.free(rid)
-        self.num_swapped_out_blocks += num_blocks
+        self.num_swapped_out_blocks_total += num_blocks
         victim.status = RequestStatus.SWAPPED
         self.swapped.push(victim)
 
@@ -264,7 +225,7 @@ class Scheduler:
             return False
         device_ids = self.kv.allocate_slots(rid, req.num_computed_tokens)
         out.blocks_to_swap_in.extend(zip(swap_ids, device_ids, strict=True))
-        self.num_swapped_in_blocks += len(swap_ids)
+        self.num_swapped_in_blocks_total += len(swap_ids)
         self.swapped.remove(req)
         req.status = RequestStatus.SWAPPING_IN
         self.swapping_in.append(req)
@@ -275,7 +236,7 @@ class Scheduler:
         for req in self.swapping_in:
             self.swap.free(req.request_id)
             req.status = RequestStatus.RUNNING
-            req.resumed_at_step = self.num_steps
+            req.resumed_at_step = self.num_steps_total
             self.running.append(req)
         self.swapping_in.clear()
 
@@ -294,7 +255,6 @@ class Scheduler:
         if req not in self.running:
             return False
         self._preempt(req, self._pending, mode)
-        self.num_preemptions -= 1  # counted by whoever directed it
         return True
 
     def update_after_step(self, out: SchedulerOutput) -> None:

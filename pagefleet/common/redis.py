@@ -31,6 +31,12 @@ from typing import TypeVar
 import structlog
 
 GROUP = "scheduler"
+# A finished request's output stream lives this long (seconds) for late or repeated readers.
+OUT_TTL_DONE_S = 300
+# While it runs, a stream is kept at least this long after its latest message.
+OUT_TTL_ACTIVE_S = 3600
+# A client-chosen request id is remembered (a retry relays, not re-queues) this long.
+IDEMPOTENCY_TTL_S = 3600
 T = TypeVar("T")
 log = structlog.get_logger("redis")
 
@@ -189,7 +195,7 @@ class RedisServer:
     """A throwaway ``redis-server`` on loopback in a temp dir (``with RedisServer() as r: r.url``)."""
 
     def __init__(self, port: int | None = None, binary: str | None = None) -> None:
-        from pagefleet.service import free_port
+        from pagefleet.common.service import free_port
 
         self.port = port or free_port()
         self.binary = binary or redis_server_binary()

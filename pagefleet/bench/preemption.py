@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from pagefleet.common.blocks import num_blocks_for
+
 MODES = ("swap", "recompute", "auto")
 
 
@@ -57,10 +59,10 @@ class Trace:
         return cls(name, prompts, outs)
 
     def peak_blocks(self, block_size: int) -> int:
-        return sum(-(-(len(p) + k) // block_size) for p, k in zip(self.prompts, self.max_tokens, strict=True))
+        return sum(num_blocks_for(len(p) + k, block_size) for p, k in zip(self.prompts, self.max_tokens, strict=True))
 
     def largest_blocks(self, block_size: int) -> int:
-        return max(-(-(len(p) + k) // block_size) for p, k in zip(self.prompts, self.max_tokens, strict=True))
+        return max(num_blocks_for(len(p) + k, block_size) for p, k in zip(self.prompts, self.max_tokens, strict=True))
 
 
 @dataclass

@@ -75,9 +75,9 @@ class WorkerMetrics:
 
     # counter -> the cumulative EngineStats field it follows (missing fields count as 0)
     _CUMULATIVE = {
-        "preemptions": "num_preemptions",
-        "swapped_out_blocks": "num_swapped_out_blocks",
-        "swapped_in_blocks": "num_swapped_in_blocks",
+        "preemptions": "num_preemptions_total",
+        "swapped_out_blocks": "num_swapped_out_blocks_total",
+        "swapped_in_blocks": "num_swapped_in_blocks_total",
     }
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -197,7 +197,7 @@ class SchedulerMetrics:
             registry=r,
         )
         self.workers = Gauge("pagefleet:scheduler_workers", "Live workers in the worker table.", registry=r)
-        self.free_blocks = Gauge(
+        self.free_blocks = Gauge(  # set from each report; a dead worker's label is removed
             "pagefleet:scheduler_free_blocks", "Free KV blocks reported by each worker.", ["worker"], registry=r
         )
         self.admissions = Counter("pagefleet:scheduler_admissions", "Requests assigned to a worker.", registry=r)
@@ -212,7 +212,6 @@ class SchedulerMetrics:
             "pagefleet:scheduler_decision_latency_seconds", "Time to take one scheduling decision.",
             buckets=DECISION_BUCKETS, registry=r,
         )
-
 
     def bind(self, core: Any) -> None:
         """Read the gauges from the active scheduler's state at every scrape."""

@@ -46,19 +46,22 @@ class EnvArgumentParser(argparse.ArgumentParser):
         return super().add_argument(*names, **kwargs)
 
 
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
+METRICS_PORT_HELP = "serve Prometheus /metrics on this port (0: any free port; default: off)"
+
+
+def add_common_flags(parser: argparse.ArgumentParser, metrics_help: str = METRICS_PORT_HELP) -> None:
+    """``--log-level``, ``--log-format`` and ``--metrics-port`` (``metrics_help``: its help text)."""
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"),
                         help="json for machines; auto picks console on a terminal")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus /metrics on this port (0: any free port; default: off)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="N", help=metrics_help)
 
 
 def setup_logging(component: str, args) -> None:
-    """Logs as ``pagefleet.log`` sets them up, at the level and format of the flags; and
-    tracing, when the ``OTEL_*`` variables ask for it (``pagefleet.telemetry``)."""
-    from pagefleet.log import configure_logging
-    from pagefleet.telemetry import setup_tracing
+    """Logs as ``pagefleet.common.log`` sets them up, at the level and format of the flags; and
+    tracing, when the ``OTEL_*`` variables ask for it (``pagefleet.common.telemetry``)."""
+    from pagefleet.common.log import configure_logging
+    from pagefleet.common.telemetry import setup_tracing
 
     configure_logging(component, level=args.log_level, fmt=args.log_format)
     setup_tracing(component)

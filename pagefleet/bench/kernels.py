@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import paged_attention, write_kv
+from pagefleet.kernels import paged_attention, write_kv
 
 # Peak HBM bandwidth (bytes/s) and dense bf16 tensor throughput (FLOP/s) by device name;
 # the first entry whose words all appear in the name wins. Unknown devices fall back to a

@@ -1,9 +1,20 @@
-"""The model shape, read from a Hugging Face ``config.json`` (Llama, Qwen2, Mistral)."""
+"""A model without its weights: its shape (``config.json``), EOS ids, tokenizer and context.
+
+``load_model_spec`` is the one reader of a checkpoint directory's metadata: the worker's
+loader builds the network from it, the gateway tokenizes and checks prompts with it.
+Torch-free.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
+
+from .tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer
+
+TINY = "tiny"
 
 SUPPORTED = {
     "llama": "LlamaForCausalLM",
@@ -101,3 +112,80 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (self.eos_token_ids[0] if self.eos_token_ids else None),
             "torch_dtype": "float32",
         }
+
+
+def tiny_config() -> ModelConfig:
+    """The built-in ``tiny`` model: a small Llama shape (GQA, untied head) over the byte tokenizer."""
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=2048,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=ByteTokenizer.eos_token_ids,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What every part knows of a model before (or without) loading its weights.
+
+    ``config.eos_token_ids`` already include ``generation_config.json``'s; ``dtype`` is the
+    checkpoint's own (``None`` when it does not say).
+    """
+
+    name: str
+    config: ModelConfig
+    tokenizer: Any
+    dtype: str | None = None
+    path: Path | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence the model handles exactly (attention is exact only while a
+        sliding window never slides)."""
+        cfg = self.config
+        return min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+
+    def max_model_len(self, requested: int | None = None) -> int:
+        """``requested`` checked against the model's context (``None``: the whole context)."""
+        limit = self.context_limit
+        if requested is None:
+            return limit
+        if isinstance(requested, bool) or not isinstance(requested, int) or not 1 <= requested <= limit:
+            raise ValueError(f"max_model_len must be between 1 and {limit} for this model, got {requested!r}")
+        return requested
+
+
+def load_model_spec(model: str) -> ModelSpec:
+    """``"tiny"`` or a Hugging Face checkpoint directory; ``ValueError`` naming what is wrong."""
+    if model == TINY:
+        return ModelSpec(TINY, tiny_config(), ByteTokenizer(), "float32")
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model: {model!r} is neither 'tiny' nor a directory with config.json "
+            "(no model can be downloaded; pass a local Hugging Face checkpoint)"
+        )
+    raw = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if g_eos is not None:
+            extra = g_eos if isinstance(g_eos, list) else [g_eos]
+            cfg = replace(cfg, eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | set(extra))))
+    if (path / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer(path / "tokenizer.json", cfg.eos_token_ids, cfg.bos_token_id)
+    else:
+        tokenizer = NoTokenizer(cfg.eos_token_ids)
+    return ModelSpec(model, cfg, tokenizer, raw.get("dtype") or raw.get("torch_dtype"), path)

@@ -5,7 +5,7 @@ whatever was bound (``request_id``...), and ``trace_id`` / ``span_id`` when logg
 a span; a coloured console format instead when stderr is a terminal. Standard-library
 loggers (grpc, redis, asyncio) go through the same renderer.
 
-    from pagefleet.log import configure_logging, get_logger
+    from pagefleet.common.log import configure_logging, get_logger
     configure_logging("gateway")
     log = get_logger(__name__)
     log.info("request_enqueued", request_id=rid, num_prompt_tokens=12)
@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from pagefleet import telemetry
+from pagefleet.common import telemetry
 
 __all__ = ["bound", "configure_logging", "get_logger"]
 

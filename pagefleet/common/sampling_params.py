@@ -9,6 +9,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 1024
+# Most tokens to generate when a request does not say (the proto's unset max_tokens too).
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -20,7 +22,7 @@ class SamplingParams:
     depend on what else shares the batch.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

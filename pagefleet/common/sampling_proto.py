@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pagefleet.common.sampling_params import SamplingParams
 from pagefleet.protos import generation_pb2 as pb
-from pagefleet.worker.sampling_params import SamplingParams
 
 
 def from_proto(msg: pb.SamplingParams) -> SamplingParams:
