@@ -19,6 +19,7 @@ import uuid
 import grpc
 import structlog
 
+from pagefleet.common.blocks import block_hashes
 from pagefleet.common.metrics import GatewayMetrics, serve_metrics
 from pagefleet.common.model_config import ModelSpec, load_model_spec
 from pagefleet.common.redis import (
@@ -58,6 +59,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
     p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory (tokenizer and config only)")
     p.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block of the workers: the prompt's block keys are computed with it "
+                        "so the scheduler can place a request where its prefix is cached")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="refuse new requests (RESOURCE_EXHAUSTED) while this many wait to be placed")
     p.add_argument("--max-stream-len", type=int, default=100_000,
@@ -123,6 +127,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         msg = cluster_pb2.AssignRequest(
             request_id=rid, prompt_token_ids=prompt_ids, sampling=request.sampling,
             priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
+            block_hashes=block_hashes(prompt_ids, self.args.block_size), hash_block_size=self.args.block_size,
         )
         with enqueue_span(msg, self.keys.requests):  # sets msg.traceparent when tracing
             fields = encode_request_entry(msg, int(time.time() * 1000))
@@ -191,6 +196,9 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.block_size < 1:
+        parser.error(f"--block-size must be at least 1, got {args.block_size}")
     setup_logging("gateway", args)
     return asyncio.run(serve(args))

@@ -31,7 +31,7 @@ PREEMPT_OUTCOME_NOT_FOUND: PreemptOutcome
 PREEMPT_OUTCOME_REFUSED: PreemptOutcome
 
 class AssignRequest(_message.Message):
-    __slots__ = ("request_id", "entry_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "traceparent", "deadline_unix_ms")
+    __slots__ = ("request_id", "entry_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "traceparent", "deadline_unix_ms", "block_hashes", "hash_block_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class AssignRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     entry_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -48,7 +50,9 @@ class AssignRequest(_message.Message):
     priority: int
     traceparent: str
     deadline_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    hash_block_size: int
+    def __init__(self, request_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
     __slots__ = ("accepted",)
@@ -93,7 +97,7 @@ class OccupancyRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class OccupancyReport(_message.Message):
-    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions")
+    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions", "stored_block_hashes", "evicted_block_hashes", "block_hashes_reset", "prefix_cache_queries_total", "prefix_cache_hits_total")
     class BlocksPerRequestEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +123,11 @@ class OccupancyReport(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_RESET_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     num_blocks: int
@@ -137,7 +146,12 @@ class OccupancyReport(_message.Message):
     max_model_len: int
     draining: bool
     num_preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    stored_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    evicted_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hashes_reset: bool
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[bytes]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hashes_reset: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)
