@@ -121,11 +121,7 @@ def write_kv_triton(
         value.stride(1),
         *key_cache.stride()[:3],
         *value_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=key_cache.shape[1],
+        **write_kv_meta(num_kv_heads, head_dim, key_cache.shape[1]),
     )
 
 
@@ -370,12 +366,9 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    qpk = num_heads // num_kv_heads
-    qpk_pad = triton.next_power_of_2(qpk)
     decode_only = num_tokens == num_seqs  # every sequence has exactly one query row
-    block_m = max(16 if decode_only else 64, qpk_pad)
-    block_q = block_m // qpk_pad
-    tile_n = 32 if decode_only else 64
+    block_q = attention_meta(num_heads // num_kv_heads, head_dim, key_cache.shape[1], query.dtype,
+                             decode_only, 1)["BLOCK_Q"]
     num_q_tiles = num_tokens // block_q + num_seqs
     if num_splits is None:
         num_splits = _default_num_splits(query.device, num_q_tiles * num_kv_heads)
@@ -383,10 +376,8 @@ def paged_attention_triton(
         1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0,
         f"num_splits must be a power of two in [1, {_MAX_SPLITS}], got {num_splits}",
     )
-
-    # Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; there (tests
-    # only) bf16 tiles are widened to fp32 before each dot. Compiled kernels never do this.
-    dot_in_fp32 = query.dtype == torch.bfloat16 and _interpreted()
+    meta = attention_meta(num_heads // num_kv_heads, head_dim, key_cache.shape[1], query.dtype,
+                          decode_only, num_splits, interpreted=_interpreted())
 
     if num_splits > 1:
         part_out = torch.empty(
@@ -419,19 +410,7 @@ def paged_attention_triton(
         *value_cache.stride()[:3],
         block_tables.stride(0),
         *part_strides,
-        QUERIES_PER_KV=qpk,
-        QPK_PAD=qpk_pad,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=key_cache.shape[1],
-        TILE_N=tile_n,
-        NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 or dot_in_fp32 else "tf32",
-        DOT_IN_FP32=dot_in_fp32,
-        num_warps=4,
-        num_stages=2 if decode_only else 3,
+        **meta,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -441,11 +420,54 @@ def paged_attention_triton(
             out.stride(0),
             out.stride(1),
             *part_strides,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-            NUM_SPLITS=num_splits,
+            **merge_meta(head_dim, num_splits),
         )
     return out
+
+
+def attention_meta(queries_per_kv: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                   decode_only: bool, num_splits: int, *, interpreted: bool = False) -> dict:
+    """The compile-time parameters (and warps/stages) ``paged_attention_triton`` launches
+    ``_paged_attention_kernel`` with: one function, so ahead-of-time builds compile exactly
+    the variants the launcher can pick."""
+    qpk_pad = triton.next_power_of_2(queries_per_kv)
+    block_m = max(16 if decode_only else 64, qpk_pad)
+    # Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; there (tests
+    # only) bf16 tiles are widened to fp32 before each dot. Compiled kernels never do this.
+    dot_in_fp32 = dtype == torch.bfloat16 and interpreted
+    return dict(
+        QUERIES_PER_KV=queries_per_kv,
+        QPK_PAD=qpk_pad,
+        BLOCK_Q=block_m // qpk_pad,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        TILE_N=32 if decode_only else 64,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if dtype == torch.float32 or dot_in_fp32 else "tf32",
+        DOT_IN_FP32=dot_in_fp32,
+        # A 64-row prefill tile of head_dim >= 128 keeps a [64, head_dim] fp32 accumulator: at 4
+        # warps it spills registers (ptxas, sm_80 and sm_90: tests/test_kernels_aot.py), at 8 not.
+        num_warps=8 if not decode_only and head_dim >= 128 else 4,
+        num_stages=2 if decode_only else 3,
+    )
+
+
+def merge_meta(head_dim: int, num_splits: int) -> dict:
+    """The compile-time parameters of ``_merge_splits_kernel``."""
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits)
+
+
+def write_kv_meta(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    """The compile-time parameters of ``_write_kv_kernel``."""
+    return dict(
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+    )
 
 
 def _interpreted() -> bool:

@@ -1,0 +1,106 @@
+"""Ahead-of-time builds of the Triton kernels for a GPU that is not here.
+
+Triton ships ``ptxas``, so every variant the launchers can pick compiles to a cubin on a
+machine without a GPU (``triton.compile`` with a ``GPUTarget``). ``build`` compiles one
+variant and reads its resource use back from the cubin (``cuobjdump``), so a test can
+check that it fits the target: a kernel that would fail to build or launch on a GPU then
+fails on CPU. The meta-parameters come from the launchers' own functions
+(``attention_meta``, ``merge_meta``, ``write_kv_meta``). Integer arguments are compiled
+as plain 64-bit values (the JIT may also specialize small or aligned ones).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import triton_ops
+
+# Most shared memory one block may use (opt-in), by compute capability.
+MAX_SHARED_BYTES = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+MAX_REGISTERS_PER_THREAD = 255
+_TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """One compiled variant and what it uses per block / per thread."""
+
+    kernel: str
+    arch: int
+    meta: dict
+    shared_bytes: int
+    registers: int
+    spill_bytes: int  # stack frame: registers spilled to local memory
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` if the variant cannot launch on its target."""
+        limit = MAX_SHARED_BYTES[self.arch]
+        if self.shared_bytes > limit:
+            raise AssertionError(f"{self.kernel} {self.meta}: {self.shared_bytes} B of shared memory "
+                                 f"> {limit} B on sm_{self.arch}")
+        if self.registers > MAX_REGISTERS_PER_THREAD:
+            raise AssertionError(f"{self.kernel} {self.meta}: {self.registers} registers per thread")
+        threads = 32 * self.meta.get("num_warps", 4)
+        if self.registers * threads > 65_536:
+            raise AssertionError(f"{self.kernel} {self.meta}: {self.registers} x {threads} threads "
+                                 "exceeds the 64K registers of an SM")
+
+
+def build(kernel: str, arch: int, meta: dict, pointer_types: dict[str, str]) -> Built:
+    """Compile ``triton_ops.<kernel>`` for ``sm_<arch>`` with ``meta`` (constexprs plus
+    ``num_warps``/``num_stages``); ``pointer_types`` gives each pointer argument's Triton
+    type (``"*bf16"``...), every other non-constexpr argument is ``i64`` unless named in it."""
+    fn = getattr(triton_ops, kernel)
+    consts = {k: v for k, v in meta.items() if k not in _LAUNCH_OPTIONS}
+    options = {k: v for k, v in meta.items() if k in _LAUNCH_OPTIONS}
+    signature = {}
+    for name in inspect.signature(fn.fn).parameters:
+        signature[name] = "constexpr" if name in consts else pointer_types.get(name, "i64")
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    registers, spill = _resource_usage(compiled.asm["cubin"])
+    return Built(kernel, arch, meta, int(compiled.metadata.shared), registers, spill)
+
+
+def attention_pointer_types(dtype: torch.dtype) -> dict[str, str]:
+    t = "*" + _TRITON_TYPES[dtype]
+    return {"out_ptr": t, "query_ptr": t, "key_cache_ptr": t, "value_cache_ptr": t,
+            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale_log2": "fp32",
+            "num_seqs": "i32"}
+
+
+def merge_pointer_types(dtype: torch.dtype) -> dict[str, str]:
+    return {"out_ptr": "*" + _TRITON_TYPES[dtype], "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+
+
+def write_kv_pointer_types(dtype: torch.dtype) -> dict[str, str]:
+    t = "*" + _TRITON_TYPES[dtype]
+    return {"key_ptr": t, "value_ptr": t, "key_cache_ptr": t, "value_cache_ptr": t,
+            "slot_mapping_ptr": "*i64"}
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, stack bytes) of the cubin's one function."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    if regs is None or stack is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage: {out!r}")
+    return int(regs.group(1)), int(stack.group(1))
