@@ -1,68 +1,145 @@
-"""The gateway's observability: the SERVER span and metrics of ``Generate``, the PRODUCER span of the XADD."""
+"""The gateway's observability: each call's SERVER span and metrics, the PRODUCER span of the XADD.
+
+A ``CallObserver`` follows one call whichever door it came through: the gRPC ``Generate``
+(``observed_generate`` wraps the servicer method) or an HTTP completion request
+(``http_call``). Both count into the same ``GatewayMetrics`` by gRPC status code; the HTTP
+app also counts every response by route and HTTP status.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from pagefleet.common import telemetry
 
+GRPC_SERVICE = "pagefleet.v1.Generation"
+
+
+class CallObserver:
+    """One call's metrics and (while tracing) its SERVER span.
+
+    ``message`` for every relayed message, ``end`` exactly once with the call's status
+    (a ``grpc.StatusCode``; the HTTP door passes the one its HTTP status stands for).
+    """
+
+    __slots__ = ("metrics", "span", "started", "num_output_tokens", "num_prompt_tokens", "finish_reasons", "ended")
+
+    def __init__(self, metrics: Any, span: Any = None) -> None:
+        self.metrics = metrics
+        self.span = span
+        self.started = time.monotonic()
+        self.num_output_tokens = 0
+        self.num_prompt_tokens = 0
+        self.finish_reasons: list[str] = []
+        self.ended = False
+        metrics.in_flight.inc()
+
+    def describe(self, attributes: Mapping[str, Any]) -> None:
+        """Add what the call asked for (known once its request is parsed) to the span."""
+        if self.span is not None:
+            self.span.set_attributes(dict(attributes))
+
+    @contextlib.contextmanager
+    def current(self):
+        """Make the span current (the XADD's PRODUCER span becomes its child)."""
+        token = None if self.span is None else telemetry.attach(self.span)
+        try:
+            yield
+        finally:
+            if token is not None:
+                telemetry.detach(token)
+
+    def message(self, msg: Any) -> None:
+        from pagefleet.protos import generation_pb2 as pb
+
+        if msg.token_ids and self.num_output_tokens == 0:
+            self.metrics.ttft.observe(time.monotonic() - self.started)
+        self.num_output_tokens += len(msg.token_ids)
+        if msg.finish_reason:
+            self.finish_reasons.append(pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower())
+            self.num_prompt_tokens += msg.usage.prompt_tokens
+
+    def end(self, code: Any, attributes: Mapping[str, Any] | None = None) -> None:
+        """Count and close the call (only the first ``end`` counts)."""
+        import grpc
+
+        if self.ended:
+            return
+        self.ended = True
+        self.metrics.in_flight.dec()
+        self.metrics.finished(code, time.monotonic() - self.started)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.metrics.shed.inc()
+        span = self.span
+        if span is None:
+            return
+        span.set_attributes(telemetry.finish_attributes(None, self.num_output_tokens))
+        if self.finish_reasons:
+            span.set_attribute(telemetry.GEN_AI_RESPONSE_FINISH_REASONS, tuple(self.finish_reasons))
+            span.set_attribute(telemetry.GEN_AI_USAGE_INPUT_TOKENS, self.num_prompt_tokens)
+        span.set_attributes(dict(attributes or {}))
+        if code != grpc.StatusCode.OK:
+            span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, code.name))
+        span.end()
+
 
 def observed_generate(method):
-    """Wrap the gateway's ``Generate`` (an async generator): its SERVER span and metrics.
+    """Wrap the gateway's gRPC ``Generate`` (an async generator): its SERVER span and metrics.
 
-    The servicer needs a ``metrics`` (GatewayMetrics) and a ``model`` (ModelSpec).
+    The servicer needs a ``core`` (GatewayCore: its ``metrics`` and ``model``).
     """
-    import functools
-
     import grpc
 
     tracer = telemetry.get_tracer("gateway")
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        import time
-
-        metrics = self.metrics
-        started = time.monotonic()
-        code = grpc.StatusCode.OK
-        metrics.in_flight.inc()
         span = None
         if telemetry.enabled():
             attrs = telemetry.request_attributes(
-                model=self.model.name,
+                model=self.core.model.name,
                 max_tokens=request.sampling.max_tokens,
                 temperature=request.sampling.temperature if request.sampling.HasField("temperature") else None,
                 prompt=request.prompt if request.WhichOneof("input") == "prompt" else None,
             )
-            attrs["rpc.system"] = "grpc"
-            attrs["rpc.service"] = "pagefleet.v1.Generation"
-            attrs["rpc.method"] = "Generate"
-            span = tracer.start_span("pagefleet.v1.Generation/Generate", context=telemetry.extract_grpc(context),
+            attrs.update({"rpc.system": "grpc", "rpc.service": GRPC_SERVICE, "rpc.method": "Generate"})
+            span = tracer.start_span(f"{GRPC_SERVICE}/Generate", context=telemetry.extract_grpc(context),
                                      kind=telemetry.SpanKind.SERVER, attributes=attrs)
-        token = None if span is None else telemetry.attach(span)
-        num_output, finish, first = 0, None, True
+        call = CallObserver(self.core.metrics, span)
+        code = grpc.StatusCode.OK
         try:
-            async for msg in method(self, request, context):
-                if first and msg.token_ids:
-                    first = False
-                    metrics.ttft.observe(time.monotonic() - started)
-                num_output += len(msg.token_ids)
-                if msg.finish_reason:
-                    finish = msg
-                yield msg
+            with call.current():
+                async for msg in method(self, request, context):
+                    call.message(msg)
+                    yield msg
         except BaseException as e:
             code = _status_code(context, e)
             raise
         finally:
-            metrics.in_flight.dec()
-            metrics.finished(code, time.monotonic() - started)
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                metrics.shed.inc()
-            if span is not None:
-                _end_generate_span(span, request, finish, num_output, code)
-                telemetry.detach(token)
+            attrs = {"rpc.grpc.status_code": code.value[0]}
+            if request.request_id:
+                attrs[telemetry.REQUEST_ID] = request.request_id
+            call.end(code, attrs)
 
     return wrapper
+
+
+def http_call(metrics: Any, method: str, route: str, headers: Mapping[str, str]) -> CallObserver:
+    """A ``CallObserver`` for one HTTP completion request; its span continues the
+    ``traceparent`` header's trace."""
+    span = None
+    if telemetry.enabled():
+        carrier = {k: v for k in telemetry.TRACE_FIELDS if (v := headers.get(k)) is not None}
+        span = telemetry.get_tracer("gateway").start_span(
+            f"{method} {route}", context=telemetry.extract(carrier), kind=telemetry.SpanKind.SERVER,
+            attributes={"http.request.method": method, "http.route": route,
+                        telemetry.GEN_AI_SYSTEM: telemetry.SYSTEM},
+        )
+    return CallObserver(metrics, span)
 
 
 def _status_code(context: Any, error: BaseException):
@@ -78,48 +155,23 @@ def _status_code(context: Any, error: BaseException):
     return grpc.StatusCode.UNKNOWN
 
 
-def _end_generate_span(span: Any, request: Any, finish: Any, num_output: int, code: Any) -> None:
-    import grpc
-
-    from pagefleet.protos import generation_pb2 as pb
-
-    reason = pb.FinishReason.Name(finish.finish_reason).removeprefix("FINISH_REASON_").lower() if finish else None
-    span.set_attributes(telemetry.finish_attributes(reason, num_output))
-    span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if finish is not None and finish.HasField("usage"):
-        span.set_attribute(telemetry.GEN_AI_USAGE_INPUT_TOKENS, finish.usage.prompt_tokens)
-    if request.request_id:
-        span.set_attribute(telemetry.REQUEST_ID, request.request_id)
-    if code != grpc.StatusCode.OK:
-        span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, code.name))
-    span.end()
-
-
 def enqueue_span(msg: Any, stream: str):
     """Around the gateway's XADD: a PRODUCER span whose context ``msg.traceparent`` carries.
 
     A no-op context manager while tracing is off (``msg.traceparent`` stays as it was).
     """
-    import contextlib
-
     if not telemetry.enabled():
         return contextlib.nullcontext()
     return _enqueue_span(msg, stream)
 
 
+@contextlib.contextmanager
 def _enqueue_span(msg: Any, stream: str):
-    import contextlib
-
     tracer = telemetry.get_tracer("gateway")
-
-    @contextlib.contextmanager
-    def span_cm():
-        attrs = {telemetry.REQUEST_ID: msg.request_id, "messaging.system": "redis",
-                 "messaging.operation.type": "send", "messaging.destination.name": stream,
-                 telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(msg.prompt_token_ids)}
-        with tracer.start_as_current_span(f"send {stream}", kind=telemetry.SpanKind.PRODUCER,
-                                          attributes=attrs) as span:
-            msg.traceparent = telemetry.inject().get("traceparent", msg.traceparent)
-            yield span
-
-    return span_cm()
+    attrs = {telemetry.REQUEST_ID: msg.request_id, "messaging.system": "redis",
+             "messaging.operation.type": "send", "messaging.destination.name": stream,
+             telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(msg.prompt_token_ids)}
+    with tracer.start_as_current_span(f"send {stream}", kind=telemetry.SpanKind.PRODUCER,
+                                      attributes=attrs) as span:
+        msg.traceparent = telemetry.inject().get("traceparent", msg.traceparent)
+        yield span

@@ -4,13 +4,14 @@ Messages are placed by the index of their first token: a message whose tokens we
 already relayed is dropped (a request resumed elsewhere, or a write retried, may repeat
 them), and one that starts past the next index waits until the gap is filled (the old
 worker's last writes can land after the new worker's first). So the client sees every
-token exactly once, in order.
+token exactly once, in order. A message's logprobs (one per token) are cut with its tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from pagefleet.common.logprobs import TokenLogprobs
 from pagefleet.common.redis import Keys, OutEntry, retry
 from pagefleet.protos import generation_pb2 as pb
 
@@ -51,7 +52,7 @@ class Reorder:
             if skip >= len(m.token_ids) and not m.finish_reason:
                 continue
             out = OutEntry(self.next_index, m.token_ids[skip:], m.text if skip == 0 else "",
-                           m.finish_reason, m.error)
+                           m.finish_reason, m.error, None if m.logprobs is None else m.logprobs[skip:])
             self.next_index += len(out.token_ids)
             ready.append(out)
             if out.finish_reason:
@@ -71,7 +72,7 @@ async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int) -> A
                 last_id = entry_id
                 for m in order.add(OutEntry.decode(fields)):
                     msg = pb.GenerateResponse(request_id=request_id, token_ids=m.token_ids, text=m.text,
-                                              index=m.index)
+                                              index=m.index, logprobs=logprobs_to_proto(m.logprobs or ()))
                     if m.finish_reason:
                         msg.finish_reason = FINISH.get(m.finish_reason, pb.FINISH_REASON_ERROR)
                         msg.error = m.error
@@ -80,3 +81,15 @@ async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int) -> A
                         yield msg
                         return
                     yield msg
+
+
+def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
+    """``TokenLogprobs`` (one per token) as the response's messages."""
+    return [
+        pb.TokenLogprobs(
+            logprob=e.logprob,
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v)
+                          for t, v in zip(e.top_token_ids, e.top_logprobs, strict=True)],
+        )
+        for e in entries
+    ]

@@ -1,35 +1,24 @@
-"""``pagefleet gateway``: the public ``pagefleet.v1.Generation`` service.
+"""``pagefleet gateway``: the public ``pagefleet.v1.Generation`` service, and with
+``--http-port`` the OpenAI-compatible HTTP API (gateway/http.py), from one process.
 
 Stateless (any number may serve together): validate and tokenize, queue the request in
-Redis, relay its output stream. A client's cancel or disconnect becomes a cancel entry in
-the requests stream, which the scheduler turns into a Cancel on the request's worker.
-When more than ``--max-queue`` requests wait, new ones are refused with
-RESOURCE_EXHAUSTED and a ``RetryInfo``.
+Redis, relay its output stream (gateway/core.py, shared by both doors). A client's cancel
+or disconnect becomes a cancel entry in the requests stream, which the scheduler turns
+into a Cancel on the request's worker. When more than ``--max-queue`` requests wait, new
+ones are refused with RESOURCE_EXHAUSTED and a ``RetryInfo`` (HTTP: 429 and Retry-After).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
-import secrets
-import time
 import uuid
 
 import grpc
 import structlog
 
-from pagefleet.common.blocks import block_hashes
-from pagefleet.common.metrics import GatewayMetrics, serve_metrics
-from pagefleet.common.model_config import ModelSpec, load_model_spec
-from pagefleet.common.redis import (
-    IDEMPOTENCY_TTL_S,
-    Keys,
-    connect,
-    encode_cancel_entry,
-    encode_request_entry,
-    retry,
-)
+from pagefleet.common.metrics import serve_metrics
+from pagefleet.common.model_config import load_model_spec
+from pagefleet.common.redis import Keys, connect, retry
 from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
@@ -38,23 +27,27 @@ from pagefleet.common.service import (
     set_serving,
     setup_logging,
 )
-from pagefleet.protos import cluster_pb2, generation_pb2_grpc
 from pagefleet.protos import generation_pb2 as pb
+from pagefleet.protos import generation_pb2_grpc
 
-from .observe import enqueue_span, observed_generate
-from .relay import relay
-from .validate import BadField, bad_request_metadata, check, retry_metadata
+from .core import DEADLINE_ERROR, GatewayCore, QueueUnavailable, Shed, traceparent_or_new
+from .observe import GRPC_SERVICE, observed_generate
+from .validate import BadField, bad_request_metadata, retry_metadata
 
-SERVICE = "pagefleet.v1.Generation"
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+SERVICE = GRPC_SERVICE
 
 log = structlog.get_logger("gateway")
 
 
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="pagefleet gateway", description="Run one gateway (stateless; run as many as you like).")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (gRPC and HTTP)")
     p.add_argument("--port", type=int, default=50051, help="port of the Generation service")
+    p.add_argument("--http-port", type=int, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) on this port (0: any free port; default: off)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the HTTP API (requests must name it; default: --model)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use")
     p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
     p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory (tokenizer and config only)")
@@ -63,7 +56,7 @@ def build_parser() -> EnvArgumentParser:
                    help="tokens per KV block of the workers: the prompt's block keys are computed with it "
                         "so the scheduler can place a request where its prefix is cached")
     p.add_argument("--max-queue", type=int, default=1024,
-                   help="refuse new requests (RESOURCE_EXHAUSTED) while this many wait to be placed")
+                   help="refuse new requests (RESOURCE_EXHAUSTED / HTTP 429) while this many wait to be placed")
     p.add_argument("--max-stream-len", type=int, default=100_000,
                    help="bound of the requests stream (MAXLEN ~); also a hard limit on requests in the system")
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds a refused client is told to wait")
@@ -73,96 +66,81 @@ def build_parser() -> EnvArgumentParser:
 
 def traceparent_of(context) -> str:
     """The W3C trace context the client sent, else a new root one."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "traceparent" and _TRACEPARENT.match(value):
-            return value
-    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+    sent = next((value for key, value in context.invocation_metadata() or () if key == "traceparent"), None)
+    return traceparent_or_new(sent)
+
+
+# A message that does not parse decodes to an empty request whose request_id carries this
+# mark (no valid id contains a NUL) and the parse error, so the servicer refuses it with
+# INVALID_ARGUMENT: gRPC's own decoding failure would answer INTERNAL, naming nothing.
+_UNDECODABLE = "\x00undecodable:"
+
+
+def _lenient(message_type):
+    def decode(raw: bytes):
+        try:
+            return message_type.FromString(raw)
+        except Exception as e:  # DecodeError, or bytes that are not UTF-8 in a string field
+            return message_type(request_id=f"{_UNDECODABLE}{e or type(e).__name__}")
+    return decode
+
+
+def add_generation_service(servicer, server) -> None:
+    """``add_GenerationServicer_to_server``, with decoders that never fail (see ``_UNDECODABLE``)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            servicer.Cancel, request_deserializer=_lenient(pb.CancelRequest),
+            response_serializer=pb.CancelResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if request.request_id.startswith(_UNDECODABLE):
+        error = request.request_id.removeprefix(_UNDECODABLE)
+        request.request_id = ""
+        e = BadField("request", f"the message does not decode as {SERVICE} protobuf ({error})")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, redis, keys: Keys, model: ModelSpec, args) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.model = model
-        self.max_model_len = model.max_model_len(args.max_model_len)
-        self.args = args
-        self.metrics = GatewayMetrics()
+    """The gRPC door: protobuf in, the core, protobuf out; refusals as status codes."""
+
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
 
     @observed_generate
     async def Generate(self, request, context):
+        await _refuse_undecodable(request, context)
         try:
-            prompt_ids = check(request, self.model, self.max_model_len)
+            prompt_ids = self.core.check(request)
         except BadField as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
-        rid = request.request_id or uuid.uuid4().hex
-        traceparent = traceparent_of(context)
-        log_ = log.bind(request_id=rid)
-        fresh = await self._enqueue(rid, request, prompt_ids, traceparent, context, client_id=bool(request.request_id))
-        if fresh:
-            log_.info("request.enqueued", num_prompt_tokens=len(prompt_ids), priority=request.priority,
-                      traceparent=traceparent)
-        finished = False
+        client_id = bool(request.request_id)
+        if not client_id:
+            request.request_id = uuid.uuid4().hex
         try:
-            async for msg in relay(self.redis, self.keys, rid, len(prompt_ids)):
-                finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                yield msg
-        finally:
-            if not finished:  # the client cancelled or went away: free the worker's blocks
-                log_.info("request.client_gone")
-                asyncio.ensure_future(self._send_cancel(rid))
-
-    async def _enqueue(self, rid, request, prompt_ids, traceparent, context, client_id: bool) -> bool:
-        """Queue the request; False when a client-chosen id was already queued (relay only)."""
-        depth, length = await self._queue_depth()
-        if depth >= self.args.max_queue or length >= self.args.max_stream_len:
-            message = f"queue is full ({depth} waiting); retry later"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
-                                trailing_metadata=retry_metadata(message, self.args.retry_after))
-        if client_id:
-            new = await retry(lambda: self.redis.set(self.keys.idempotency(rid), 1, nx=True, ex=IDEMPOTENCY_TTL_S),
-                              what="idempotency", attempts=5)
-            if not new:
-                return False
-        deadline = int(time.time() * 1000) + request.deadline_ms if request.HasField("deadline_ms") else 0
-        msg = cluster_pb2.AssignRequest(
-            request_id=rid, prompt_token_ids=prompt_ids, sampling=request.sampling,
-            priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
-            block_hashes=block_hashes(prompt_ids, self.args.block_size), hash_block_size=self.args.block_size,
-        )
-        with enqueue_span(msg, self.keys.requests):  # sets msg.traceparent when tracing
-            fields = encode_request_entry(msg, int(time.time() * 1000))
-            try:
-                await retry(lambda: self.redis.xadd(self.keys.requests, fields, maxlen=self.args.max_stream_len,
-                                                    approximate=True), what="xadd", attempts=5)
-            except Exception:
-                if client_id:  # not queued: a retry with the same id must queue it, not wait for it
-                    with contextlib.suppress(Exception):
-                        await self.redis.delete(self.keys.idempotency(rid))
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the request queue (Redis) is unreachable")
-        return True
-
-    async def _queue_depth(self) -> tuple[int, int]:
-        async def read():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.get(self.keys.num_waiting)
-            pipe.xlen(self.keys.requests)
-            return await pipe.execute()
-
-        waiting, length = await retry(read, what="queue_depth", attempts=5)
-        # No scheduler publishing its queue: everything in the stream is waiting.
-        return (int(waiting) if waiting is not None else length), length
-
-    async def _send_cancel(self, rid: str) -> None:
-        with contextlib.suppress(Exception):
-            await retry(lambda: self.redis.xadd(self.keys.requests, encode_cancel_entry(rid)),
-                        what="xadd_cancel", attempts=20)
+            queued, = await self.core.enqueue([(request, prompt_ids)], traceparent_of(context), client_ids=client_id)
+        except Shed as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                trailing_metadata=retry_metadata(str(e), e.retry_after_s))
+        except QueueUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        async for msg in self.core.relay(queued):
+            yield msg
+            if msg.finish_reason == pb.FINISH_REASON_ERROR and msg.error.startswith(DEADLINE_ERROR):
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, msg.error)
 
     async def Cancel(self, request, context):
+        await _refuse_undecodable(request, context)
         if not request.request_id:
             e = BadField("request_id", "is required")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
-        await retry(lambda: self.redis.xadd(self.keys.requests, encode_cancel_entry(request.request_id)),
-                    what="xadd_cancel", attempts=5)
+        await self.core.cancel(request.request_id)
         log.info("request.cancel_requested", request_id=request.request_id)
         return pb.CancelResponse(accepted=True)
 
@@ -171,24 +149,31 @@ async def serve(args) -> int:
     import signal
 
     model = load_model_spec(args.model)
-    keys = Keys(args.namespace)
     redis = connect(args.redis_url)
+    core = GatewayCore(redis, Keys(args.namespace), model, args)
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = GenerationService(redis, keys, model, args)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    serve_metrics(args, servicer.metrics.registry, "gateway")
+    add_generation_service(GenerationService(core), server)
+    serve_metrics(args, core.metrics.registry, "gateway")
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await retry(redis.ping, what="ping")
+    http = None
+    if args.http_port is not None:
+        from .http import HttpServer  # FastAPI and uvicorn only where HTTP is served
+
+        http = await HttpServer(core, args).start()
     await server.start()
     await set_serving(health, names, True)
-    log.info("gateway.ready", port=port, model=args.model, max_model_len=servicer.max_model_len)
+    log.info("gateway.ready", port=port, http_port=http.port if http else None, model=args.model,
+             max_model_len=core.max_model_len)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await set_serving(health, names, False)
+    if http is not None:
+        await http.stop()
     await server.stop(grace=2.0)
     await redis.aclose()
     log.info("gateway.stopped")
@@ -200,5 +185,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.block_size < 1:
         parser.error(f"--block-size must be at least 1, got {args.block_size}")
+    if args.http_port is not None and not 0 <= args.http_port <= 65535:
+        parser.error(f"--http-port must be between 0 and 65535, got {args.http_port}")
+    if args.http_port is not None and args.http_port and args.http_port == args.port:
+        parser.error(f"--http-port {args.http_port} is the gRPC --port too")
     setup_logging("gateway", args)
     return asyncio.run(serve(args))

@@ -16,7 +16,9 @@ from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import generation_pb2 as pb
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop")
+# Longer names before their prefixes ("stop_token_ids" before "stop").
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs")
 
 
 class BadField(ValueError):

@@ -104,3 +104,64 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     if regs is None or stack is None:
         raise RuntimeError(f"cuobjdump printed no resource usage: {out!r}")
     return int(regs.group(1)), int(stack.group(1))
+
+
+# -- in a process of its own --------------------------------------------------------------------
+# Triton decides at import whether kernels are compiled or interpreted (TRITON_INTERPRET), so a
+# process that interprets them (the CPU tests) builds cubins through a fresh interpreter.
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_spec(spec: dict) -> Built:
+    """Build one variant described in plain data: ``kernel`` (``attention`` | ``merge`` |
+    ``write_kv``), ``arch``, ``dtype`` (``bf16`` | ``fp16`` | ``fp32``) and the shape fields
+    its meta function takes."""
+    dtype = _DTYPE_NAMES[spec["dtype"]]
+    kind = spec["kernel"]
+    if kind == "attention":
+        meta = triton_ops.attention_meta(spec["queries_per_kv"], spec["head_dim"], spec.get("block_size", 16),
+                                         dtype, spec["decode_only"], spec["num_splits"])
+        return build("_paged_attention_kernel", spec["arch"], meta, attention_pointer_types(dtype))
+    if kind == "merge":
+        meta = {**triton_ops.merge_meta(spec["head_dim"], spec["num_splits"]), "num_warps": 4}
+        return build("_merge_splits_kernel", spec["arch"], meta, merge_pointer_types(dtype))
+    if kind == "write_kv":
+        meta = {**triton_ops.write_kv_meta(spec["num_kv_heads"], spec["head_dim"], spec.get("block_size", 16)),
+                "num_warps": 4}
+        return build("_write_kv_kernel", spec["arch"], meta, write_kv_pointer_types(dtype))
+    raise ValueError(f"kernel must be attention, merge or write_kv; got {kind!r}")
+
+
+def build_in_subprocess(specs: list[dict], timeout_s: float = 1200) -> list[dict]:
+    """``build_spec`` for each of ``specs`` in a fresh interpreter (compiled, never interpreted);
+    one dict per spec: the ``Built`` fields, or ``error``."""
+    import json
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "pagefleet.kernels.aot"], input=json.dumps(specs),
+                         capture_output=True, text=True, env=env, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"ahead-of-time build failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout)
+
+
+def main() -> int:
+    """Read a JSON list of specs on stdin, write a JSON list of results on stdout."""
+    import json
+    import sys
+    from dataclasses import asdict
+
+    results = []
+    for spec in json.loads(sys.stdin.read()):
+        try:
+            results.append(asdict(build_spec(spec)))
+        except Exception as e:  # reported per variant: one broken kernel must not hide the others
+            results.append({"error": f"{type(e).__name__}: {e}"})
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,6 +6,9 @@ N workers and a gateway, each a ``pagefleet <component>`` process in its own pro
 group. Prints one line when the cluster is ready; SIGINT/SIGTERM stops everything it
 started (SIGTERM, then SIGKILL after a grace period), leaving no process behind.
 
+HTTP: ``--http-port N`` (default 8000; 0: a free port) serves the OpenAI-compatible API
+from the gateway process too; the ready line gives its URL (``LocalCluster.http_url``).
+
 Metrics: ``--metrics-port N`` gives every component its own ``/metrics`` port, the
 gateway N, the scheduler N+1 and worker i N+2+i (``0``: a free port each); the ready
 line lists them. Unset, no component serves metrics.
@@ -26,6 +29,7 @@ import grpc
 
 from pagefleet.common.redis import RedisServer
 from pagefleet.common.service import EnvArgumentParser, add_common_flags, free_port
+from pagefleet.scheduler.placement import PLACEMENTS
 
 METRICS_PORT_HELP = ("serve Prometheus /metrics, one port per component: the gateway on N, the scheduler "
                      "on N+1, worker i on N+2+i (0: any free port for each; default: off)")
@@ -35,6 +39,7 @@ METRICS_PORT_HELP = ("serve Prometheus /metrics, one port per component: the gat
 class ClusterConfig:
     port: int = 50051
     host: str = "127.0.0.1"  # the gateway's bind address (0.0.0.0: every interface)
+    http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API; 0: a free port; None: off
     num_workers: int = 2
     model: str = "tiny"
     device: str = "auto"
@@ -59,6 +64,11 @@ class LocalCluster:
         self.redis_url = cfg.redis_url or ""
         self.scheduler_port = free_port()
         self.gateway_port = cfg.port or free_port()
+        self.http_port = cfg.http_port
+        if self.http_port == 0:
+            self.http_port = free_port()
+            while self.http_port in (self.scheduler_port, self.gateway_port):
+                self.http_port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
         self._worker_seq = 0
         # component name -> its /metrics port (gateway, scheduler, then workers as they are added)
@@ -70,6 +80,14 @@ class LocalCluster:
     def gateway_target(self) -> str:
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
         return f"{host}:{self.gateway_port}"
+
+    @property
+    def http_url(self) -> str:
+        """``http://host:port`` of the gateway's HTTP API (``ValueError`` when it serves none)."""
+        if self.http_port is None:
+            raise ValueError("this cluster's gateway serves no HTTP (ClusterConfig.http_port is None)")
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
+        return f"http://{host}:{self.http_port}"
 
     @property
     def scheduler_target(self) -> str:
@@ -86,7 +104,7 @@ class LocalCluster:
             return None
         if name not in self.metrics_ports:
             if base == 0:
-                taken = {self.scheduler_port, self.gateway_port, *self.metrics_ports.values()}
+                taken = {self.scheduler_port, self.gateway_port, self.http_port, *self.metrics_ports.values()}
                 port = free_port()
                 while port in taken:
                     port = free_port()
@@ -101,6 +119,7 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], metrics_port: int | None = None) -> subprocess.Popen:
         env = dict(os.environ, PAGEFLEET_LOG_LEVEL=self.cfg.log_level)
         env.pop("PAGEFLEET_METRICS_PORT", None)  # one port per process: pass --metrics-port per component
+        env.pop("PAGEFLEET_HTTP_PORT", None)  # the launcher's own: the gateway gets --http-port
         if self.cfg.log_dir:
             env.setdefault("PAGEFLEET_LOG_FORMAT", "json")
             out = open(Path(self.cfg.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -123,7 +142,8 @@ class LocalCluster:
         self.start_scheduler()
         for _ in range(self.cfg.num_workers):
             self.add_worker()
-        self._spawn("gateway", ["gateway", "--host", self.cfg.host, "--port", str(self.gateway_port),
+        http = [] if self.http_port is None else ["--http-port", str(self.http_port)]
+        self._spawn("gateway", ["gateway", "--host", self.cfg.host, "--port", str(self.gateway_port), *http,
                                 "--model", self.cfg.model, *self.cfg.gateway_args],
                     self._metrics_port("gateway", 0))
         self.wait_ready(timeout_s)
@@ -223,12 +243,19 @@ def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="pagefleet up", description="Start a whole cluster on this machine.")
     p.add_argument("--port", type=int, default=50051, help="gateway port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (0.0.0.0: every interface)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the gateway's OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) on this port (0: any free port)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the HTTP API (default: --model)")
     p.add_argument("--workers", type=int, default=2, help="number of workers")
     p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
     p.add_argument("--redis-url", default=None, help="an external Redis (default: start one in a temp dir)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: fit memory)")
     p.add_argument("--policy", default="fcfs", help="scheduler queue policy: fcfs | priority | deadline")
+    p.add_argument("--placement", default="prefix", choices=PLACEMENTS,
+                   help="scheduler placement policy (see `pagefleet scheduler --help`)")
     p.add_argument("--demo", default=None, metavar="PROMPT",
                    help="stream one greedy generation of PROMPT once ready, then stop everything")
     p.add_argument("--demo-tokens", type=int, default=48, help="tokens the demo generates")
@@ -265,15 +292,22 @@ def main(argv: list[str]) -> int:
         if args.metrics_port < 0 or last > 65535:
             parser.error(f"--metrics-port {args.metrics_port}: the ports N..N+{1 + args.workers} "
                          f"(gateway, scheduler, {args.workers} workers) must lie in 1..65535")
-        if args.metrics_port <= args.port <= last:
-            parser.error(f"--metrics-port {args.metrics_port} takes ports {args.metrics_port}..{last}, "
-                         f"which include the gateway's --port {args.port}")
+        for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+            if args.metrics_port <= port <= last:
+                parser.error(f"--metrics-port {args.metrics_port} takes ports {args.metrics_port}..{last}, "
+                             f"which include the gateway's {flag} {port}")
+    if not 0 <= args.http_port <= 65535:
+        parser.error(f"--http-port must be between 0 and 65535, got {args.http_port}")
+    if args.http_port and args.http_port == args.port:
+        parser.error(f"--http-port {args.http_port} is the gateway's --port too")
     worker_args = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     # The demo shows the stream, not every component's info logs (--log-level still wins).
     quiet = args.demo is not None and "--log-level" not in argv and "PAGEFLEET_LOG_LEVEL" not in os.environ
-    cfg = ClusterConfig(port=args.port, host=args.host, num_workers=args.workers, model=args.model,
-                        device=args.device, redis_url=args.redis_url, worker_args=worker_args,
-                        scheduler_args=["--policy", args.policy],
+    gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    cfg = ClusterConfig(port=args.port, host=args.host, http_port=args.http_port, num_workers=args.workers,
+                        model=args.model, device=args.device, redis_url=args.redis_url, worker_args=worker_args,
+                        gateway_args=gateway_args,
+                        scheduler_args=["--policy", args.policy, "--placement", args.placement],
                         log_level="warning" if quiet else args.log_level, metrics_port=args.metrics_port)
     cluster = LocalCluster(cfg)
     stopping = False
@@ -288,7 +322,7 @@ def main(argv: list[str]) -> int:
     rc = 0
     try:
         cluster.start()
-        print(f"pagefleet ready: gateway {cluster.gateway_target}, {args.workers} workers, "
+        print(f"pagefleet ready: gateway {cluster.gateway_target}, http {cluster.http_url}, {args.workers} workers, "
               f"scheduler {cluster.scheduler_target}, redis {cluster.redis_url}"
               f"{_metrics_summary(cluster.metrics_ports)} (Ctrl-C stops everything)",
               flush=True)

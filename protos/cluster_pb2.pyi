@@ -31,7 +31,7 @@ PREEMPT_OUTCOME_NOT_FOUND: PreemptOutcome
 PREEMPT_OUTCOME_REFUSED: PreemptOutcome
 
 class AssignRequest(_message.Message):
-    __slots__ = ("request_id", "entry_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "traceparent", "deadline_unix_ms", "block_hashes", "hash_block_size")
+    __slots__ = ("request_id", "entry_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "traceparent", "deadline_unix_ms", "block_hashes", "hash_block_size", "epoch", "scheduler_epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class AssignRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     entry_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -52,13 +54,17 @@ class AssignRequest(_message.Message):
     deadline_unix_ms: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     hash_block_size: int
-    def __init__(self, request_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
+    epoch: int
+    scheduler_epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hash_block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., scheduler_epoch: _Optional[int] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "stale_scheduler")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STALE_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
-    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+    stale_scheduler: bool
+    def __init__(self, accepted: _Optional[bool] = ..., stale_scheduler: _Optional[bool] = ...) -> None: ...
 
 class WorkerCancelRequest(_message.Message):
     __slots__ = ("request_id", "notify_client")
@@ -186,17 +192,21 @@ class WorkerState(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., report: _Optional[_Union[OccupancyReport, _Mapping]] = ..., num_owed_blocks: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_assigned: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
-    __slots__ = ("active", "workers", "waiting_request_ids", "num_preemptions", "num_reassigned", "policy")
+    __slots__ = ("active", "workers", "waiting_request_ids", "num_preemptions", "num_reassigned", "policy", "placement", "num_prefix_index_keys")
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_REASSIGNED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_INDEX_KEYS_FIELD_NUMBER: _ClassVar[int]
     active: bool
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     waiting_request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_preemptions: int
     num_reassigned: int
     policy: str
-    def __init__(self, active: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., waiting_request_ids: _Optional[_Iterable[str]] = ..., num_preemptions: _Optional[int] = ..., num_reassigned: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+    placement: str
+    num_prefix_index_keys: int
+    def __init__(self, active: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., waiting_request_ids: _Optional[_Iterable[str]] = ..., num_preemptions: _Optional[int] = ..., num_reassigned: _Optional[int] = ..., policy: _Optional[str] = ..., placement: _Optional[str] = ..., num_prefix_index_keys: _Optional[int] = ...) -> None: ...

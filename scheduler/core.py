@@ -5,38 +5,58 @@ Tasks, all on one event loop:
 * ``_intake``: ``XREADGROUP`` on the requests stream; generate entries join the global
   queue, cancel entries withdraw a request wherever it is.
 * ``_discover``: reads the workers' rows in Redis and opens each new worker's occupancy
-  stream (``_watch``); a broken stream or ``dead_after_s`` without a report marks the
-  worker dead and its requests are resumed elsewhere from the tokens they emitted.
+  stream (``_watch``); a broken stream or ``dead_after_s`` without a report (on this
+  process's monotonic clock: no clocks of other hosts are compared) marks the worker dead
+  and its requests are resumed elsewhere from the tokens they emitted.
 * ``_dispatch``: woken by every arrival and report; places the queue's head where it
-  fits (``workers.pick_worker``), or preempts lower-priority sequences for it
-  (``workers.pick_victims``); head-of-line, so no request is overtaken forever.
+  fits (``placement.Placer``: prefix, least-loaded or round-robin), or preempts
+  lower-priority sequences for it (``workers.pick_victims``); head-of-line, so no request
+  is overtaken forever.
 
-A request is acknowledged in Redis when it finishes (by its worker, in the same round trip
-as its last tokens) or when the scheduler finishes it (cancelled while waiting, deadline
-passed). On takeover the pending entries are read again: those a worker reports holding
-are adopted, the others resumed.
+The prefix index (``prefix_index.PrefixIndex``) learns the workers' cached block keys from
+their reports and holds each placed request's keys on its worker until it leaves.
+
+* ``_finishes``: reads the done stream: a request is forgotten only once its final write
+  has landed in Redis (never on a worker's word alone).
+
+Ownership is fenced (``pagefleet.common.fencing``): each assignment takes a new epoch in
+Redis and the worker writes under it; resuming, cancelling or finishing a request takes a
+newer one first, so whoever held it before can write no more (its writes are refused and
+it drops the request). The scheduler's own epoch fences it too: once another scheduler has
+taken the lease, or this one could not renew it in time on its own clock, every
+assignment it tries fails (``StaleScheduler``) and it stops.
+
+A request is acknowledged in Redis in the same atomic step as its final message, whoever
+writes it (its worker, or the scheduler for a cancel, a deadline or a refusal). On
+takeover the pending entries are read again: those a worker reports holding are adopted,
+the others resumed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import structlog
 
+from pagefleet.common.fencing import Fencing, Write
 from pagefleet.common.metrics import SchedulerMetrics
-from pagefleet.common.redis import GROUP, OUT_TTL_DONE_S, Keys, OutEntry, read_emitted, retry
+from pagefleet.common.redis import GROUP, Keys, OutEntry, read_emitted, retry
 from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .observe import assign_span
+from .placement import Placement, PlacementConfig, Placer
+from .prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
 from .queue import GlobalQueue, Pending
-from .workers import WorkerEntry, pick_victims, pick_worker
+from .workers import WorkerEntry, pick_victims
 
 log = structlog.get_logger("scheduler")
 
@@ -46,6 +66,10 @@ PREEMPT_MODES = {
     "swap": cluster_pb2.PREEMPT_MODE_SWAP,
     "recompute": cluster_pb2.PREEMPT_MODE_RECOMPUTE,
 }
+
+
+class StaleScheduler(RuntimeError):
+    """A newer scheduler holds the lease, or this one could not renew it in time: stop placing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +82,29 @@ class SchedulerConfig:
     worker_ttl_s: float = 5.0
     rpc_timeout_s: float = 5.0
     adopt_wait_s: float = 2.0
+    placement: PlacementConfig = PlacementConfig()
+    prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
 
 
 class ClusterScheduler:
-    def __init__(self, redis, keys: Keys, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
+    """``epoch``: this scheduler's epoch (taken with the lease); ``lease_ok``: whether the lease
+    is still surely held by the scheduler's own clock (checked before every assignment)."""
+
+    def __init__(self, redis, keys: Keys, config: SchedulerConfig, metrics: SchedulerMetrics | None = None,
+                 *, epoch: int = 0, lease_ok: Callable[[], bool] = lambda: True) -> None:
         self.redis = redis
         self.keys = keys
         self.cfg = config
+        self.epoch = epoch
+        self.lease_ok = lease_ok
+        self.fencing = Fencing(redis, keys)
+        self._deadlines: list[tuple[int, str]] = []  # (deadline_unix_ms, request id) of placed requests
+        self._rows: dict[str, tuple[object, float]] = {}  # worker id -> (its row's heartbeat, when it changed)
+        self._done_cursor = "0-0"
         self.queue = GlobalQueue(config.policy, config.aging_s)
         self.workers: dict[str, WorkerEntry] = {}
+        self.index = PrefixIndex(config.prefix_index_size)
+        self.placer = Placer(config.placement, self.index)
         self.known: dict[str, Pending] = {}  # every unfinished request: queued or placed
         self.where: dict[str, str] = {}  # request_id -> worker_id
         self._seq = itertools.count()
@@ -83,12 +121,16 @@ class ClusterScheduler:
     # -- life ------------------------------------------------------------------------------
     async def run(self) -> None:
         await self._ensure_group()
+        # Finishes from here on; earlier ones left no pending entry to adopt.
+        last = await retry(lambda: self.redis.xrevrange(self.keys.done, count=1), what="done_tail")
+        self._done_cursor = last[0][0] if last else "0-0"
         self._tasks = [asyncio.create_task(self._discover(), name="discover")]
         await self._adopt()
         self._tasks += [
             asyncio.create_task(self._intake(), name="intake"),
             asyncio.create_task(self._dispatch(), name="dispatch"),
             asyncio.create_task(self._tick(), name="tick"),
+            asyncio.create_task(self._finishes(), name="finishes"),
         ]
         try:
             await asyncio.gather(*self._tasks)
@@ -174,57 +216,79 @@ class ClusterScheduler:
             w = holders[rid]
             w.place(p, self.cfg.headroom_tokens)
             w.placed[rid].reflected = True
+            self._hold(w, p)
             self.where[rid] = w.worker_id
         elif holders is not None:  # takeover: it may have run somewhere; resume from its output
             await self._requeue(p)
         else:
             self.queue.push(p)
 
+    async def _fence(self, rid: str, owner: str) -> int:
+        """A new epoch for ``rid`` (whoever held it can write no more); 0 if it is finished."""
+        epoch = await retry(lambda: self.fencing.assign(rid, self.epoch, owner), what="fence")
+        if epoch < 0:
+            raise StaleScheduler(f"scheduler epoch {self.epoch} is no longer the current one")
+        return epoch
+
     async def _requeue(self, p: Pending) -> None:
-        """Queue ``p`` again to resume after the tokens it emitted (read from Redis)."""
+        """Queue ``p`` again to resume after the tokens it emitted: fenced first, so the
+        output read is final (nobody before can add to it)."""
+        if await self._fence(p.request_id, "") == 0:
+            self._forget(p.request_id)
+            return
         emitted, finish = await read_emitted(self.redis, self.keys, p.request_id)
         if finish:
-            self.known.pop(p.request_id, None)
+            self._forget(p.request_id)
             await self._ack(p.entry_id)
             return
         del p.assign.output_token_ids[:]
         p.assign.output_token_ids.extend(emitted)
         if p.num_remaining_tokens == 0:  # every token is out but the last message never was
-            await self._finish(p, "length", "")
+            await self._finish(p.request_id, "length", "")
             return
         self.queue.push(p)
         self._wake.set()
 
-    async def _cancel(self, rid: str) -> None:
-        p = self.queue.remove(rid)
-        if p is not None:
-            await self._finish(p, "abort", "")
-            return
+    async def _cancel(self, rid: str, reason: str = "abort", error: str = "") -> None:
+        """Finish ``rid`` (aborted, by default) wherever it is: queued, placed, or being
+        resumed. The fence makes its worker's next write fail, so the worker drops it; the
+        Cancel call only frees its blocks sooner."""
         wid = self.where.get(rid)
+        if not await self._finish(rid, reason, error):
+            return
         w = self.workers.get(wid) if wid else None
-        if w is not None and w.stub is not None:
-            with contextlib.suppress(grpc.RpcError):
-                await w.stub.Cancel(cluster_pb2.WorkerCancelRequest(request_id=rid, notify_client=True),
-                                    timeout=self.cfg.rpc_timeout_s)
+        if w is not None:
+            await self._tell_cancel(w, rid)
             log.info("request.cancel_sent", request_id=rid, worker_id=wid)
 
-    async def _finish(self, p: Pending, reason: str, error: str) -> None:
-        """Finish a request the scheduler holds (it never reached a worker, or cannot)."""
-        self.known.pop(p.request_id, None)
-        self.where.pop(p.request_id, None)
-        entry = OutEntry(len(p.assign.output_token_ids), [], "", reason, error)
-        key = self.keys.out(p.request_id)
+    async def _tell_cancel(self, w: WorkerEntry, rid: str) -> None:
+        """Best effort: ask ``w`` to drop ``rid`` now and free its blocks (its writes are fenced
+        off already, so a lost call only delays the freeing)."""
+        if w.stub is None:
+            return
+        try:
+            await w.stub.Cancel(cluster_pb2.WorkerCancelRequest(request_id=rid, notify_client=False),
+                                timeout=self.cfg.rpc_timeout_s)
+        except grpc.RpcError:
+            pass
+        except asyncio.CancelledError:
+            if w.alive:
+                raise  # our own task is being cancelled; else the channel closed under the call
 
-        async def write():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(key, entry.encode())
-            pipe.expire(key, OUT_TTL_DONE_S)
-            pipe.xack(self.keys.requests, GROUP, p.entry_id)
-            pipe.xdel(self.keys.requests, p.entry_id)
-            await pipe.execute()
-
-        await retry(write, what="finish")
-        log.info("request.finished_by_scheduler", request_id=p.request_id, finish_reason=reason, error=error)
+    async def _finish(self, rid: str, reason: str, error: str) -> bool:
+        """Write ``rid``'s final message (and acknowledge its entry) under a new epoch, then
+        forget it; False if it had finished already."""
+        p = self.known.get(rid)
+        epoch = await self._fence(rid, "scheduler")
+        if epoch == 0:
+            self._forget(rid)
+            return False
+        entry = OutEntry(len(p.assign.output_token_ids) if p else 0, [], "", reason, error)
+        write = Write(rid, epoch, entry, p.entry_id if p else "")
+        await retry(lambda: self.fencing.write([write]), what="finish")
+        self._forget(rid)
+        log.info("request.finished_by_scheduler", request_id=rid, finish_reason=reason, error=error)
+        return True
 
     async def _ack(self, entry_id: str) -> None:
         async def ack():
@@ -239,12 +303,19 @@ class ClusterScheduler:
     async def _discover(self) -> None:
         while True:
             rows = await retry(lambda: self.redis.hgetall(self.keys.workers), what="hgetall_workers")
-            now_ms = time.time() * 1000
+            now = time.monotonic()
             for raw_id, raw in rows.items():
                 wid = raw_id.decode()
                 row = json.loads(raw)
-                if now_ms - row["ts_ms"] > self.cfg.worker_ttl_s * 1000:
+                # A row is live while its heartbeat changes, timed on this clock (the value is
+                # opaque: the worker's clock is never compared with ours).
+                beat = row.get("beat", row.get("ts_ms"))
+                seen = self._rows.get(wid)
+                if seen is None or seen[0] != beat:
+                    self._rows[wid] = seen = (beat, now)
+                if now - seen[1] > self.cfg.worker_ttl_s:
                     await retry(lambda w=wid: self.redis.hdel(self.keys.workers, w), what="hdel_worker")
+                    self._rows.pop(wid, None)
                     continue
                 w = self.workers.get(wid)
                 if w is None or w.address != row["address"]:
@@ -265,10 +336,17 @@ class ClusterScheduler:
             async for report in w.stub.StreamOccupancy(cluster_pb2.OccupancyRequest()):
                 if not w.alive:
                     return
-                finished, orphans = w.apply_report(report)
-                self.metrics.free_blocks.labels(worker=w.worker_id).set(report.num_free_blocks)
-                for rid in finished:
-                    self._forget(rid, w.worker_id)
+                vanished, orphans = w.apply_report(report)
+                self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
+                                        report.block_hashes_reset)
+                self.metrics.observe_report(w.worker_id, report)
+                for rid in vanished:  # dropped without a finish reported: resume (or forget) it
+                    pl = w.placed.pop(rid)
+                    self.index.release(rid)
+                    if self.where.get(rid) == w.worker_id:
+                        del self.where[rid]
+                        log.warning("request.vanished", request_id=rid, worker_id=w.worker_id)
+                        await self._requeue(pl.pending)
                 if orphans and not self._adopting:
                     await self._withdraw_orphans(w, orphans)
                 self._wake.set()
@@ -279,18 +357,33 @@ class ClusterScheduler:
             return
         await self._worker_dead(w, reason)
 
-    def _forget(self, rid: str, wid: str) -> None:
-        if self.where.get(rid) == wid:
-            del self.where[rid]
-            self.known.pop(rid, None)
+    def _forget(self, rid: str) -> None:
+        """``rid`` is finished (its final write is in Redis): drop every trace of it."""
+        self.known.pop(rid, None)
+        self.queue.remove(rid)
+        self.index.release(rid)
+        wid = self.where.pop(rid, None)
+        w = self.workers.get(wid) if wid else None
+        if w is not None:
+            w.placed.pop(rid, None)
+
+    async def _finishes(self) -> None:
+        """Forget each request whose final write landed (the done stream, written in the same
+        atomic step as the write); wake placement, since its worker has room again."""
+        while True:
+            resp = await retry(lambda: self.redis.xread({self.keys.done: self._done_cursor}, count=512,
+                                                        block=1000), what="xread_done")
+            for _, entries in resp or ():
+                for entry_id, fields in entries:
+                    self._done_cursor = entry_id
+                    self._forget(fields[b"rid"].decode())
+            self._wake.set()
 
     async def _withdraw_orphans(self, w: WorkerEntry, orphans: list[str]) -> None:
         """A worker runs requests it was not given (it came back after being declared dead)."""
         for rid in orphans:
             log.warning("worker.orphan_withdrawn", worker_id=w.worker_id, request_id=rid)
-            with contextlib.suppress(grpc.RpcError):
-                await w.stub.Cancel(cluster_pb2.WorkerCancelRequest(request_id=rid, notify_client=False),
-                                    timeout=self.cfg.rpc_timeout_s)
+            await self._tell_cancel(w, rid)
 
     async def _worker_dead(self, w: WorkerEntry, reason: str) -> None:
         if not w.alive:
@@ -299,8 +392,8 @@ class ClusterScheduler:
         self.metrics.dead_workers.inc()
         if self.workers.get(w.worker_id) is w:
             del self.workers[w.worker_id]
-            with contextlib.suppress(KeyError):  # no report came in: never labelled
-                self.metrics.free_blocks.remove(w.worker_id)
+            self.index.remove_worker(w.worker_id)
+            self.metrics.forget_worker(w.worker_id)
         await retry(lambda: self.redis.hdel(self.keys.workers, w.worker_id), what="hdel_worker")
         placed = list(w.placed.values())
         w.placed.clear()
@@ -324,8 +417,13 @@ class ClusterScheduler:
             for w in list(self.workers.values()):
                 if now - w.last_report_at > self.cfg.dead_after_s:
                     await self._worker_dead(w, f"no report for {self.cfg.dead_after_s}s")
-            for p in self.queue.pop_expired(int(time.time() * 1000)):
-                await self._finish(p, "error", "deadline exceeded while waiting")
+            now_ms = int(time.time() * 1000)
+            for p in self.queue.pop_expired(now_ms):
+                await self._finish(p.request_id, "error", "deadline exceeded while waiting")
+            while self._deadlines and self._deadlines[0][0] <= now_ms:
+                _, rid = heapq.heappop(self._deadlines)
+                if rid in self.where:  # still running: cut it off
+                    await self._cancel(rid, "error", "deadline exceeded while running")
             self._wake.set()
             n = len(self.queue)
             if n != self._published_waiting or now - self._published_at > 1.0:
@@ -340,27 +438,42 @@ class ClusterScheduler:
             while (p := self.queue.peek()) is not None:
                 live = list(self.workers.values())
                 t0 = time.perf_counter()
-                w = pick_worker(live, p, self.cfg.headroom_tokens)
+                placement = self.placer.choose(live, p, self.cfg.headroom_tokens)
                 found = None
-                if w is None and self.cfg.preempt_mode != "off":
+                if placement is None and self.cfg.preempt_mode != "off":
                     found = pick_victims(live, p, self.cfg.headroom_tokens)
                 self.metrics.decision_latency.observe(time.perf_counter() - t0)
-                if w is not None:
-                    await self._assign(p, w)
+                if placement is not None:
+                    await self._assign(p, placement)
                 elif found is not None:
                     # Assign first, then preempt: the request is already waiting on the worker
                     # when the victims' blocks come free, so it (the higher priority) takes
                     # them, not a victim swapping straight back in.
                     w, victims = found
-                    if await self._assign(p, w):
+                    if await self._assign(p, Placement(w, "preempt")):
                         await self._preempt(w, victims, p)
                 else:
                     break  # head of line: it waits until a report shows room
 
-    async def _assign(self, p: Pending, w: WorkerEntry) -> bool:
-        """Send ``p`` to ``w``; False if it went back to the queue (worker draining or dead)."""
+    def _hold(self, w: WorkerEntry, p: Pending) -> None:
+        """Record optimistically that ``w`` will hold ``p``'s prompt blocks (reports correct it)."""
+        if p.assign.block_hashes and p.assign.hash_block_size == w.block_size:
+            self.index.hold(w.worker_id, p.request_id, p.assign.block_hashes)
+
+    async def _assign(self, p: Pending, placement: Placement) -> bool:
+        """Send ``p`` to the placement's worker; False if it went back to the queue (worker
+        draining or dead)."""
+        w = placement.worker
+        if not self.lease_ok():
+            raise StaleScheduler("the lease was not renewed in time: stop placing before it lapses")
         self.queue.remove(p.request_id)
-        w.place(p, self.cfg.headroom_tokens)
+        epoch = await self._fence(p.request_id, w.worker_id)
+        if epoch == 0:  # finished meanwhile (e.g. cancelled)
+            self._forget(p.request_id)
+            return False
+        p.assign.epoch, p.assign.scheduler_epoch = epoch, self.epoch
+        w.place(p, self.cfg.headroom_tokens, placement.num_shared_blocks)
+        self._hold(w, p)
         self.where[p.request_id] = w.worker_id
         try:
             with assign_span(p, w) as metadata:  # the trace goes on to the worker
@@ -368,15 +481,26 @@ class ClusterScheduler:
         except grpc.RpcError as e:
             await self._worker_dead(w, f"Assign failed: {e.code().name}")
             return False
+        except asyncio.CancelledError:
+            if w.alive:
+                raise
+            return False  # its channel was closed under the call: it was declared dead meanwhile
+        if resp.stale_scheduler:
+            raise StaleScheduler(f"worker {w.worker_id} has seen a newer scheduler than epoch {self.epoch}")
         if not resp.accepted:  # draining: back to the queue, elsewhere next time
+            w.accepting = False
             w.placed.pop(p.request_id, None)
+            self.index.release(p.request_id)
             self.where.pop(p.request_id, None)
             self.queue.push(p)
             return False
+        if p.assign.deadline_unix_ms:
+            heapq.heappush(self._deadlines, (p.assign.deadline_unix_ms, p.request_id))
         self.metrics.admissions.inc()
-        log.info("request.placed", request_id=p.request_id, worker_id=w.worker_id,
+        self.metrics.placed(placement.decision, placement.num_matched_blocks)
+        log.info("request.placed", request_id=p.request_id, worker_id=w.worker_id, decision=placement.decision,
                  num_tokens=p.num_tokens, num_resumed_tokens=len(p.assign.output_token_ids),
-                 num_available_blocks=w.num_available_blocks)
+                 num_matched_blocks=placement.num_matched_blocks, num_available_blocks=w.num_available_blocks)
         return True
 
     async def _preempt(self, w: WorkerEntry, victims, p: Pending) -> None:
@@ -391,6 +515,10 @@ class ClusterScheduler:
             except grpc.RpcError as e:
                 await self._worker_dead(w, f"Preempt failed: {e.code().name}")
                 return
+            except asyncio.CancelledError:
+                if w.alive:
+                    raise
+                return  # declared dead meanwhile
             pl.preempted_at = time.monotonic()
             self.num_preemptions += 1
             self.metrics.preemptions.inc()
@@ -406,4 +534,6 @@ class ClusterScheduler:
             num_preemptions=self.num_preemptions,
             num_reassigned=self.num_reassigned,
             policy=self.cfg.policy,
+            placement=self.cfg.placement.policy,
+            num_prefix_index_keys=self.index.num_keys,
         )

@@ -2,7 +2,10 @@
 
 Only the holder of the Redis lease (``<ns>:scheduler:lease``) schedules; a second
 instance waits as a standby (health NOT_SERVING) and takes over when the lease expires.
-An instance that loses its lease exits, so two never place requests at once.
+Each holder takes a new scheduler epoch (``<ns>:scheduler:epoch``), which fences every
+assignment it makes. An instance that loses its lease, or cannot renew it within two
+thirds of its length by its own monotonic clock (cut off from Redis: it cannot know), stops
+placing at once and exits, before the lease can lapse; so two never place requests at once.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import os
 import signal
 import socket
+import time
 import uuid
 
 import grpc
@@ -30,6 +34,8 @@ from pagefleet.common.service import (
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .core import ClusterScheduler, SchedulerConfig
+from .placement import PLACEMENTS, PlacementConfig
+from .prefix_index import DEFAULT_MAX_KEYS
 from .queue import POLICIES
 
 SERVICE = "pagefleet.v1.Scheduler"
@@ -54,6 +60,20 @@ def build_parser() -> EnvArgumentParser:
                    help="directed preemption for higher-priority requests")
     p.add_argument("--dead-after", type=float, default=2.0, help="seconds without a report before a worker is dead")
     p.add_argument("--lease-ms", type=int, default=3000, help="scheduler lease; a standby takes over after it lapses")
+    d = PlacementConfig()
+    p.add_argument("--placement", default=d.policy, choices=PLACEMENTS,
+                   help="which worker gets a request: prefix (where its prompt's blocks are cached, unless "
+                        "the workers are out of balance), least-loaded, or round-robin")
+    p.add_argument("--prefix-index-size", type=int, default=DEFAULT_MAX_KEYS,
+                   help="most cached block keys the prefix index keeps (least recently stored go first)")
+    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                   help="prefix: out of balance when the busiest worker has more than this many requests "
+                        "beyond the idlest ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                   help="... and more than this many times the idlest's; then the least loaded wins")
+    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                   help="prefix: the longest cached prefix wins if it covers at least this fraction of "
+                        "the prompt's blocks, else the least loaded")
     add_common_flags(p)
     return p
 
@@ -68,17 +88,57 @@ class SchedulerService(cluster_pb2_grpc.SchedulerServicer):
         return self.core.state()
 
 
-async def hold_lease(redis, keys: Keys, me: str, lease_ms: int, acquired: asyncio.Event) -> None:
-    """Take the lease (waiting as standby while another holds it), then keep it; return if lost."""
-    while not await retry(lambda: redis.set(keys.lease, me, nx=True, px=lease_ms), what="lease"):
-        await asyncio.sleep(lease_ms / 6000)
-    acquired.set()
-    log.info("scheduler.lease_acquired", instance=me)
-    while True:
-        await asyncio.sleep(lease_ms / 3000)
-        if not await retry(lambda: redis.eval(_RENEW, 1, keys.lease, me, lease_ms), what="lease_renew"):
-            log.error("scheduler.lease_lost", instance=me)
-            return
+class Lease:
+    """The scheduler lease, held by this instance once ``acquired`` is set.
+
+    ``valid()`` is true while the last successful renewal, timed from before it was sent,
+    is less than ``SAFE_FRACTION`` of the lease ago on this process's monotonic clock: past
+    that, Redis may let the lease lapse any moment, so the holder must stop placing.
+    """
+
+    SAFE_FRACTION = 2 / 3
+
+    def __init__(self, redis, keys: Keys, me: str, lease_ms: int) -> None:
+        self.redis, self.keys, self.me = redis, keys, me
+        self.lease_s = lease_ms / 1000
+        self.lease_ms = lease_ms
+        self.epoch = 0
+        self._renewed_at = float("-inf")
+
+    def valid(self) -> bool:
+        return time.monotonic() - self._renewed_at < self.lease_s * self.SAFE_FRACTION
+
+    async def hold(self, acquired: asyncio.Event) -> None:
+        """Take the lease (waiting as standby while another holds it), then keep it; return
+        when it is lost or can no longer be trusted."""
+        while True:
+            sent = time.monotonic()
+            if await retry(lambda: self.redis.set(self.keys.lease, self.me, nx=True, px=self.lease_ms),
+                           what="lease"):
+                self._renewed_at = sent
+                break
+            await asyncio.sleep(self.lease_s / 6)
+        self.epoch = int(await retry(lambda: self.redis.incr(self.keys.scheduler_epoch), what="epoch"))
+        acquired.set()
+        log.info("scheduler.lease_acquired", instance=self.me, epoch=self.epoch)
+        while True:
+            await asyncio.sleep(self.lease_s / 6)
+            sent = time.monotonic()
+            try:
+                held = await asyncio.wait_for(
+                    self.redis.eval(_RENEW, 1, self.keys.lease, self.me, self.lease_ms), self.lease_s / 6)
+            except Exception as e:  # cut off or slow: keep trying while the lease is surely ours
+                log.warning("scheduler.lease_renew_failed", error=repr(e))
+                held = None
+            if held == 0:
+                log.error("scheduler.lease_lost", instance=self.me)
+                return
+            if held:
+                self._renewed_at = sent
+            if not self.valid():
+                log.error("scheduler.lease_unsure", instance=self.me,
+                          since_renewal_s=round(time.monotonic() - self._renewed_at, 3))
+                return
 
 
 async def serve(args) -> int:
@@ -101,7 +161,8 @@ async def serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     acquired = asyncio.Event()
-    lease = asyncio.create_task(hold_lease(redis, keys, me, args.lease_ms, acquired))
+    holder = Lease(redis, keys, me, args.lease_ms)
+    lease = asyncio.create_task(holder.hold(acquired))
     waiters = [asyncio.create_task(acquired.wait()), asyncio.create_task(stop.wait())]
     await asyncio.wait([lease, *waiters], return_when=asyncio.FIRST_COMPLETED)
     rc = 0
@@ -109,15 +170,17 @@ async def serve(args) -> int:
         core = ClusterScheduler(redis, keys, SchedulerConfig(
             policy=args.policy, aging_s=args.aging_seconds, headroom_tokens=args.headroom_tokens,
             preempt_mode=args.preempt_mode, dead_after_s=args.dead_after,
-        ), metrics=metrics)
+            placement=placement_config(args),
+            prefix_index_size=args.prefix_index_size,
+        ), metrics=metrics, epoch=holder.epoch, lease_ok=holder.valid)
         servicer.core = core
         run = asyncio.create_task(core.run())
         await set_serving(health, names, True)
-        log.info("scheduler.active", port=port, policy=args.policy)
+        log.info("scheduler.active", port=port, policy=args.policy, placement=args.placement)
         done, _ = await asyncio.wait([run, lease, waiters[1]], return_when=asyncio.FIRST_COMPLETED)
         if lease in done or run in done:
             rc = 1
-            if run in done and run.exception() is not None:
+            if run in done and not run.cancelled() and run.exception() is not None:
                 log.error("scheduler.failed", error=repr(run.exception()))
         run.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -136,7 +199,18 @@ async def serve(args) -> int:
     return rc
 
 
+def placement_config(args) -> PlacementConfig:
+    return PlacementConfig(args.placement, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
+
+
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        placement_config(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.prefix_index_size < 1:
+        parser.error(f"--prefix-index-size must be at least 1, got {args.prefix_index_size}")
     setup_logging("scheduler", args)
     return asyncio.run(serve(args))

@@ -2,11 +2,26 @@
 
 Admission: a request fits on a worker when the worker's free blocks, minus the blocks
 of its swapped-out sequences (they come back first), minus the blocks still owed to the
-requests placed there, cover the request's tokens plus ``headroom_tokens`` of its
-expected output. A placed request is owed its own tokens plus headroom: all of it until
-a report shows it with device blocks, then whatever it has not grown into yet (so a worker
-is not filled past what its running sequences will need a moment later, which would
-only turn into preemptions there).
+requests placed there, cover what the request will take from them. A placed request is
+owed that much until a report shows it with device blocks, then whatever it has not grown
+into yet (so a worker is not filled past what its running sequences will need a moment
+later, which would only turn into preemptions there).
+
+What a request takes, with prefix caching: its block table will have ``n =
+blocks(tokens + headroom)`` blocks; the first ``k`` of them are on the worker already
+(``prefix_index.Match.num_matched_blocks``), ``s <= k`` of those shared with sequences
+placed there and not finished (``num_shared_blocks``: held, so not counted free). The
+other ``k - s`` sit in the worker's prefix cache unused, and an unused cached block is
+still counted in ``num_free_blocks`` (the worker evicts it on demand). The request needs
+its uncached part, ``n - k`` blocks, from the available blocks other than the ``k - s``
+cached ones it reuses (they stop being free), so it fits when
+``n - k <= available - (k - s)``, i.e. ``n - s <= available``: counting the cached blocks
+as both free and reusable would count them twice. ``n - s`` is what a placed request is
+owed until a report shows it; from then on, ``n`` minus the blocks in its table (shared
+or not): only growth takes new blocks. (A worker shares a block once it is computed, so
+a burst placed before the first request's prefill is done may compute it more than once:
+until the next report such requests take more than they are owed, and the worker's own
+admission holds them back; ``s`` is an estimate, as every number here between reports.)
 
 Score (larger wins): **the fraction of the worker's pool still free after placing the
 request, minus a small penalty per running sequence** - spread by memory, break ties
@@ -29,8 +44,12 @@ class Placed:
     """A request placed on a worker."""
 
     pending: Pending
-    num_reserved_blocks: int  # its tokens plus headroom, set aside at placement (see num_owed_blocks)
+    num_reserved_blocks: int  # its tokens plus headroom: the block table it grows into
+    num_shared_blocks: int = 0  # of those, blocks expected shared with sequences running there
     reflected: bool = False  # seen in a report since it was sent
+    # The worker reported it finished; it stays placed (owed nothing) until its final write
+    # is seen in Redis, so a worker dying before that write landed has it resumed.
+    finished: bool = False
     placed_at: float = field(default_factory=time.monotonic)
     preempted_at: float = 0.0
 
@@ -46,11 +65,12 @@ class WorkerEntry:
     placed: dict[str, Placed] = field(default_factory=dict)
     num_assigned: int = 0
     alive: bool = True
+    accepting: bool = True  # False once it refused an Assign (draining) before its report says so
 
     # -- the numbers admission uses ---------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.alive and self.report is not None and not self.report.draining
+        return self.alive and self.accepting and self.report is not None and not self.report.draining
 
     @property
     def block_size(self) -> int:
@@ -58,8 +78,10 @@ class WorkerEntry:
 
     def num_owed_blocks(self, rid: str, pl: Placed) -> int:
         """Blocks ``pl`` may still claim on this worker beyond the device blocks it has now."""
+        if pl.finished:
+            return 0
         if not pl.reflected:
-            return pl.num_reserved_blocks
+            return pl.num_reserved_blocks - pl.num_shared_blocks
         num_device_blocks = self.report.blocks_per_request.get(rid, 0) if self.report else 0
         # None after it had some: swapped out (counted as swapped blocks) or queued again
         # inside the worker; either way not growing now.
@@ -77,45 +99,64 @@ class WorkerEntry:
             return 0
         return r.num_free_blocks - r.num_swapped_blocks - self.num_owed_blocks_total
 
+    @property
+    def load(self) -> int:
+        """Requests placed here and not finished (running, waiting there, or not reported yet)."""
+        return len(self.placed)
+
     def blocks_needed(self, p: Pending, headroom_tokens: int) -> int:
+        """``n``: the block table of ``p``'s tokens plus headroom."""
         return num_blocks_for(p.num_tokens + min(p.num_remaining_tokens, headroom_tokens), self.block_size)
 
-    def fits(self, p: Pending, headroom_tokens: int) -> bool:
+    def blocks_taken(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0) -> int:
+        """What placing ``p`` here takes from the available blocks: ``n - num_shared_blocks``."""
+        return self.blocks_needed(p, headroom_tokens) - num_shared_blocks
+
+    def fits(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0) -> bool:
         r = self.report
         if not self.ready or p.num_tokens + p.num_remaining_tokens > r.max_model_len:
             return False
         if len(self.placed) >= r.max_num_seqs:
             return False
-        return self.blocks_needed(p, headroom_tokens) <= self.num_available_blocks
+        return self.blocks_taken(p, headroom_tokens, num_shared_blocks) <= self.num_available_blocks
 
-    def score(self, p: Pending, headroom_tokens: int) -> float:
+    def score(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0) -> float:
         r = self.report
-        left = self.num_available_blocks - self.blocks_needed(p, headroom_tokens)
+        left = self.num_available_blocks - self.blocks_taken(p, headroom_tokens, num_shared_blocks)
         return left / max(1, r.num_blocks) - 0.01 * r.num_running
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def place(self, p: Pending, headroom_tokens: int) -> None:
-        self.placed[p.request_id] = Placed(p, self.blocks_needed(p, headroom_tokens))
+    def place(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0) -> None:
+        self.placed[p.request_id] = Placed(p, self.blocks_needed(p, headroom_tokens), num_shared_blocks)
         self.num_assigned += 1
 
     def apply_report(self, report: cluster_pb2.OccupancyReport) -> tuple[list[str], list[str]]:
-        """Take a report in; ``(finished, orphans)``: placed requests that are done, and
-        requests the worker holds that were not placed there."""
+        """Take a report in; ``(vanished, orphans)``.
+
+        ``vanished``: placed requests the worker held and no longer holds without having
+        reported them finished (dropped, or their notice lost): the caller resumes them from
+        their output (or forgets them if it is complete). ``orphans``: requests the worker
+        holds that were not placed there. Requests reported finished stay placed, owed
+        nothing, until the caller sees their final write in Redis.
+        """
         self.report = report
         self.last_report_at = time.monotonic()
         reported_ids = set(report.request_ids)
-        finished = [rid for rid in report.finished_request_ids if rid in self.placed]
-        for rid in finished:
-            del self.placed[rid]
-        for rid, pl in list(self.placed.items()):
+        for rid in report.finished_request_ids:
+            pl = self.placed.get(rid)
+            if pl is not None:
+                pl.finished = True
+        vanished = []
+        for rid, pl in self.placed.items():
+            if pl.finished:
+                continue
             if rid in reported_ids:
                 if report.blocks_per_request.get(rid, 0) > 0:
                     pl.reflected = True
-            elif pl.reflected:  # it was there and is gone: finished, its notice lost
-                del self.placed[rid]
-                finished.append(rid)
+            elif pl.reflected:
+                vanished.append(rid)
         orphans = [rid for rid in reported_ids if rid not in self.placed]
-        return finished, orphans
+        return vanished, orphans
 
     def to_proto(self) -> cluster_pb2.WorkerState:
         return cluster_pb2.WorkerState(
@@ -126,14 +167,6 @@ class WorkerEntry:
             request_ids=list(self.placed),
             num_assigned=self.num_assigned,
         )
-
-
-def pick_worker(workers: list[WorkerEntry], p: Pending, headroom_tokens: int) -> WorkerEntry | None:
-    """The worker with the best score among those that fit; None if none fits."""
-    fitting = [w for w in workers if w.fits(p, headroom_tokens)]
-    if not fitting:
-        return None
-    return max(fitting, key=lambda w: w.score(p, headroom_tokens))
 
 
 def pick_victims(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pagefleet.protos import cluster_pb2, generation_pb2
+from pagefleet.scheduler.placement import PlacementConfig, Placer
+from pagefleet.scheduler.prefix_index import PrefixIndex
 from pagefleet.scheduler.queue import Pending
-from pagefleet.scheduler.workers import WorkerEntry, pick_victims, pick_worker
+from pagefleet.scheduler.workers import WorkerEntry, pick_victims
 
 HEADROOM = 1000
 
@@ -40,7 +42,7 @@ def test_a_request_is_owed_its_headroom_until_it_has_grown_into_it():
     # `a` has grown into what it was owed: nothing more is owed.
     w.apply_report(report(free=15, held={"a": 17}))
     assert w.num_available_blocks == 15
-    assert pick_worker([w], second, HEADROOM) is None
+    assert Placer(PlacementConfig(), PrefixIndex()).choose([w], second, HEADROOM) is None
 
 
 def test_a_finished_request_is_owed_nothing():
@@ -50,9 +52,18 @@ def test_a_finished_request_is_owed_nothing():
     done = cluster_pb2.OccupancyReport()
     done.CopyFrom(report(free=32))
     done.finished_request_ids.append("a")
-    finished, _ = w.apply_report(done)
-    assert finished == ["a"]
+    vanished, _ = w.apply_report(done)
+    assert vanished == []  # finished, not lost
+    assert w.placed["a"].finished  # placed until its final write is seen in Redis, owed nothing
     assert w.num_available_blocks == 32
+
+
+def test_a_request_that_vanishes_unfinished_is_reported_to_be_resumed():
+    w = WorkerEntry("w", "addr", report=report(free=32))
+    w.place(pending("a", 60, 200), HEADROOM)
+    w.apply_report(report(free=28, held={"a": 4}))
+    vanished, orphans = w.apply_report(report(free=32, held={"b": 1}))
+    assert vanished == ["a"] and orphans == ["b"]
 
 
 def test_swapped_sequences_hold_their_room_once():
@@ -78,3 +89,18 @@ def test_victims_make_room_for_what_they_hold_and_what_they_were_owed():
     assert [v.pending.request_id for v in victims] == ["lo2", "lo1"]  # most recently placed first
     same = pending("eq", 392, 8, priority=0)
     assert pick_victims([w], same, HEADROOM, cooldown_s=0.0) is None, "never for an equal priority"
+
+
+def test_blocks_shared_with_running_requests_cost_nothing_but_unused_cached_ones_count():
+    """An unused cached block is among the worker's free blocks and stops being free when
+    reused: only the blocks shared with a request in flight there are not taken again."""
+    w = WorkerEntry("w", "addr", report=report(free=20))
+    p = pending("p", prompt_len=16 * 16 + 32, max_tokens=64)  # 18 prompt blocks + 4 of headroom
+    assert w.blocks_needed(p, 64) == 22
+    assert not w.fits(p, 64), "its 16 cached blocks are among the 20 free: 22 > 20"
+    assert w.fits(p, 64, num_shared_blocks=16), "16 shared with a running request: 6 new blocks"
+    w.place(p, 64, num_shared_blocks=16)
+    assert w.num_available_blocks == 20 - 6
+    # Once reported, it is owed what its table (shared blocks included) has yet to grow: 22 - 18.
+    w.apply_report(report(free=14, held={"p": 18}))
+    assert w.num_available_blocks == 14 - 4

@@ -1,12 +1,16 @@
 """The sampler: seeded draws are a pure function of (seed, position), so a seeded request
-continues the same way after a resume on another engine."""
+continues the same way after a resume on another engine; penalties and the min_tokens mask
+against a plain reference; logprobs per row."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from pagefleet import Engine, SamplingParams
-from pagefleet.worker.sampler import seeded_exponentials
+from pagefleet.worker.sampler import sample, seeded_exponentials
 
 
 def test_seeded_draws_depend_on_seed_and_position_only():
@@ -41,3 +45,82 @@ def test_seeded_request_resumed_elsewhere_continues_the_same_tokens():
             if d.request_id == rid:
                 got.extend(d.token_ids)
     assert got == whole.token_ids
+
+
+def _req(prompt, params, output=(), eos=frozenset({2})):
+    from pagefleet.worker.request import Request
+
+    return Request("r", list(prompt), params, eos_token_ids=eos, output_token_ids=list(output))
+
+
+def _reference_penalties(x: torch.Tensor, prompt, output, p: SamplingParams) -> torch.Tensor:
+    """vLLM's penalties on one row, written plainly."""
+    x = x.clone()
+    for t in set(prompt) | set(output):
+        v = x[t]
+        x[t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+    for t in set(output):
+        x[t] = x[t] - p.frequency_penalty * output.count(t) - p.presence_penalty
+    return x
+
+
+def test_penalties_match_a_plain_reference_row_by_row():
+    from pagefleet.worker.penalties import apply_penalties
+
+    vocab = 50_000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=g) * 4
+    rows = [
+        ([1, 5, 5, vocab - 1], [5, 7, 7, 7, 9], SamplingParams(repetition_penalty=1.3)),
+        ([3], [3, 3, 8, vocab - 1], SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25)),
+        ([4, 4, 6], [6, 6, 11], SamplingParams(repetition_penalty=0.7, presence_penalty=-1.5, frequency_penalty=2.0)),
+        ([2, 9], [], SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)),  # no output yet
+    ]
+    reqs = [_req(p, sp, out) for p, out, sp in rows]
+    want = logits.clone()
+    for i, (p, out, sp) in zip([0, 2, 3, 4], rows, strict=True):
+        want[i] = _reference_penalties(logits[i], p, out, sp)
+    got = logits.clone()
+    apply_penalties(got, [0, 2, 3, 4], reqs)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(got[1], logits[1])  # a row without penalties is left alone
+    # Incremental: new outputs are counted at the next step, the prompt is not copied again.
+    prompt_ids = reqs[2].penalty_state.prompt_ids
+    assert prompt_ids.tolist() == [4, 6] and reqs[1].penalty_state.prompt_ids is None  # only with repetition
+    reqs[2].append_token(11)
+    want[3] = _reference_penalties(logits[3], rows[2][0], rows[2][1] + [11], rows[2][2])
+    got = logits.clone()
+    apply_penalties(got, [0, 2, 3, 4], reqs)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    assert reqs[2].penalty_state.prompt_ids is prompt_ids and reqs[2].penalty_state.output_counts[11] == 2
+
+
+def test_min_tokens_masks_finish_ids_until_reached():
+    vocab = 100
+    params = SamplingParams(max_tokens=8, temperature=0, min_tokens=2, stop_token_ids=[7, 500])  # 500: not in vocab
+    short, done = _req([1], params, [3]), _req([1], params, [3, 4])
+    ignoring = _req([1], SamplingParams(max_tokens=8, temperature=0, min_tokens=2, ignore_eos=True), [3])
+    logits = torch.zeros(3, vocab)
+    logits[:, 2], logits[:, 7], logits[:, 9] = 10.0, 9.0, 8.0
+    out = sample(logits, [short, done, ignoring], torch.Generator())
+    assert out.token_ids == [9, 2, 2]  # eos 2 and stop id 7 held back from the short row only
+    assert logits[0, 2] == logits[0, 7] == -math.inf and logits[1, 2] == logits[2, 2] == 10.0
+    assert logits[2, 7] == 9.0  # ignore_eos and no stop ids: nothing to hold back
+
+
+def test_plain_batches_take_the_fast_path_and_rows_get_their_own_logprobs():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 300, generator=g)
+    plain = [_req([1], SamplingParams(temperature=0)) for _ in range(3)]
+    before = logits.clone()
+    out = sample(logits, plain, torch.Generator())
+    assert out.token_ids == before.argmax(-1).tolist() and out.logprobs is None
+    assert torch.equal(logits, before) and all(r.penalty_state is None for r in plain)
+    reqs = [_req([1], SamplingParams(temperature=0, logprobs=n)) for n in (5, None, 0)]
+    out = sample(logits, reqs, torch.Generator())
+    ref = torch.log_softmax(before, dim=-1)
+    assert out.logprobs[1] is None and out.logprobs[2].top_token_ids == []
+    top = ref[0].topk(5)
+    assert out.logprobs[0].top_token_ids == top.indices.tolist()
+    assert out.logprobs[0].top_logprobs == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert out.logprobs[2].logprob == pytest.approx(ref[2].max().item(), abs=1e-6)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from pagefleet.common.blocks import num_blocks_for
+from pagefleet.common.logprobs import TokenLogprobs
 from pagefleet.common.model_config import load_model_spec
 from pagefleet.common.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class Engine:
     ``None`` takes as many blocks as the device pool within 4 GiB of host memory (the
     worker service's default). ``preemption="auto"`` measures this machine's copy and
     prefill speed at start-up and picks swap or recompute per victim.
+    ``enable_prefix_caching``: keep full blocks of computed tokens, keyed by their prefix,
+    for later requests that start the same way (continuous batching only).
 
     >>> engine = Engine(model="tiny")
     >>> out = engine.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0))[0]
@@ -74,6 +77,7 @@ class Engine:
         seed: int = 0,
         num_swap_blocks: int | None = 0,
         preemption: str = "auto",
+        enable_prefix_caching: bool = True,
     ) -> None:
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
@@ -104,7 +108,8 @@ class Engine:
             num_blocks = self._auto_num_blocks()
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size,
+                                 enable_caching=enable_prefix_caching and batching == "continuous")
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots must hold finite values (0 * NaN is NaN).
         # One tensor [num_layers, 2, *shape]; each layer's (key, value) caches are
@@ -296,24 +301,31 @@ class Engine:
             self.swap_space.swap_in(out.blocks_to_swap_in)
         if not out.requests:  # a step of copies only
             return []
-        sampled, tokens = self.runner.execute(out)
+        sampled, result = self.runner.execute(out)
+        tokens = result.token_ids
         self.scheduler.update_after_step(out)
         self.num_generated_tokens_total += len(tokens)
         append = self._append
+        if result.logprobs is not None:
+            return [append(r, t, lp) for r, t, lp in zip(sampled, tokens, result.logprobs, strict=True)]
         return [append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
 
-    def _append(self, req: Request, token: int) -> TokenDelta:
+    def _append(self, req: Request, token: int, logprobs: TokenLogprobs | None = None) -> TokenDelta:
         """Record a sampled token; the request's delta. Runs for every running request every step."""
         out_ids = req.output_token_ids
         out_ids.append(token)
         req.all_token_ids.append(token)
+        lps = req.output_logprobs  # the last len(lps) outputs' (None: not asked for)
+        if lps is not None:
+            lps.append(logprobs)
         detok = req.detokenizer
         text = detok.push(token)  # None: a stop string appeared
         status = RequestStatus.FINISHED_STOPPED if text is None else req.check_stop_token(token)
         if status is None:
             index = req.num_emitted_tokens
             req.num_emitted_tokens = len(out_ids)
-            return TokenDelta(req.request_id, out_ids[index:], text, index)
+            return TokenDelta(req.request_id, out_ids[index:], text, index,
+                              logprobs=None if lps is None else lps[len(lps) - len(out_ids) + index:])
         # Ended by a stop: what is held back is cut off; by length: an incomplete last
         # character still goes out (as U+FFFD).
         text = (text or "") + detok.finish(flush=status == RequestStatus.FINISHED_LENGTH)
@@ -322,7 +334,8 @@ class Engine:
         self.scheduler.remove(req)
         index = req.num_emitted_tokens
         req.num_emitted_tokens = len(out_ids)
-        return TokenDelta(req.request_id, out_ids[index:], text, index, req.finish_reason)
+        return TokenDelta(req.request_id, out_ids[index:], text, index, req.finish_reason,
+                          None if lps is None else lps[len(lps) - len(out_ids) + index:])
 
     # -- the batch API -----------------------------------------------------------------
     def generate(
@@ -356,7 +369,8 @@ class Engine:
             if pending and not self.scheduler.has_unfinished():
                 raise RuntimeError("engine stalled with requests pending")
         return [
-            RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.detokenizer.text, r.finish_reason)
+            RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.detokenizer.text, r.finish_reason,
+                          r.output_logprobs)
             for r in reqs
         ]
 
@@ -385,6 +399,8 @@ class Engine:
             num_recomputes_total=s.num_recomputes_total,
             num_swapped_out_blocks_total=s.num_swapped_out_blocks_total,
             num_swapped_in_blocks_total=s.num_swapped_in_blocks_total,
+            prefix_cache_queries_total=self.kv.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.kv.prefix_cache_hits_total,
         )
 
     def check_integrity(self) -> None:

@@ -4,8 +4,9 @@ gRPC handlers never touch the engine: they ``call`` a function that runs on this
 between two steps and get a ``concurrent.futures.Future``. After every step the loop
 hands the step's messages to ``emit`` and refreshes ``snapshot`` (``EngineStats``, what the
 reports carry); ``notify`` is called when occupancy changed a lot. Every occupancy stream
-``subscribe``s to the ids of requests that finish, so a report carries what changed since
-the previous one and nothing older.
+``subscribe``s to the ids of requests that finish, and to ``kv_events`` (the prefix cache's
+keys stored and evicted), so a report carries what changed since the previous one and
+nothing older.
 
 Directed preemption (``preempt``) keeps the sequence on this worker, off the device; it
 resumes here when room returns.
@@ -26,6 +27,7 @@ from pagefleet.common.redis import OutEntry
 from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import cluster_pb2
 
+from .kv_events import KVEventLog
 from .outputs import EngineStats
 from .redis_io import Emit
 
@@ -46,13 +48,16 @@ MAX_UNREPORTED_FINISHED = 100_000
 
 class EngineLoop:
     def __init__(self, engine, emit: Callable[[list[Emit]], None], notify: Callable[[], None],
-                 observer=None) -> None:
+                 observer=None, room: threading.Event | None = None) -> None:
+        """``room``: cleared while the output writer is full; no step runs until it is set again."""
         self.engine = engine
         self.observer = observer  # observe.WorkerObserver: metrics and spans
         self.emit = emit
         self.notify = notify
-        # request id -> its entry in the Redis requests stream, acknowledged with its last write
-        self.entry_ids: dict[str, str] = {}
+        self.room = room
+        # request id -> (its entry in the Redis requests stream, acknowledged with its last
+        # write; the epoch its writes are fenced with)
+        self.assignments: dict[str, tuple[str, int]] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._paused = False
@@ -60,6 +65,7 @@ class EngineLoop:
         # One queue of finished request ids per occupancy stream (appended on this thread).
         self._subscribers: tuple[collections.deque[str], ...] = ()
         self._subscribers_lock = threading.Lock()
+        self.kv_events = KVEventLog(engine.kv)  # published on this thread, in _refresh
         self.snapshot: EngineStats = engine.stats()
         self._last_notified: tuple[int, frozenset[str]] = (-1, frozenset())
         self._refresh(force_notify=True)
@@ -108,6 +114,8 @@ class EngineLoop:
                 break
             if self._paused or not self.engine.has_unfinished_requests():
                 continue
+            if self.room is not None and not self.room.wait(0.05):
+                continue  # back-pressure: the writer is full (Redis away); commands still run
             try:
                 probe = self.observer.before_step(self.engine) if self.observer else None
                 deltas = self.engine.step()
@@ -144,11 +152,13 @@ class EngineLoop:
     def _message(self, d) -> Emit | None:
         if not d.token_ids and not d.text and not d.finish_reason:
             return None
-        entry_id = None
         if d.finish_reason:
-            entry_id = self.entry_ids.pop(d.request_id, None)
+            entry_id, epoch = self.assignments.pop(d.request_id, ("", 0))
             self._finished(d.request_id)
-        return Emit(d.request_id, OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason or ""), entry_id)
+        else:
+            entry_id, epoch = "", self.assignments.get(d.request_id, ("", 0))[1]
+        entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason or "", logprobs=d.logprobs)
+        return Emit(d.request_id, entry, entry_id or None, epoch)
 
     def _finished(self, request_id: str) -> None:
         for q in self._subscribers:
@@ -158,9 +168,9 @@ class EngineLoop:
         batch = []
         for rid in list(self.engine.requests):
             d = self.engine.abort_request(rid)
-            entry_id = self.entry_ids.pop(rid, None)
+            entry_id, epoch = self.assignments.pop(rid, ("", 0))
             index = d.index if d is not None else 0
-            batch.append(Emit(rid, OutEntry(index, [], "", "error", error), entry_id))
+            batch.append(Emit(rid, OutEntry(index, [], "", "error", error), entry_id or None, epoch))
             if self.observer:
                 self.observer.removed(rid, "error", index, error)
             self._finished(rid)
@@ -170,6 +180,7 @@ class EngineLoop:
     # -- occupancy -----------------------------------------------------------------------
     def _refresh(self, force_notify: bool = False) -> None:
         snap = self.snapshot = self.engine.stats()  # once per step, on the engine thread
+        self.kv_events.publish(self.engine.kv)
         ids = frozenset(snap.request_ids)
         last_free, last_ids = self._last_notified
         big = max(1, snap.num_blocks // 20)
@@ -194,10 +205,10 @@ class EngineLoop:
         except Exception as e:  # bad input (ValueError) or a bug: the request fails alone, visibly
             log.warning("request.refused", request_id=rid, error=str(e))
             entry = OutEntry(len(msg.output_token_ids), [], "", "error", str(e))
-            self.emit([Emit(rid, entry, msg.entry_id or None)])
+            self.emit([Emit(rid, entry, msg.entry_id or None, msg.epoch)])
             self._finished(rid)
             return
-        self.entry_ids[rid] = msg.entry_id
+        self.assignments[rid] = (msg.entry_id, msg.epoch)
         if self.observer:
             self.observer.assigned(msg, parent)
         log.info("request.assigned", request_id=rid, traceparent=msg.traceparent,
@@ -205,17 +216,38 @@ class EngineLoop:
 
     def cancel(self, request_id: str, notify_client: bool) -> bool:
         d = self.engine.abort_request(request_id)
-        entry_id = self.entry_ids.pop(request_id, None)
+        entry_id, epoch = self.assignments.pop(request_id, ("", 0))
         if d is None:
             return False
         if self.observer:
             self.observer.removed(request_id, "abort", d.index)
         if notify_client:
             entry = OutEntry(d.index, list(d.token_ids), d.text, "abort")
-            self.emit([Emit(request_id, entry, entry_id)])
+            self.emit([Emit(request_id, entry, entry_id or None, epoch)])
         self._finished(request_id)
         log.info("request.cancelled", request_id=request_id, notify_client=notify_client)
         return True
+
+    def drop(self, request_id: str) -> None:
+        """Redis refused a write of ours for ``request_id``: someone newer owns it (it was
+        moved, cancelled or finished by the scheduler). Stop at once, free its blocks, write nothing."""
+        if self.engine.abort_request(request_id) is not None:
+            self.assignments.pop(request_id, None)
+            if self.observer:
+                self.observer.removed(request_id, "abort")
+            self._finished(request_id)
+            log.warning("request.fenced_off", request_id=request_id)
+
+    def fail(self, request_id: str, error: str) -> None:
+        """A write for ``request_id`` failed for good: end it with an error, visibly."""
+        d = self.engine.abort_request(request_id)
+        entry_id, epoch = self.assignments.pop(request_id, ("", 0))
+        if d is None:
+            return  # gone already (its error message was this write, or it finished)
+        if self.observer:
+            self.observer.removed(request_id, "error", d.index, error)
+        self.emit([Emit(request_id, OutEntry(d.index, [], "", "error", error), entry_id or None, epoch)])
+        self._finished(request_id)
 
     def preempt(self, request_id: str, mode: int) -> cluster_pb2.PreemptResponse:
         e = self.engine

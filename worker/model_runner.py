@@ -18,7 +18,7 @@ from .batch_scheduler import SchedulerOutput
 from .kv_cache_manager import KVCacheManager
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .request import Request, RequestStatus
-from .sampler import sample
+from .sampler import SamplerOutput, sample
 
 _EMPTY: list[int] = []
 
@@ -129,8 +129,9 @@ class ModelRunner:
             keep,
         )
 
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], list[int]]:
-        """Run the step; the requests that sampled a token, and their tokens."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
+        """Run the step; the requests that sampled a token, and their tokens (with logprobs
+        where asked), one per request."""
         input_ids, positions, meta, logits_idx, sampled, keep = self.prepare(out)
         if self.profile:
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -141,8 +142,8 @@ class ModelRunner:
             self.last_model_seconds = time.perf_counter() - t0
             self.last_model_cpu_seconds = time.thread_time() - c0
         if not sampled:
-            return [], []
+            return [], SamplerOutput([])
         if keep is not None:  # static batching: drop the finished rows' logits
             logits = logits[keep]
-        # The step's one wait for the device: reading the sampled ids.
-        return sampled, sample(logits, sampled, self.generator).tolist()
+        # The step's one wait for the device: reading the sampled ids (and logprobs).
+        return sampled, sample(logits, sampled, self.generator)

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagefleet.common.logprobs import TokenLogprobs
+
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A finished (or aborted) request, as returned by ``Engine.generate``."""
+    """A finished (or aborted) request, as returned by ``Engine.generate``.
+
+    ``logprobs``: one entry per token of ``token_ids`` if the request asked for them, else None.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -22,7 +28,8 @@ class TokenDelta:
 
     ``index`` is the position in the request's output of ``token_ids[0]``, so a
     consumer can place every delta exactly once. ``finish_reason`` is set on the
-    request's last delta only.
+    request's last delta only. ``logprobs``: one entry per token of ``token_ids`` if the
+    request asked for them, else None.
     """
 
     request_id: str
@@ -30,6 +37,7 @@ class TokenDelta:
     text: str
     index: int
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -64,6 +72,8 @@ class EngineStats:
     num_recomputes_total: int = 0  # preemptions that dropped the K/V
     num_swapped_out_blocks_total: int = 0
     num_swapped_in_blocks_total: int = 0
+    prefix_cache_queries_total: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits_total: int = 0  # of those, tokens found cached
 
     @property
     def num_swapped_blocks(self) -> int:

@@ -16,7 +16,12 @@ def occupancy_report(
     max_num_seqs: int,
     max_model_len: int,
     draining: bool,
+    stored_block_hashes: list[bytes] = (),
+    evicted_block_hashes: list[bytes] = (),
+    block_hashes_reset: bool = False,
 ) -> cluster_pb2.OccupancyReport:
+    """``stats`` and what this stream has not reported yet: the requests finished and the
+    prefix cache's keys stored and evicted since its previous report (see ``kv_events``)."""
     return cluster_pb2.OccupancyReport(
         worker_id=worker_id,
         seq=seq,
@@ -36,4 +41,9 @@ def occupancy_report(
         max_model_len=max_model_len,
         draining=draining,
         num_preemptions=stats.num_preemptions_total,
+        stored_block_hashes=stored_block_hashes,
+        evicted_block_hashes=evicted_block_hashes,
+        block_hashes_reset=block_hashes_reset,
+        prefix_cache_queries_total=stats.prefix_cache_queries_total,
+        prefix_cache_hits_total=stats.prefix_cache_hits_total,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 
+from pagefleet.common.logprobs import TokenLogprobs
 from pagefleet.common.sampling_params import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer
@@ -57,6 +58,10 @@ class Request:
         "stop_token_ids",
         "finish_token_ids",
         "max_tokens",
+        "processes_logits",
+        "penalty_state",
+        "output_logprobs",
+        "block_hashes",
     )
 
     def __init__(
@@ -91,6 +96,13 @@ class Request:
         # Checked for every token: the union, and the budget, as plain attributes.
         self.finish_token_ids = self.eos_token_ids | self.stop_token_ids
         self.max_tokens = params.max_tokens
+        # Keys of its full blocks (prefix caching), extended as blocks fill: see kv_cache_manager.
+        self.block_hashes: list[bytes] = []
+        # The sampler's slower path (penalties, min_tokens, logprobs), and its state (see penalties.py).
+        self.processes_logits = params.processes_logits
+        self.penalty_state = None
+        # Log-probabilities of the tokens generated here (the last len(output_logprobs) outputs).
+        self.output_logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
 
     @property
     def num_tokens(self) -> int:

@@ -5,21 +5,96 @@ independently per vocabulary entry picks exactly from ``p``. A seeded request's 
 from a counter-based generator, ``q = -log(u)`` with ``u`` a hash of (seed, the position the
 new token takes, vocabulary index): its tokens depend on its seed and their positions only,
 never on the rest of the batch, on preemption or recompute, or on which worker runs it.
-Unseeded rows draw from the engine's generator. Only the sampled ids leave the device.
+Unseeded rows draw from the engine's generator.
+
+Before any of that, rows that ask for it are processed in place (``penalties.py``):
+penalties, then the ``min_tokens`` mask. Log-probabilities are ``log_softmax`` of those
+processed logits (before temperature, top-k and top-p), computed on the device; the sampled
+ids and the few log-probabilities asked for leave the device together, in one copy. A batch
+where no row uses penalties, ``min_tokens`` or logprobs pays one list comprehension for them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from pagefleet.common.logprobs import TokenLogprobs
 from pagefleet.common.sampling_params import GREEDY_TEMPERATURE
 
+from .penalties import apply_penalties, mask_finish_tokens
 from .request import Request
 
 _M32 = 0xFFFFFFFF
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator) -> torch.Tensor:
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's sampled tokens, one per row; ``logprobs[i]`` is None for a row that did not
+    ask for them, and ``logprobs`` is None when no row did."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+@torch.inference_mode()  # the logits are inference tensors: changed in place here
+def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator) -> SamplerOutput:
+    """One token per row of ``logits`` ``[len(reqs), vocab]`` (float32; rows that use penalties
+    or ``min_tokens`` are changed in place); the step's one wait for the device."""
+    extras = [i for i, r in enumerate(reqs) if r.processes_logits]
+    if not extras:
+        return SamplerOutput(choose(logits, reqs, generator).tolist())
+    process_logits(logits, extras, [reqs[i] for i in extras])
+    token_ids = choose(logits, reqs, generator)
+    asked = [i for i in extras if reqs[i].params.logprobs is not None]
+    if not asked:
+        return SamplerOutput(token_ids.tolist())
+    return _with_logprobs(logits, token_ids, reqs, asked)
+
+
+def process_logits(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+    """Penalties, then the ``min_tokens`` mask, on ``logits[rows[i]]`` for ``reqs[i]``, in place."""
+    pen = [j for j, r in enumerate(reqs) if r.params.has_penalties]
+    if pen:
+        apply_penalties(logits, [rows[j] for j in pen], [reqs[j] for j in pen])
+    short = [
+        j for j, r in enumerate(reqs) if len(r.output_token_ids) < r.params.min_tokens and r.finish_token_ids
+    ]
+    if short:
+        mask_finish_tokens(logits, [rows[j] for j in short], [reqs[j] for j in short])
+
+
+def _with_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, reqs: list[Request], asked: list[int]
+) -> SamplerOutput:
+    """The sampled ids with the log-probabilities of rows ``asked``: everything is packed into
+    one float64 tensor (exact for ids and float32 values) and read in one copy."""
+    dev, vocab = logits.device, logits.shape[-1]
+    idx = torch.tensor(asked, dtype=torch.int64).to(dev)
+    x = logits.index_select(0, idx)
+    # log_softmax without writing it out: logit - logsumexp, for the few entries returned.
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(1, token_ids.index_select(0, idx)[:, None]) - lse).squeeze(1)
+    k = min(max(reqs[i].params.logprobs for i in asked), vocab)
+    parts = [token_ids, chosen]
+    if k:
+        top_values, top_ids = x.topk(k, dim=-1)
+        parts += [(top_values - lse).flatten(), top_ids.flatten()]
+    packed = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+    n, m = len(reqs), len(asked)
+    ids = [int(t) for t in packed[:n]]
+    values, tops = packed[n + m : n + m + m * k], packed[n + m + m * k :]
+    logprobs: list[TokenLogprobs | None] = [None] * n
+    for j, i in enumerate(asked):
+        num = min(reqs[i].params.logprobs, vocab)
+        logprobs[i] = TokenLogprobs(
+            packed[n + j], [int(t) for t in tops[j * k : j * k + num]], values[j * k : j * k + num]
+        )
+    return SamplerOutput(ids, logprobs)
+
+
+def choose(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator) -> torch.Tensor:
     """One token id per row of ``logits`` ``[len(reqs), vocab]``, as an int64 tensor on its device."""
     argmax = logits.argmax(dim=-1)
     greedy = [r.params.temperature < GREEDY_TEMPERATURE for r in reqs]

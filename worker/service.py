@@ -10,6 +10,7 @@ rest are handed back (the scheduler resumes them elsewhere from their emitted to
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import contextlib
@@ -37,6 +38,7 @@ from pagefleet.common.service import (
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .engine_loop import EngineLoop
+from .kv_events import KVEventStream
 from .observe import WorkerObserver
 from .redis_io import OutputWriter
 from .report import occupancy_report
@@ -71,6 +73,8 @@ def build_parser() -> EnvArgumentParser:
                         "pool, within 4 GiB of host memory; 0: recompute only)")
     p.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"),
                    help="how the engine preempts when its pool runs out")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep full KV blocks for later requests with the same prefix")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let held requests finish on SIGTERM before handing them back")
     add_common_flags(p)
@@ -86,6 +90,11 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
     async def Assign(self, request, context):
         if self.w.draining:
             return cluster_pb2.AssignResponse(accepted=False)
+        if request.scheduler_epoch < self.w.scheduler_epoch:  # from a scheduler that was replaced
+            log.warning("assign.stale_scheduler", request_id=request.request_id,
+                        scheduler_epoch=request.scheduler_epoch, newest=self.w.scheduler_epoch)
+            return cluster_pb2.AssignResponse(accepted=False, stale_scheduler=True)
+        self.w.scheduler_epoch = request.scheduler_epoch
         parent = telemetry.extract_grpc(context)  # the scheduler's assign span
         self.w.loop.call(lambda: self.w.loop.assign(request, parent))  # answered before the engine runs it
         return cluster_pb2.AssignResponse(accepted=True)
@@ -100,17 +109,20 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
 
     async def StreamOccupancy(self, request, context):
         interval = request.interval_s or REPORT_INTERVAL_S
-        # Finished requests from here on (earlier ones are acknowledged in Redis already).
+        # Finished requests from here on (earlier ones are acknowledged in Redis already),
+        # and the prefix cache's keys: all of them first, then what changes.
         finished = self.w.loop.subscribe()
+        kv_events = self.w.loop.kv_events.subscribe()
         try:
             # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
             while not self.w.stopped.is_set():
-                yield self.w.report(finished)
+                yield self.w.report(finished, kv_events)
                 self.w.changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.w.changed.wait(), interval)
         finally:
             self.w.loop.unsubscribe(finished)
+            self.w.loop.kv_events.unsubscribe(kv_events)
 
     async def Drain(self, request, context):
         n = self.w.loop.num_requests
@@ -125,7 +137,11 @@ class Worker:
         self.keys = Keys(args.namespace)
         self.worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.redis = connect(args.redis_url)
-        self.writer = OutputWriter(self.redis, self.keys)
+        self.writer = OutputWriter(
+            self.redis, self.keys,
+            on_refused=lambda rid: self.loop.call(lambda: self.loop.drop(rid)),
+            on_failed=lambda rid, error: self.loop.call(lambda: self.loop.fail(rid, error)),
+        )
         self.metrics = WorkerMetrics()
         self.aio = asyncio.get_running_loop()
         self.changed = asyncio.Event()
@@ -134,22 +150,28 @@ class Worker:
             emit=lambda batch: self.aio.call_soon_threadsafe(self.writer.put, batch),
             notify=lambda: self.aio.call_soon_threadsafe(self.changed.set),
             observer=WorkerObserver(self.worker_id, self.metrics, args.model),
+            room=self.writer.has_room,
         )
+        self.scheduler_epoch = 0  # the newest scheduler epoch an Assign came with
+        self.beat = 0
         self.draining = False
         self.report_seq = 0
         self.stopped = asyncio.Event()
         self.drain_timeout = args.drain_timeout
         self.address = ""
 
-    def report(self, finished: collections.deque[str]) -> cluster_pb2.OccupancyReport:
-        """The latest snapshot, with the requests that finished since the previous report."""
+    def report(self, finished: collections.deque[str], kv_events: KVEventStream) -> cluster_pb2.OccupancyReport:
+        """The latest snapshot, with the requests that finished and the prefix cache's keys
+        stored and evicted since the stream's previous report."""
         s = self.loop.snapshot
         ids = [finished.popleft() for _ in range(len(finished))]
+        stored, evicted, reset = kv_events.take()
         self.report_seq += 1
         return occupancy_report(
             s, worker_id=self.worker_id, seq=self.report_seq, finished_request_ids=ids,
             max_num_seqs=self.args.max_num_seqs, max_model_len=self.engine.max_model_len,
-            draining=self.draining,
+            draining=self.draining, stored_block_hashes=stored, evicted_block_hashes=evicted,
+            block_hashes_reset=reset,
         )
 
     def begin_drain(self, timeout_s: float | None = None) -> None:
@@ -180,7 +202,10 @@ class Worker:
     async def register(self) -> None:
         """Refresh this worker's row in ``<ns>:workers`` until stopped."""
         while not self.stopped.is_set():
-            row = json.dumps({"address": self.address, "ts_ms": int(time.time() * 1000), "pid": os.getpid()})
+            # ``beat`` changes every time: the scheduler times rows by when it last saw it change.
+            self.beat += 1
+            row = json.dumps({"address": self.address, "beat": self.beat, "pid": os.getpid(),
+                              "ts_ms": int(time.time() * 1000)})
             if not self.draining:
                 await retry(lambda r=row: self.redis.hset(self.keys.workers, self.worker_id, r), what="register")
             with contextlib.suppress(TimeoutError):
@@ -203,6 +228,7 @@ async def serve(args) -> int:
         seed=args.seed,
         num_swap_blocks=args.num_swap_blocks,
         preemption=args.preemption,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     w = Worker(args, engine)
     serve_metrics(args, w.metrics.registry, "worker")

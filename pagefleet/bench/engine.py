@@ -11,13 +11,22 @@ long: the shape that makes static batching wait) runs through:
 Only useful tokens count: each request's own output, never padding or the tokens a
 finished row keeps producing in a static batch. Also measured: KV waste at peak
 (allocated minus used slots over allocated) and the non-model CPU time per step with
-256 running sequences.
+256 running sequences, each with prefix caching on (the default) and off.
+
+``--trace shared-prefix`` measures prefix caching instead, on SGLang's
+``generated-shared-prefix`` shape: ``--sp-groups`` groups of ``--sp-prompts-per-group``
+prompts, each a group's system prompt of ``--sp-system-len`` tokens and a question of
+``--sp-question-len`` tokens, ``--sp-output-len`` tokens out, all arriving at once.
+Caching on vs off: throughput, time to first token from the trace's start (p50, p90),
+hit rate; then the default trace on vs off (what caching costs when nothing is shared)
+and the step overhead on vs off.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import statistics
@@ -47,6 +56,20 @@ class Trace:
             outs.append(rng.randint(*long) if rng.random() < long_fraction else rng.randint(*short))
         return cls(prompts, outs)
 
+    @classmethod
+    def shared_prefix(
+        cls, groups: int, prompts_per_group: int, system_len: int, question_len: int, output_len: int,
+        seed: int, vocab: int = 256,
+    ) -> Trace:
+        """SGLang's ``generated-shared-prefix``: per group one system prompt, then a question each."""
+        rng = random.Random(seed)
+        prompts = []
+        for _ in range(groups):
+            system = [rng.randrange(vocab) for _ in range(system_len)]
+            prompts += [system + [rng.randrange(vocab) for _ in range(question_len)]
+                        for _ in range(prompts_per_group)]
+        return cls(prompts, [output_len] * len(prompts))
+
     @property
     def useful_tokens(self) -> int:
         return sum(self.max_tokens)
@@ -61,20 +84,29 @@ class Result:
     steps: int | None = None
     kv_waste_at_peak: float | None = None
     note: str = ""
+    ttft_p50_s: float | None = None  # from the trace's start (every request arrives then)
+    ttft_p90_s: float | None = None
+    prefix_cache_hit_rate: float | None = None  # tokens found cached / tokens looked up
 
 
-def run_pagefleet(model: str, trace: Trace, batching: str, max_num_seqs: int, block_size: int) -> Result:
+def run_pagefleet(model: str, trace: Trace, batching: str, max_num_seqs: int, block_size: int,
+                  enable_prefix_caching: bool = True) -> Result:
     from pagefleet import Engine, SamplingParams
 
     engine = Engine(model, batching=batching, max_num_seqs=max_num_seqs, block_size=block_size,
-                    num_blocks=8192, max_num_batched_tokens=2048)
+                    num_blocks=8192, max_num_batched_tokens=2048, enable_prefix_caching=enable_prefix_caching)
     for p, k in zip(trace.prompts, trace.max_tokens, strict=True):
         engine.add_request(p, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
     peak_alloc, used_at_peak, steps, produced = 0, 0, 0, 0
+    first_token: dict[str, float] = {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        for d in engine.step():
+        deltas = engine.step()
+        now = time.perf_counter()
+        for d in deltas:
             produced += len(d.token_ids)
+            if d.token_ids and d.request_id not in first_token:
+                first_token[d.request_id] = now - start
         steps += 1
         alloc = engine.kv.num_allocated_slots()
         if alloc > peak_alloc:
@@ -84,11 +116,27 @@ def run_pagefleet(model: str, trace: Trace, batching: str, max_num_seqs: int, bl
     engine.check_integrity()
     assert produced == trace.useful_tokens, (produced, trace.useful_tokens)
     waste = 1 - used_at_peak / peak_alloc if peak_alloc else 0.0
-    return Result(f"pagefleet {batching}", seconds, produced, produced / seconds, steps, waste)
+    ttft = sorted(first_token.values())
+    stats = engine.stats()
+    caching = "" if enable_prefix_caching or batching == "static" else ", no prefix caching"
+    return Result(
+        f"pagefleet {batching}{caching}", seconds, produced, produced / seconds, steps, waste,
+        ttft_p50_s=_percentile(ttft, 0.5), ttft_p90_s=_percentile(ttft, 0.9),
+        prefix_cache_hit_rate=(stats.prefix_cache_hits_total / stats.prefix_cache_queries_total
+                               if stats.prefix_cache_queries_total else None),
+    )
+
+
+def _percentile(sorted_values: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile."""
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
 
 
 def _used_slots(engine) -> int:
-    """Slots holding a token right now: every cached token of every request with blocks."""
+    """Slots holding a token right now: every computed token of every request with blocks
+    (a block shared by several requests counts for each)."""
     if engine.batching == "static":
         return sum(r.num_computed_tokens for r in engine.scheduler.batch if not r.is_finished) + sum(
             r.num_tokens for r in engine.scheduler.batch if r.is_finished
@@ -146,11 +194,16 @@ def run_hf_continuous(path: str, trace: Trace, batch: int) -> Result:
                   note="" if not pending else f"{len(pending)} requests unfinished")
 
 
-def step_overhead(model: str, num_seqs: int = 256, steps: int = 30) -> dict:
-    """Non-model CPU time of a decode step with ``num_seqs`` running: step time minus the forward pass."""
+def step_overhead(model: str, num_seqs: int = 256, steps: int = 30, enable_prefix_caching: bool = True) -> dict:
+    """Non-model CPU time of a decode step with ``num_seqs`` running: step time minus the forward pass.
+
+    The sequences decode in lockstep, so one step in ``block_size`` fills (and hashes) a block
+    of each: the p50 is a step that fills none, the mean spreads those over every step.
+    """
     from pagefleet import Engine, SamplingParams
 
-    engine = Engine(model, num_blocks=num_seqs * 8, max_num_seqs=num_seqs, max_num_batched_tokens=4096)
+    engine = Engine(model, num_blocks=num_seqs * 8, max_num_seqs=num_seqs, max_num_batched_tokens=4096,
+                    enable_prefix_caching=enable_prefix_caching)
     engine.runner.profile = True  # time the forward pass apart from the rest of the step
     rng = random.Random(0)
     for _ in range(num_seqs):
@@ -170,11 +223,13 @@ def step_overhead(model: str, num_seqs: int = 256, steps: int = 30) -> dict:
     non_model = [a - b for a, b in zip(total, model_t, strict=True)]
     return {
         "num_running": num_seqs,
+        "enable_prefix_caching": enable_prefix_caching,
         "step_ms_p50": statistics.median(total) * 1e3,
         "model_ms_p50": statistics.median(model_t) * 1e3,
         "non_model_ms_p50": statistics.median(non_model) * 1e3,
         "non_model_ms_min": min(non_model) * 1e3,
         "non_model_cpu_ms_p50": statistics.median(cpu) * 1e3,
+        "non_model_cpu_ms_mean": statistics.fmean(cpu) * 1e3,
     }
 
 
@@ -189,12 +244,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="output tokens of a short request")
     p.add_argument("--long", type=int, nargs=2, default=(256, 512), metavar=("MIN", "MAX"),
                    help="output tokens of a long request")
-    p.add_argument("--json", default="bench-results/engine.json")
+    p.add_argument("--json", default=None,
+                   help="where to write (default: bench-results/engine.json, or engine-shared-prefix.json)")
     p.add_argument("--skip-transformers", action="store_true", help="only the pagefleet modes")
     p.add_argument("--quick", action="store_true", help="a 32-request trace, for a smoke run")
+    p.add_argument("--trace", default="long-tailed", choices=("long-tailed", "shared-prefix"),
+                   help="shared-prefix: prefix caching on vs off (see the module docstring)")
+    p.add_argument("--sp-groups", type=int, default=4, help="shared-prefix: groups (one system prompt each)")
+    p.add_argument("--sp-prompts-per-group", type=int, default=16, help="shared-prefix: as SGLang's default")
+    p.add_argument("--sp-system-len", type=int, default=1024, help="shared-prefix: tokens of a system prompt")
+    p.add_argument("--sp-question-len", type=int, default=32, help="shared-prefix: tokens of a question")
+    p.add_argument("--sp-output-len", type=int, default=16, help="shared-prefix: output tokens per request")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="shared-prefix: on/off pairs of the default trace, interleaved (the best of each counts)")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = 32
+    if args.trace == "shared-prefix":
+        return run_shared_prefix(args)
+    args.json = args.json or "bench-results/engine.json"
     torch.manual_seed(0)
     trace = Trace.long_tailed(args.num_requests, args.seed, long_fraction=args.long_fraction,
                               short=tuple(args.short), long=tuple(args.long))
@@ -251,5 +319,81 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step at {overhead['num_running']} running: {overhead['step_ms_p50']:.2f} ms, model "
           f"{overhead['model_ms_p50']:.2f} ms, non-model {overhead['non_model_ms_p50']:.2f} ms wall, "
           f"{overhead['non_model_cpu_ms_p50']:.2f} ms CPU (p50)")
+    print(f"JSON: {out}")
+    return 0
+
+
+def run_shared_prefix(args) -> int:
+    """Prefix caching on vs off: the shared-prefix trace, the default trace, the step overhead."""
+    from pagefleet.worker.models.loader import save_tiny
+
+    torch.manual_seed(0)
+    sp = Trace.shared_prefix(args.sp_groups, args.sp_prompts_per_group, args.sp_system_len,
+                             args.sp_question_len, args.sp_output_len, args.seed)
+    lt = Trace.long_tailed(args.num_requests, args.seed, long_fraction=args.long_fraction,
+                           short=tuple(args.short), long=tuple(args.long))
+    cont = (args.max_num_seqs, args.block_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = str(save_tiny(Path(tmp) / "tiny"))
+        overhead = {on: step_overhead(ckpt, enable_prefix_caching=on) for on in (False, True)}
+        warm = Trace.shared_prefix(2, 4, 128, 8, 4, args.seed + 1)  # first runs pay one-time costs
+        for on in (False, True):
+            run_pagefleet(ckpt, warm, "continuous", *cont, enable_prefix_caching=on)
+        shared = {on: run_pagefleet(ckpt, sp, "continuous", *cont, enable_prefix_caching=on) for on in (False, True)}
+        default: dict[bool, list[Result]] = {False: [], True: []}
+        for _ in range(max(1, args.repeats)):  # interleaved: load on the machine hits both alike
+            for on in (False, True):
+                default[on].append(run_pagefleet(ckpt, lt, "continuous", *cont, enable_prefix_caching=on))
+    best = {on: min(rs, key=lambda r: r.seconds) for on, rs in default.items()}
+    summary = {
+        "shared_prefix_throughput_on_over_off": shared[True].tokens_per_second / shared[False].tokens_per_second,
+        "shared_prefix_ttft_p50_off_over_on": shared[False].ttft_p50_s / shared[True].ttft_p50_s,
+        "shared_prefix_ttft_p90_off_over_on": shared[False].ttft_p90_s / shared[True].ttft_p90_s,
+        "shared_prefix_hit_rate": shared[True].prefix_cache_hit_rate,
+        "default_trace_throughput_cost": 1 - best[True].tokens_per_second / best[False].tokens_per_second,
+        "step_overhead_off": overhead[False],
+        "step_overhead_on": overhead[True],
+    }
+    report = {
+        "benchmark": "engine-shared-prefix",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch threads",
+        "torch": torch.__version__,
+        "trace": {"groups": args.sp_groups, "prompts_per_group": args.sp_prompts_per_group,
+                  "system_len": args.sp_system_len, "question_len": args.sp_question_len,
+                  "output_len": args.sp_output_len, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
+                  "block_size": args.block_size, "useful_tokens": sp.useful_tokens,
+                  "prompt_tokens": sum(len(x) for x in sp.prompts)},
+        "default_trace": {"num_requests": args.num_requests, "useful_tokens": lt.useful_tokens,
+                          "repeats": max(1, args.repeats)},
+        "results": [asdict(r) for r in shared.values()],
+        "default_trace_results": [asdict(r) for on in (False, True) for r in default[on]],
+        "summary": summary,
+    }
+    out = Path(args.json or "bench-results/engine-shared-prefix.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nshared-prefix trace: {args.sp_groups} groups x {args.sp_prompts_per_group} prompts, system "
+          f"{args.sp_system_len} + question {args.sp_question_len} tokens, {args.sp_output_len} out; "
+          f"max_num_seqs {args.max_num_seqs}, block_size {args.block_size}; all arrive at once")
+    print("| prefix caching | seconds | output tok/s | TTFT p50 (s) | TTFT p90 (s) | hit rate |\n|---|---|---|---|---|---|")
+    for on, r in shared.items():
+        rate = f"{r.prefix_cache_hit_rate:.1%}" if r.prefix_cache_hit_rate is not None else "-"
+        print(f"| {'on' if on else 'off'} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | "
+              f"{r.ttft_p50_s:.3f} | {r.ttft_p90_s:.3f} | {rate} |")
+    print(f"on / off: throughput {summary['shared_prefix_throughput_on_over_off']:.2f}x, TTFT p50 "
+          f"{summary['shared_prefix_ttft_p50_off_over_on']:.2f}x lower, p90 "
+          f"{summary['shared_prefix_ttft_p90_off_over_on']:.2f}x lower")
+    print(f"\ndefault trace ({args.num_requests} requests, nothing shared), best of {max(1, args.repeats)}:")
+    print("| prefix caching | seconds (each run) | useful tok/s (best) |\n|---|---|---|")
+    for on in (False, True):
+        runs = ", ".join(f"{r.seconds:.2f}" for r in default[on])
+        print(f"| {'on' if on else 'off'} | {runs} | {best[on].tokens_per_second:.1f} |")
+    print(f"cost of caching: {summary['default_trace_throughput_cost']:+.1%} throughput")
+    for on in (False, True):
+        o = overhead[on]
+        print(f"step at {o['num_running']} running, caching {'on' if on else 'off'}: non-model "
+              f"{o['non_model_ms_p50']:.2f} ms wall, {o['non_model_cpu_ms_p50']:.2f} ms CPU p50, "
+              f"{o['non_model_cpu_ms_mean']:.2f} ms CPU mean (model {o['model_ms_p50']:.2f} ms)")
     print(f"JSON: {out}")
     return 0

@@ -9,6 +9,7 @@ dashboards carry over.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class WorkerMetrics:
         "preemptions": "num_preemptions_total",
         "swapped_out_blocks": "num_swapped_out_blocks_total",
         "swapped_in_blocks": "num_swapped_in_blocks_total",
+        "prefix_cache_queries": "prefix_cache_queries_total",
+        "prefix_cache_hits": "prefix_cache_hits_total",
     }
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -95,6 +98,12 @@ class WorkerMetrics:
         )
         self.swapped_in_blocks = Counter(
             "pagefleet:swapped_in_blocks", "KV blocks copied from CPU back to GPU.", registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "pagefleet:prefix_cache_queries", "Tokens looked up in the prefix cache at admission.", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "pagefleet:prefix_cache_hits", "Tokens looked up in the prefix cache and found cached.", registry=r
         )
         self.ttft = Histogram(
             "pagefleet:time_to_first_token_seconds", "From arrival at the worker to the first token.",
@@ -212,6 +221,23 @@ class SchedulerMetrics:
             "pagefleet:scheduler_decision_latency_seconds", "Time to take one scheduling decision.",
             buckets=DECISION_BUCKETS, registry=r,
         )
+        self.placements = Counter(
+            "pagefleet:scheduler_placements",
+            "Requests placed, by what decided the worker: cache, load, balance, round-robin, preempt.",
+            ["decision"], registry=r,
+        )
+        self.prefix_matched_blocks = Counter(
+            "pagefleet:scheduler_prefix_matched_blocks",
+            "Blocks of the placed requests' prompts the chosen worker held already (per the prefix index).",
+            registry=r,
+        )
+        self.prefix_index_keys = Gauge(
+            "pagefleet:scheduler_prefix_index_keys", "Cached block keys in the scheduler's prefix index.", registry=r
+        )
+        self.prefix_cache_hit_rate = Gauge(  # from each report; a dead worker's label is removed
+            "pagefleet:scheduler_worker_prefix_cache_hit_rate",
+            "Each worker's prefix cache hits / queries (prompt tokens) since it started.", ["worker"], registry=r,
+        )
 
     def bind(self, core: Any) -> None:
         """Read the gauges from the active scheduler's state at every scrape."""
@@ -219,15 +245,44 @@ class SchedulerMetrics:
         self.pending_entries.set_function(lambda: len(core.known))
         self.assigned.set_function(lambda: len(core.where))
         self.workers.set_function(lambda: len(core.workers))
+        self.prefix_index_keys.set_function(lambda: core.index.num_keys)
+
+    def observe_report(self, worker_id: str, report: Any) -> None:
+        """The per-worker gauges from one OccupancyReport."""
+        self.free_blocks.labels(worker=worker_id).set(report.num_free_blocks)
+        if report.prefix_cache_queries_total:
+            self.prefix_cache_hit_rate.labels(worker=worker_id).set(
+                report.prefix_cache_hits_total / report.prefix_cache_queries_total)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop a dead worker's labels (those it never had are skipped)."""
+        for gauge in (self.free_blocks, self.prefix_cache_hit_rate):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker_id)
+
+    def placed(self, decision: str, num_matched_blocks: int) -> None:
+        self.placements.labels(decision=decision).inc()
+        if num_matched_blocks:
+            self.prefix_matched_blocks.inc(num_matched_blocks)
 
 
 class GatewayMetrics:
-    """Requests the gateway answered, by gRPC status code, and the ones it shed."""
+    """Requests the gateway answered, by gRPC status code, and the ones it shed.
+
+    A completion request over HTTP counts as a Generate call (by the gRPC code its HTTP
+    status stands for: 400 INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, ...); every HTTP
+    response is also counted by route and HTTP status in ``http_requests``.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = _registry(registry)
         self.requests = Counter(
-            "pagefleet:gateway_requests", "Generate calls answered, by gRPC status code.", ["code"], registry=r
+            "pagefleet:gateway_requests", "Generate calls (gRPC or HTTP completions) answered, by gRPC status code.",
+            ["code"], registry=r,
+        )
+        self.http_requests = Counter(
+            "pagefleet:gateway_http_requests", "HTTP requests answered, by route and HTTP status code.",
+            ["route", "status"], registry=r,
         )
         self.shed = Counter(
             "pagefleet:gateway_shed_requests", "Requests refused with RESOURCE_EXHAUSTED (queue full).",

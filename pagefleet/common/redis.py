@@ -30,13 +30,9 @@ from typing import TypeVar
 
 import structlog
 
+from pagefleet.common.logprobs import TokenLogprobs, pack_logprobs, unpack_logprobs
+
 GROUP = "scheduler"
-# A finished request's output stream lives this long (seconds) for late or repeated readers.
-OUT_TTL_DONE_S = 300
-# While it runs, a stream is kept at least this long after its latest message.
-OUT_TTL_ACTIVE_S = 3600
-# A client-chosen request id is remembered (a retry relays, not re-queues) this long.
-IDEMPOTENCY_TTL_S = 3600
 T = TypeVar("T")
 log = structlog.get_logger("redis")
 
@@ -54,6 +50,20 @@ class Keys:
 
     def idempotency(self, request_id: str) -> str:
         return f"{self.ns}:req:{request_id}"
+
+    def owner(self, request_id: str) -> str:
+        """Hash ``epoch``/``worker``/``done``: who may write the request's output (``fencing``)."""
+        return f"{self.ns}:own:{request_id}"
+
+    @property
+    def done(self) -> str:
+        """Stream of finished requests, appended by their final write (``fencing``)."""
+        return f"{self.ns}:done"
+
+    @property
+    def scheduler_epoch(self) -> str:
+        """The active scheduler's epoch: incremented by each scheduler that takes the lease."""
+        return f"{self.ns}:scheduler:epoch"
 
     @property
     def workers(self) -> str:
@@ -129,13 +139,18 @@ def unpack_ids(raw: bytes) -> list[int]:
 
 @dataclass(slots=True)
 class OutEntry:
-    """One message of a request's output stream (``<ns>:out:<id>``)."""
+    """One message of a request's output stream (``<ns>:out:<id>``).
+
+    ``logprobs``: one entry per token of ``token_ids`` when the request asked for them, else None
+    (entries written without them decode to None).
+    """
 
     index: int
     token_ids: list[int]
     text: str = ""
     finish_reason: str = ""  # "" | stop | length | abort | error
     error: str = ""
+    logprobs: list[TokenLogprobs] | None = None
 
     def encode(self) -> dict[str, bytes | str | int]:
         fields: dict[str, bytes | str | int] = {"i": self.index, "t": pack_ids(self.token_ids), "x": self.text}
@@ -143,6 +158,8 @@ class OutEntry:
             fields["f"] = self.finish_reason
         if self.error:
             fields["e"] = self.error
+        if self.logprobs:
+            fields.update(pack_logprobs(self.logprobs))
         return fields
 
     @classmethod
@@ -153,6 +170,7 @@ class OutEntry:
             text=fields.get(b"x", b"").decode("utf-8", "replace"),
             finish_reason=fields.get(b"f", b"").decode(),
             error=fields.get(b"e", b"").decode("utf-8", "replace"),
+            logprobs=unpack_logprobs(fields),
         )
 
 

@@ -9,6 +9,10 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 1024
+# Most alternatives a request may ask log-probabilities of, per token (OpenAI's limit too).
+MAX_LOGPROBS = 20
+# Presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (as OpenAI's).
+MAX_PENALTY = 2.0
 # Most tokens to generate when a request does not say (the proto's unset max_tokens too).
 DEFAULT_MAX_TOKENS = 16
 
@@ -20,6 +24,15 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those
     filters. A ``seed`` gives the request its own random stream, so its tokens do not
     depend on what else shares the batch.
+
+    Penalties (vLLM's definitions) change the logits before anything else:
+    ``repetition_penalty`` divides the positive (multiplies the negative) logits of every
+    token of the prompt or the output, then ``frequency_penalty`` times a token's count in
+    the output and ``presence_penalty`` once for a token present in the output are
+    subtracted. ``min_tokens``: end-of-sequence and stop token ids cannot be sampled before
+    that many output tokens. ``logprobs``: None for none, ``n`` for each token's
+    log-probability and its ``n`` most likely alternatives (after penalties and the
+    ``min_tokens`` mask, before temperature, top-k and top-p).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -30,6 +43,11 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -41,6 +59,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this, logits / temperature overflows float32: treat it as greedy (as vLLM does).
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of presence, frequency or repetition penalty is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when sampling needs more than temperature, top-k and top-p (the sampler's slower path)."""
+        return self.has_penalties or self.min_tokens > 0 or self.logprobs is not None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field that is out of range."""
@@ -70,3 +98,23 @@ class SamplingParams:
         for t_id in self.stop_token_ids or ():
             if not isinstance(t_id, int) or t_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t_id!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_number(r) or not 0 < r < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {r!r}")
+        m = self.min_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {m!r}")
+        if m > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {m}")
+        n = self.logprobs
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+
+
+def _is_number(v) -> bool:
+    """A real number (int or float, not bool), not NaN."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(v)

@@ -18,6 +18,11 @@ def from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop=list(msg.stop) or None,
         stop_token_ids=list(msg.stop_token_ids) or None,
         ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else d.presence_penalty,
+        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else d.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else d.repetition_penalty,
+        min_tokens=msg.min_tokens if msg.HasField("min_tokens") else d.min_tokens,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -30,7 +35,13 @@ def to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop=list(params.stop_strings),
         stop_token_ids=list(params.stop_token_ids or ()),
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_tokens=params.min_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg

@@ -20,8 +20,9 @@ class ByteTokenizer:
     bos_token_id = BOS
     eos_token_ids = (EOS,)
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_special_tokens else ids
 
     def decode(self, token_ids: list[int]) -> str:
         try:
@@ -64,8 +65,9 @@ class HFTokenizer:
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens=False`` for text that already holds them (a rendered chat template)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
@@ -100,7 +102,7 @@ class NoTokenizer:
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ValueError("prompt: this model has no tokenizer.json; pass prompt token ids")
 
     def decode(self, token_ids: list[int]) -> str:

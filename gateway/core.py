@@ -1,0 +1,256 @@
+"""One path behind both doors: check, queue and relay ``pb.GenerateRequest``s.
+
+The gRPC servicer and the HTTP app only convert their encodings to ``pb.GenerateRequest``
+and back. Everything between happens here, once: validation (``check``), shedding when
+the queue is past ``--max-queue``, idempotency of client-chosen ids, the XADD into the
+requests stream, the relay of the output stream, and the cancel entry when a caller
+stops reading before the end (so the worker frees the request's blocks).
+
+Refusals are exceptions the doors translate: ``BadField`` (validate.py), ``Shed`` and
+``QueueUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from pagefleet.common.blocks import block_hashes
+from pagefleet.common.fencing import REQUEST_TTL_S
+from pagefleet.common.metrics import GatewayMetrics
+from pagefleet.common.model_config import ModelSpec
+from pagefleet.common.redis import (
+    Keys,
+    encode_cancel_entry,
+    encode_request_entry,
+    retry,
+)
+from pagefleet.protos import cluster_pb2
+from pagefleet.protos import generation_pb2 as pb
+
+from .observe import enqueue_span
+from .relay import relay
+from .validate import check
+
+# The error text of a request finished for its deadline (the scheduler writes it): the gRPC
+# door ends such a call with DEADLINE_EXCEEDED.
+DEADLINE_ERROR = "deadline exceeded"
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+# Redis calls that decide whether a request is queued: a few quick tries, then the caller hears of it.
+_ATTEMPTS = 5
+
+log = structlog.get_logger("gateway")
+
+
+class Shed(Exception):
+    """The queue is past its limit; the caller should retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueUnavailable(Exception):
+    """The request queue (Redis) did not answer; nothing was queued."""
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A request in the requests stream (``fresh`` False: a client-chosen id queued before,
+    whose output is relayed rather than generated again)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    fresh: bool
+
+
+def traceparent_or_new(value: str | None) -> str:
+    """``value`` if it is a W3C ``traceparent``, else a new root one."""
+    if value and _TRACEPARENT.match(value):
+        return value
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+class GatewayCore:
+    """What a gateway does for a request, whichever door it came through."""
+
+    def __init__(self, redis, keys: Keys, model: ModelSpec, args) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.model = model
+        self.max_model_len = model.max_model_len(args.max_model_len)
+        self.args = args
+        self.metrics = GatewayMetrics()
+        self._cancels: set[asyncio.Task] = set()
+
+    def check(self, request: pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids; ``BadField`` naming what is wrong."""
+        return check(request, self.model, self.max_model_len)
+
+    async def enqueue(self, requests: Sequence[tuple[pb.GenerateRequest, list[int]]], traceparent: str,
+                      *, client_ids: bool) -> list[Queued]:
+        """Queue every checked ``(request, prompt_ids)`` (each with its ``request_id`` set), or none.
+
+        ``client_ids``: the ids are the client's idempotency keys (an id queued before is
+        relayed, not queued again). Raises ``Shed`` when the queue is full and
+        ``QueueUnavailable`` when Redis does not answer (cancelling the ones already queued).
+        """
+        try:
+            depth, length = await self._queue_depth()
+        except Exception as e:
+            raise QueueUnavailable("the request queue (Redis) is unreachable") from e
+        if depth >= self.args.max_queue or length >= self.args.max_stream_len:
+            raise Shed(f"queue is full ({depth} waiting); retry later", self.args.retry_after)
+        queued: list[Queued] = []
+        for request, prompt_ids in requests:
+            try:
+                queued.append(await self._enqueue_one(request, prompt_ids, traceparent, client_ids))
+            except Exception as e:
+                for q in queued:
+                    if q.fresh:
+                        self.cancel_soon(q.request_id)
+                raise QueueUnavailable("the request queue (Redis) is unreachable") from e
+        return queued
+
+    async def _enqueue_one(self, request: pb.GenerateRequest, prompt_ids: list[int], traceparent: str,
+                           client_id: bool) -> Queued:
+        rid = request.request_id
+        if client_id:
+            # The same lifetime as the request's output stream (the final write shortens both):
+            # past it, a retry with this id is a new request.
+            new = await retry(lambda: self.redis.set(self.keys.idempotency(rid), 1, nx=True, ex=REQUEST_TTL_S),
+                              what="idempotency", attempts=_ATTEMPTS)
+            if not new:
+                return Queued(rid, len(prompt_ids), fresh=False)
+        deadline = int(time.time() * 1000) + request.deadline_ms if request.HasField("deadline_ms") else 0
+        size = self.args.block_size
+        sampling = pb.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        if not sampling.HasField("seed"):
+            # Every request gets a seed here, so one resumed elsewhere or recomputed after a
+            # preemption continues its random draws instead of rolling new ones.
+            sampling.seed = secrets.randbits(63)
+        msg = cluster_pb2.AssignRequest(
+            request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
+            priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
+            block_hashes=block_hashes(prompt_ids, size), hash_block_size=size,
+        )
+        with enqueue_span(msg, self.keys.requests):  # sets msg.traceparent when tracing
+            fields = encode_request_entry(msg, int(time.time() * 1000))
+            try:
+                await retry(lambda: self.redis.xadd(self.keys.requests, fields, maxlen=self.args.max_stream_len,
+                                                    approximate=True), what="xadd", attempts=_ATTEMPTS)
+            except Exception:
+                if client_id:  # not queued: a retry with the same id must queue it, not wait for it
+                    with contextlib.suppress(Exception):
+                        await self.redis.delete(self.keys.idempotency(rid))
+                raise
+        log.info("request.enqueued", request_id=rid, num_prompt_tokens=len(prompt_ids),
+                 priority=request.priority, traceparent=msg.traceparent)
+        return Queued(rid, len(prompt_ids), fresh=True)
+
+    async def _queue_depth(self) -> tuple[int, int]:
+        async def read():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.get(self.keys.num_waiting)
+            pipe.xlen(self.keys.requests)
+            return await pipe.execute()
+
+        waiting, length = await retry(read, what="queue_depth", attempts=_ATTEMPTS)
+        # No scheduler publishing its queue: everything in the stream is waiting.
+        return (int(waiting) if waiting is not None else length), length
+
+    async def relay(self, queued: Queued) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's messages, in order, to the last one; closing it early (the caller
+        went away) queues a cancel so the worker frees the request's blocks."""
+        finished = False
+        try:
+            async for msg in relay(self.redis, self.keys, queued.request_id, queued.num_prompt_tokens):
+                finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                yield msg
+        finally:
+            if not finished:
+                log.info("request.client_gone", request_id=queued.request_id)
+                self.cancel_soon(queued.request_id)
+
+    def relay_all(self, queued: Sequence[Queued]) -> Relays:
+        """The messages of several requests as they come (see ``Relays``)."""
+        return Relays(self, queued)
+
+    def cancel_soon(self, request_id: str) -> None:
+        """Queue a cancel entry in the background (the caller may be gone already)."""
+        task = asyncio.ensure_future(self._send_cancel(request_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _send_cancel(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.cancel(request_id, attempts=20)
+
+    async def cancel(self, request_id: str, attempts: int = _ATTEMPTS) -> None:
+        """Queue a cancel entry for ``request_id`` (Redis errors propagate)."""
+        await retry(lambda: self.redis.xadd(self.keys.requests, encode_cancel_entry(request_id)),
+                    what="xadd_cancel", attempts=attempts)
+
+    async def ping(self, timeout_s: float = 2.0) -> bool:
+        """Whether Redis answers now."""
+        try:
+            return bool(await asyncio.wait_for(self.redis.ping(), timeout_s))
+        except Exception:
+            return False
+
+
+class Relays:
+    """``(i, message)`` for every ``queued[i]``, as the messages come, until all have finished.
+
+    Whoever holds it must ``aclose()`` it: that cancels every request still running, whether
+    or not a message was read (a caller can be gone before the first one). Idempotent.
+    """
+
+    def __init__(self, core: GatewayCore, queued: Sequence[Queued]) -> None:
+        self._core = core
+        self._queued = list(queued)
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Future] | None = None  # None until the first read
+        self._remaining = len(self._queued)
+
+    def __aiter__(self) -> Relays:
+        return self
+
+    async def __anext__(self) -> tuple[int, pb.GenerateResponse]:
+        if self._tasks is None:
+            self._tasks = [asyncio.ensure_future(self._pump(i, q)) for i, q in enumerate(self._queued)]
+        while self._remaining:
+            i, item = await self._inbox.get()
+            if item is None:
+                self._remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                return i, item
+        raise StopAsyncIteration
+
+    async def _pump(self, i: int, q: Queued) -> None:
+        try:
+            async for msg in self._core.relay(q):  # its own cleanup cancels q if it stops early
+                self._inbox.put_nowait((i, msg))
+        except Exception as e:  # handed to the reader, which raises it
+            self._inbox.put_nowait((i, e))
+        self._inbox.put_nowait((i, None))
+
+    async def aclose(self) -> None:
+        if self._tasks is None:  # never read: nothing relays them, so nothing else cancels them
+            self._tasks = []
+            for q in self._queued:
+                log.info("request.client_gone", request_id=q.request_id)
+                self._core.cancel_soon(q.request_id)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,273 @@
+"""The OpenAI API over the gateway's core: one completion request from body to response.
+
+``OpenAIDoor.completion`` parses a ``/v1/completions`` or ``/v1/chat/completions`` body
+(openai_request.py: one ``pb.GenerateRequest`` per choice), renders chats with the
+model's chat template, and takes the path a gRPC call takes: ``GatewayCore.check``,
+``enqueue``, ``relay_all``. The answer is one JSON body or server-sent events
+(``EventStream``, ending in ``data: [DONE]``), built by openai_response.py. Refusals are
+``ApiError``s in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
+naming the parameter, 404 for a model this gateway does not serve, 429 with
+``Retry-After`` when the queue is full, 503 when the queue (Redis) is unreachable. A
+client that goes away (while waiting or streaming) cancels its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagefleet.common import telemetry
+from pagefleet.common.chat_template import ChatTemplate, ChatTemplateError
+from pagefleet.common.sampling_params import DEFAULT_MAX_TOKENS
+from pagefleet.protos import generation_pb2 as pb
+
+from .core import GatewayCore, Queued, QueueUnavailable, Relays, Shed, traceparent_or_new
+from .observe import CallObserver, http_call
+from .openai_request import ApiRequest, BadParam, fan_out
+from .openai_response import Choices, TokenPieces
+from .validate import BadField
+
+# What each HTTP status counts as in the gateway's (gRPC-coded) request metrics.
+CODE_OF_STATUS = {
+    200: grpc.StatusCode.OK,
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,  # the client closed the connection first (nginx's code)
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+CLIENT_GONE = 499
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    @classmethod
+    def bad(cls, e: BadParam) -> ApiError:
+        return cls(400, e.message, "invalid_request_error", e.param, e.code)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class OpenAIDoor:
+    """The completion routes over one ``GatewayCore``."""
+
+    def __init__(self, core: GatewayCore, served_model_name: str, template: ChatTemplate | None) -> None:
+        self.core = core
+        self.served_model_name = served_model_name
+        self.template = template
+        self.pieces = TokenPieces(core.model.tokenizer)
+        self.created = int(time.time())
+
+    async def completion(self, request: Request, route: str, parse: Callable[[Any], ApiRequest]) -> Response:
+        call = http_call(self.core.metrics, "POST", route, request.headers)
+        try:
+            req, queued, base_id = await self._admit(request, parse, call)
+        except ApiError as e:
+            _end(call, e.status)
+            return e.response()
+        except BaseException:
+            _end(call, 500)
+            raise
+        choices = Choices(req, base_id, self.served_model_name, self.pieces)
+        for i, q in enumerate(queued):
+            choices.set_prompt_tokens(i, q.num_prompt_tokens)
+        relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
+        headers = {"X-Request-Id": base_id}
+        if req.stream:
+            return EventStream(self._events(choices, relays, call), relays, call,
+                               headers={**headers, "Cache-Control": "no-cache"})
+        return await self._collect(request, choices, relays, call, headers)
+
+    async def _admit(self, request: Request, parse, call: CallObserver) -> tuple[ApiRequest, list[Queued], str]:
+        """Parse, check and queue; ``ApiError`` for every refusal."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request_error",
+                           code="invalid_json") from None
+        try:
+            req = parse(body)
+            if req.model is not None and req.model != self.served_model_name:
+                raise ApiError(404, f"The model `{req.model}` does not exist (this server serves "
+                                    f"`{self.served_model_name}`).", "invalid_request_error", "model",
+                               "model_not_found")
+            if req.chat:
+                self._render(req)
+            client_id = request.headers.get("x-request-id")
+            base_id = client_id or f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+            call.describe(_request_attributes(req, self.served_model_name, base_id))
+            requests = fan_out(req, base_id)
+            checked = [(r, self._check(r, req)) for r in requests]
+        except BadParam as e:
+            raise ApiError.bad(e) from None
+        try:
+            with call.current():
+                queued = await self.core.enqueue(checked, traceparent_or_new(request.headers.get("traceparent")),
+                                                 client_ids=bool(client_id))
+        except Shed as e:
+            retry_after = str(max(1, math.ceil(e.retry_after_s)))
+            raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": retry_after}) from None
+        except QueueUnavailable as e:
+            raise ApiError(503, str(e), "service_unavailable_error", code="queue_unavailable") from None
+        return req, queued, base_id
+
+    def _render(self, req: ApiRequest) -> None:
+        """A chat's messages through the model's chat template into its one prompt."""
+        if self.template is None:
+            raise BadParam("messages", "this model has no chat template; use /v1/completions")
+        try:
+            ids = self.template.encode(self.core.model.tokenizer, req.messages)
+        except (ChatTemplateError, ValueError) as e:
+            raise BadParam("messages", f"the chat template refused the messages: {e}") from None
+        req.prompts = [ids]
+        if not req.sampling.HasField("max_tokens"):  # OpenAI's chat default: the rest of the context
+            req.sampling.max_tokens = max(1, self.core.max_model_len - len(ids))
+
+    def _check(self, r: pb.GenerateRequest, req: ApiRequest) -> list[int]:
+        try:
+            return self.core.check(r)
+        except BadField as e:
+            field = e.field.removeprefix("sampling.")
+            param = {"prompt": req.prompt_param, "prompt_token_ids": req.prompt_param, "request_id": "X-Request-Id",
+                     "max_tokens": req.max_tokens_param, "logprobs": "top_logprobs" if req.chat else "logprobs",
+                     "sampling": None}.get(field, field)
+            raise BadParam(param, e.reason) from None
+
+    async def _events(self, choices: Choices, relays: Relays, call: CallObserver) -> AsyncIterator[bytes]:
+        status = CLIENT_GONE  # until the stream is through
+        try:
+            if choices.req.chat:
+                for i in range(choices.req.num_choices):
+                    yield _sse(choices.role_chunk(i))
+            async for i, msg in relays:
+                call.message(msg)
+                chunk = choices.add(i, msg)
+                if msg.finish_reason == pb.FINISH_REASON_ERROR:
+                    status = 500
+                    yield _sse(ApiError(500, choices.error or "generation failed", "server_error").body())
+                    yield b"data: [DONE]\n\n"
+                    return
+                yield _sse(chunk)
+            if choices.req.include_usage:
+                yield _sse(choices.usage_chunk())
+            yield b"data: [DONE]\n\n"
+            status = 200
+        finally:
+            await relays.aclose()
+            _end(call, status, streamed=True)
+
+    async def _collect(self, request: Request, choices: Choices, relays: Relays, call: CallObserver,
+                       headers: dict[str, str]) -> Response:
+        async def run() -> None:
+            async for i, msg in relays:
+                call.message(msg)
+                choices.add(i, msg)
+
+        done = asyncio.ensure_future(run())
+        gone = asyncio.ensure_future(_disconnected(request))
+        status = CLIENT_GONE
+        try:
+            await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():  # the client went away: closing the relay cancels the requests
+                return Response(status_code=CLIENT_GONE)
+            done.result()
+            if choices.error is not None:
+                status = 500
+                return ApiError(500, choices.error, "server_error").response()
+            status = 200
+            return JSONResponse(choices.body(), headers=headers)
+        finally:
+            for t in (done, gone):
+                t.cancel()
+            await asyncio.gather(done, gone, return_exceptions=True)
+            await relays.aclose()
+            _end(call, status)
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagefleet",
+                "root": self.core.model.name, "max_model_len": self.core.max_model_len}
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects, even while no token is
+    due (a long prefill, a wait in the queue). Then the body and ``relays`` are closed, which
+    cancels the requests, and ``call`` ends - also when the body never started."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], relays: Relays, call: CallObserver,
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, headers=headers)
+        self.relays = relays
+        self.call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((stream, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (stream, gone):
+                t.cancel()
+            await asyncio.gather(stream, gone, return_exceptions=True)
+            await self.body_iterator.aclose()
+            await self.relays.aclose()
+            _end(self.call, CLIENT_GONE, streamed=True)  # a no-op when the body ended it
+        if not stream.cancelled() and stream.exception() is not None:
+            raise stream.exception()
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _end(call: CallObserver, status: int, streamed: bool = False) -> None:
+    attrs = {"http.response.status_code": 200 if streamed else status}
+    call.end(CODE_OF_STATUS.get(status, grpc.StatusCode.UNKNOWN), attrs)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _request_attributes(req: ApiRequest, model: str, request_id: str) -> dict[str, Any]:
+    s = req.sampling
+    attrs = telemetry.request_attributes(
+        model=model, max_tokens=s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        request_id=request_id,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+    )
+    if req.chat:
+        attrs[telemetry.GEN_AI_OPERATION_NAME] = "chat"
+    attrs["pagefleet.num_choices"] = req.num_choices
+    if req.user is not None:
+        attrs["enduser.id"] = req.user
+    return attrs

@@ -1,0 +1,315 @@
+"""OpenAI request bodies, checked and turned into ``pb.GenerateRequest``s.
+
+``parse_completion`` and ``parse_chat`` read a ``/v1/completions`` or
+``/v1/chat/completions`` body into an ``ApiRequest``; ``fan_out`` makes one
+``pb.GenerateRequest`` per choice (every prompt times ``n``, in OpenAI's choice order).
+What the gateway's own ``check`` validates (ranges of sampling values, prompt lengths)
+is left to it; here only what the protobuf cannot express is refused. Every refusal is a
+``BadParam`` naming the parameter, and a parameter this server does not implement is
+refused by name (a ``null``, or the value that means "off", is accepted), never ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagefleet.protos import generation_pb2 as pb
+
+# Most choices (prompts x n) one request may fan out into.
+MAX_CHOICES = 128
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+_UINT32 = 2**32
+_UINT64 = 2**64
+_INT32 = 2**31
+
+_COMMON = ("model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed",
+           "presence_penalty", "frequency_penalty", "logprobs", "user",
+           # vLLM's extras (``extra_body`` of the openai client)
+           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids")
+COMPLETION_PARAMS = frozenset((*_COMMON, "prompt"))
+CHAT_PARAMS = frozenset((*_COMMON, "messages", "max_completion_tokens", "top_logprobs"))
+
+_OFF = object()  # no value but null turns it off
+# OpenAI parameters this server does not implement -> the value that means "not used".
+UNSUPPORTED = {
+    "best_of": 1, "echo": False, "suffix": "", "logit_bias": {}, "tools": [], "tool_choice": "none",
+    "parallel_tool_calls": _OFF, "functions": [], "function_call": "none", "response_format": {"type": "text"},
+    "audio": _OFF, "modalities": ["text"], "prediction": _OFF, "store": False, "metadata": {},
+    "reasoning_effort": _OFF, "service_tier": _OFF, "web_search_options": _OFF,
+}
+_ROLES = ("system", "developer", "user", "assistant")
+_MESSAGE_KEYS = ("role", "content", "name")
+_UNSUPPORTED_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+
+
+class BadParam(ValueError):
+    """A request parameter refused: HTTP 400 naming ``param``."""
+
+    def __init__(self, param: str | None, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+        self.code = code
+
+
+@dataclass(slots=True)
+class ApiRequest:
+    """One completion body, checked. Chat bodies carry ``messages`` until the gateway renders
+    them into ``prompts`` (one list of token ids)."""
+
+    chat: bool
+    model: str | None
+    prompts: list[str | list[int]]
+    sampling: pb.SamplingParams
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    user: str | None = None
+    max_tokens_param: str = "max_tokens"  # the name the client used, for refusals
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token the client asked for; None: no log-probabilities."""
+        return self.sampling.logprobs if self.sampling.HasField("logprobs") else None
+
+
+def parse_completion(body: Any) -> ApiRequest:
+    p = _params(body, COMPLETION_PARAMS)
+    req = ApiRequest(chat=False, model=_model(p), prompts=_prompts(p.get("prompt")), sampling=_sampling(p))
+    if (k := p.get("logprobs")) is not None:
+        req.sampling.logprobs = _int("logprobs", k, 0, MAX_COMPLETION_LOGPROBS)
+    return _finish(req, p)
+
+
+def parse_chat(body: Any) -> ApiRequest:
+    p = _params(body, CHAT_PARAMS)
+    req = ApiRequest(chat=True, model=_model(p), prompts=[], sampling=_sampling(p), messages=_messages(p))
+    if (m := p.get("max_completion_tokens")) is not None:
+        if "max_tokens" in p and p["max_tokens"] != m:
+            raise BadParam("max_tokens", "give max_tokens or max_completion_tokens, not both")
+        req.sampling.max_tokens = _int("max_completion_tokens", m, 0, _UINT32 - 1)
+        req.max_tokens_param = "max_completion_tokens"
+    want = _bool("logprobs", p["logprobs"]) if "logprobs" in p else False
+    if "top_logprobs" in p:
+        if not want:
+            raise BadParam("top_logprobs", "top_logprobs needs logprobs: true")
+        req.sampling.logprobs = _int("top_logprobs", p["top_logprobs"], 0, MAX_TOP_LOGPROBS)
+    elif want:
+        req.sampling.logprobs = 0
+    return _finish(req, p)
+
+
+def fan_out(req: ApiRequest, base_id: str) -> list[pb.GenerateRequest]:
+    """One request per choice, in choice order (prompt i's choices at ``i * n ... i * n + n - 1``).
+
+    A single choice keeps ``base_id``; several get ``<base_id>-<index>``. Choice j of each
+    prompt samples with a seed derived from ``seed`` (j = 0: ``seed`` itself), so seeded
+    choices differ from each other and each is reproducible.
+    """
+    out = []
+    for i, prompt in enumerate(req.prompts):
+        for j in range(req.n):
+            index = i * req.n + j
+            r = pb.GenerateRequest(request_id=base_id if req.num_choices == 1 else f"{base_id}-{index}",
+                                   sampling=req.sampling, priority=req.priority)
+            if req.sampling.HasField("seed") and j:
+                r.sampling.seed = derived_seed(req.sampling.seed, j)
+            if isinstance(prompt, str):
+                r.prompt = prompt
+            else:
+                r.prompt_token_ids.ids.extend(prompt)
+            out.append(r)
+    return out
+
+
+def derived_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` (> 0) of a request seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+# -- the body ----------------------------------------------------------------------------------
+def _params(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    """The body's parameters that are set (null means unset); unknown and unsupported ones refused."""
+    if not isinstance(body, dict):
+        raise BadParam(None, "the request body must be a JSON object")
+    params = {}
+    for name, value in body.items():
+        if name in allowed:
+            if value is not None:
+                params[name] = value
+        elif name in UNSUPPORTED:
+            if value is not None and value != UNSUPPORTED[name]:
+                raise BadParam(name, f"{name} is not supported by this server", "unsupported_parameter")
+        else:
+            raise BadParam(name, f"unknown parameter {name!r}", "unknown_parameter")
+    return params
+
+
+def _finish(req: ApiRequest, p: dict[str, Any]) -> ApiRequest:
+    req.n = _int("n", p.get("n", 1), 1, MAX_CHOICES)
+    if req.num_choices > MAX_CHOICES:
+        raise BadParam("n", f"{len(req.prompts) or 1} prompts x n = {req.num_choices} choices; "
+                            f"at most {MAX_CHOICES} per request")
+    req.stream = _bool("stream", p.get("stream", False))
+    if "stream_options" in p:
+        req.include_usage = _stream_options(p["stream_options"], req.stream)
+    req.priority = _int("priority", p.get("priority", 0), -_INT32, _INT32 - 1)
+    if "user" in p:
+        req.user = _str("user", p["user"])
+    return req
+
+
+def _model(p: dict[str, Any]) -> str | None:
+    return _str("model", p["model"]) if "model" in p else None
+
+
+def _stream_options(value: Any, stream: bool) -> bool:
+    if not stream:
+        raise BadParam("stream_options", "stream_options is only allowed with stream: true")
+    if not isinstance(value, dict):
+        raise BadParam("stream_options", "stream_options must be an object")
+    for key in value:
+        if key != "include_usage":
+            raise BadParam(f"stream_options.{key}", f"unknown stream option {key!r}", "unknown_parameter")
+    include = value.get("include_usage")
+    return False if include is None else _bool("stream_options.include_usage", include)
+
+
+def _sampling(p: dict[str, Any]) -> pb.SamplingParams:
+    s = pb.SamplingParams()
+    if "max_tokens" in p:
+        s.max_tokens = _int("max_tokens", p["max_tokens"], 0, _UINT32 - 1)
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if name in p:
+            setattr(s, name, _number(name, p[name]))
+    if "top_k" in p:
+        k = _int("top_k", p["top_k"], -1, _UINT32 - 1)
+        s.top_k = max(k, 0)  # vLLM's -1 is off, as 0 is here
+    if "seed" in p:
+        s.seed = _int("seed", p["seed"], 0, _UINT64 - 1)
+    if "min_tokens" in p:
+        s.min_tokens = _int("min_tokens", p["min_tokens"], 0, _UINT32 - 1)
+    if "stop" in p:
+        stop = p["stop"]
+        s.stop.extend([stop] if isinstance(stop, str) else _list_of("stop", stop, str, "strings"))
+    if "stop_token_ids" in p:
+        ids = _list_of("stop_token_ids", p["stop_token_ids"], int, "token ids")
+        s.stop_token_ids.extend(_int("stop_token_ids", t, 0, _UINT32 - 1) for t in ids)
+    if "ignore_eos" in p:
+        s.ignore_eos = _bool("ignore_eos", p["ignore_eos"])
+    return s
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids or a list of such lists."""
+    if value is None:
+        raise BadParam("prompt", "prompt is required")
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise BadParam("prompt", "prompt must be a string, a list of strings, a list of token ids "
+                                 "or a list of token-id lists, and not empty")
+    if all(isinstance(x, str) for x in value):
+        return list(value)
+    if all(_is_int(x) for x in value):
+        return [_token_ids(value)]
+    if all(isinstance(x, list) for x in value):
+        return [_token_ids(x) for x in value]
+    raise BadParam("prompt", "prompt lists must hold only strings, only token ids or only token-id lists")
+
+
+def _token_ids(ids: list[Any]) -> list[int]:
+    if not all(_is_int(t) and 0 <= t < _UINT32 for t in ids):
+        raise BadParam("prompt", "token ids must be integers >= 0")
+    return ids
+
+
+def _messages(p: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = p.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadParam("messages", "messages must be a non-empty list")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise BadParam(where, "each message must be an object with role and content")
+    for key, value in m.items():
+        if key in _UNSUPPORTED_MESSAGE_KEYS and value not in (None, []):
+            raise BadParam(f"{where}.{key}", f"{key} is not supported by this server", "unsupported_parameter")
+        if key not in _MESSAGE_KEYS and key not in _UNSUPPORTED_MESSAGE_KEYS:
+            raise BadParam(f"{where}.{key}", f"unknown message field {key!r}", "unknown_parameter")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise BadParam(f"{where}.role", f"role must be one of {', '.join(_ROLES)}, got {role!r}")
+    out: dict[str, Any] = {"role": role, "content": _content(where, m.get("content"), role)}
+    if m.get("name") is not None:
+        out["name"] = _str(f"{where}.name", m["name"])
+    return out
+
+
+def _content(where: str, content: Any, role: str) -> str:
+    """Text, or text parts joined by newlines (as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadParam(f"{where}.content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) "
+                                                        "are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadParam(f"{where}.content", "content must be a string or a list of text parts")
+
+
+# -- values ------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(name: str, v: Any, lo: int, hi: int) -> int:
+    if not _is_int(v) or not lo <= v <= hi:
+        raise BadParam(name, f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _number(name: str, v: Any) -> float:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise BadParam(name, f"{name} must be a number, got {v!r}")
+    return float(v)
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise BadParam(name, f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _str(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise BadParam(name, f"{name} must be a string, got {v!r}")
+    return v
+
+
+def _list_of(name: str, v: Any, kind: type, what: str) -> list[Any]:
+    if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
+        raise BadParam(name, f"{name} must be a list of {what}" + (" or a string" if name == "stop" else ""))
+    return v

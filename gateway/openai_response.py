@@ -1,0 +1,169 @@
+"""OpenAI response objects built from the relayed ``pb.GenerateResponse`` messages.
+
+``Choices`` follows every choice of one request: ``chunk`` turns one message into a
+streaming chunk (``text_completion`` or ``chat.completion.chunk``), ``body`` gives the
+whole non-streaming response, ``usage`` the token counts (the prompt counted once per
+prompt, not per choice, as OpenAI counts it). Log-probabilities come in each API's
+shape: completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``,
+chat's ``content`` list of ``{token, logprob, bytes, top_logprobs}``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagefleet.common.tokenizer import ByteTokenizer
+from pagefleet.protos import generation_pb2 as pb
+
+from .openai_request import ApiRequest
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_ERROR: "error",
+}
+# JSON has no -inf: a log-probability below this is sent as this (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+class TokenPieces:
+    """Each token's own text and bytes (what log-probabilities are reported for)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self._cache.get(token_id)
+        if piece is None:
+            if isinstance(self._tokenizer, ByteTokenizer):
+                raw = bytes((token_id,)) if token_id < 256 else b""
+                piece = (raw.decode("utf-8", errors="replace"), list(raw))
+            else:
+                text = self._tokenizer.decode([token_id])
+                piece = (text, list(text.encode("utf-8")))
+            if len(self._cache) < 65536:
+                self._cache[token_id] = piece
+        return piece
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    num_prompt_tokens: int = 0
+    finish_reason: str | None = None
+    error: str = ""
+    text_len: int = 0  # characters of text so far (completions' text_offset)
+    logprobs: list[Any] = field(default_factory=list)  # chat entries, or completions' (token, lp, top, offset)
+
+
+class Choices:
+    """The OpenAI objects of one request's choices."""
+
+    def __init__(self, req: ApiRequest, response_id: str, model: str, pieces: TokenPieces) -> None:
+        self.req = req
+        self.id = response_id
+        self.model = model
+        self.pieces = pieces
+        self.created = int(time.time())
+        self.object = "chat.completion" if req.chat else "text_completion"
+        self._choices = [_Choice() for _ in range(req.num_choices)]
+
+    def set_prompt_tokens(self, index: int, num_prompt_tokens: int) -> None:
+        self._choices[index].num_prompt_tokens = num_prompt_tokens
+
+    @property
+    def error(self) -> str | None:
+        """The first failed choice's error, if any failed."""
+        return next((c.error or "generation failed" for c in self._choices if c.finish_reason == "error"), None)
+
+    def add(self, index: int, msg: pb.GenerateResponse) -> dict[str, Any]:
+        """Record one message of choice ``index``; its streaming chunk."""
+        c = self._choices[index]
+        c.text.append(msg.text)
+        c.num_tokens += len(msg.token_ids)
+        if msg.finish_reason:
+            c.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
+            c.error = msg.error
+        logprobs = self._logprobs(c, msg) if self.req.logprobs is not None else None
+        c.text_len += len(msg.text)
+        choice: dict[str, Any] = {"index": index}
+        if self.req.chat:
+            choice["delta"] = {"content": msg.text} if msg.text or not msg.finish_reason else {}
+            choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}
+        else:
+            choice["text"] = msg.text
+            choice["logprobs"] = None if logprobs is None else _completion_logprobs(logprobs)
+        choice["finish_reason"] = c.finish_reason
+        return self._chunk([choice])
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """Chat streams open each choice with the assistant's role."""
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.req.chat else "text_completion"
+        chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage(self) -> dict[str, int]:
+        n = self.req.n
+        prompt = sum(c.num_prompt_tokens for i, c in enumerate(self._choices) if i % n == 0)
+        completion = sum(c.num_tokens for c in self._choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage()
+        return chunk
+
+    def body(self) -> dict[str, Any]:
+        """The non-streaming response."""
+        choices = []
+        for i, c in enumerate(self._choices):
+            text = "".join(c.text)
+            choice: dict[str, Any] = {"index": i}
+            if self.req.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = None if self.req.logprobs is None else {"content": c.logprobs, "refusal": None}
+            else:
+                choice["text"] = text
+                choice["logprobs"] = None if self.req.logprobs is None else _completion_logprobs(c.logprobs)
+            choice["finish_reason"] = c.finish_reason
+            choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def _logprobs(self, c: _Choice, msg: pb.GenerateResponse) -> list[Any]:
+        """This message's entries (also kept on the choice for the whole body)."""
+        entries = []
+        offset = c.text_len
+        for token_id, lp in zip(msg.token_ids, msg.logprobs, strict=False):
+            text, raw = self.pieces(token_id)
+            tops = [(self.pieces(t.token_id), _finite(t.logprob)) for t in lp.top_logprobs]
+            if self.req.chat:
+                entries.append({"token": text, "logprob": _finite(lp.logprob), "bytes": raw,
+                                "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for (t, b), v in tops]})
+            else:
+                top = {t: v for (t, _), v in tops}
+                top.setdefault(text, _finite(lp.logprob))
+                entries.append((text, _finite(lp.logprob), top, min(offset, c.text_len + len(msg.text))))
+                offset += len(text)
+        c.logprobs.extend(entries)
+        return entries
+
+
+def _completion_logprobs(entries: list[tuple[str, float, dict[str, float], int]]) -> dict[str, list[Any]]:
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+
+
+def _finite(logprob: float) -> float:
+    return max(float(logprob), MIN_LOGPROB)
