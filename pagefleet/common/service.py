@@ -35,7 +35,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         raw = os.environ.get(var)
         if raw is not None:
             action = kwargs.get("action")
-            if action == "store_true":
+            if action in ("store_true", argparse.BooleanOptionalAction):
                 kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
             else:
                 conv = kwargs.get("type", str)
