@@ -35,6 +35,7 @@ from pagefleet.common.redis import (
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
 
+from .limits import Limits
 from .observe import enqueue_span
 from .relay import relay
 from .validate import check
@@ -45,6 +46,20 @@ DEADLINE_ERROR = "deadline exceeded"
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 # Redis calls that decide whether a request is queued: a few quick tries, then the caller hears of it.
 _ATTEMPTS = 5
+
+# A client-chosen id is claimed and its entry queued in one atomic step: a claim without an
+# entry (Redis gone between the two) would make every retry wait for output that never comes.
+# The entry first, so a failing XADD leaves no claim. Retried after a lost reply, it answers 0:
+# the request is queued already. KEYS: idempotency key, requests stream. ARGV: its TTL, then
+# the entry's field/value pairs. 1: queued now; 0: before.
+_CLAIM_AND_QUEUE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local fields = {}
+for i = 2, #ARGV do fields[i - 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('SET', KEYS[1], 1, 'EX', tonumber(ARGV[1]))
+return 1
+"""
 
 log = structlog.get_logger("gateway")
 
@@ -81,18 +96,20 @@ def traceparent_or_new(value: str | None) -> str:
 class GatewayCore:
     """What a gateway does for a request, whichever door it came through."""
 
-    def __init__(self, redis, keys: Keys, model: ModelSpec, args) -> None:
+    def __init__(self, redis, keys: Keys, model: ModelSpec, args, limits: Limits | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.model = model
         self.max_model_len = model.max_model_len(args.max_model_len)
         self.args = args
+        self.limits = limits or Limits()
         self.metrics = GatewayMetrics()
+        self._claim_and_queue = redis.register_script(_CLAIM_AND_QUEUE)
         self._cancels: set[asyncio.Task] = set()
 
     def check(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids; ``BadField`` naming what is wrong."""
-        return check(request, self.model, self.max_model_len)
+        return check(request, self.model, self.max_model_len, self.limits)
 
     async def enqueue(self, requests: Sequence[tuple[pb.GenerateRequest, list[int]]], traceparent: str,
                       *, client_ids: bool) -> list[Queued]:
@@ -122,13 +139,6 @@ class GatewayCore:
     async def _enqueue_one(self, request: pb.GenerateRequest, prompt_ids: list[int], traceparent: str,
                            client_id: bool) -> Queued:
         rid = request.request_id
-        if client_id:
-            # The same lifetime as the request's output stream (the final write shortens both):
-            # past it, a retry with this id is a new request.
-            new = await retry(lambda: self.redis.set(self.keys.idempotency(rid), 1, nx=True, ex=REQUEST_TTL_S),
-                              what="idempotency", attempts=_ATTEMPTS)
-            if not new:
-                return Queued(rid, len(prompt_ids), fresh=False)
         deadline = int(time.time() * 1000) + request.deadline_ms if request.HasField("deadline_ms") else 0
         size = self.args.block_size
         sampling = pb.SamplingParams()
@@ -143,15 +153,19 @@ class GatewayCore:
             block_hashes=block_hashes(prompt_ids, size), hash_block_size=size,
         )
         with enqueue_span(msg, self.keys.requests):  # sets msg.traceparent when tracing
+            # Never trimmed (no MAXLEN): the stream is a work queue whose entries leave when their
+            # requests finish; trimming would drop requests no one has read. ``enqueue`` bounds it.
             fields = encode_request_entry(msg, int(time.time() * 1000))
-            try:
-                await retry(lambda: self.redis.xadd(self.keys.requests, fields, maxlen=self.args.max_stream_len,
-                                                    approximate=True), what="xadd", attempts=_ATTEMPTS)
-            except Exception:
-                if client_id:  # not queued: a retry with the same id must queue it, not wait for it
-                    with contextlib.suppress(Exception):
-                        await self.redis.delete(self.keys.idempotency(rid))
-                raise
+            if client_id:
+                # The claim has the lifetime of the request's output stream (the final write
+                # shortens both): past it, a retry with this id is a new request.
+                args = [REQUEST_TTL_S, *(x for kv in fields.items() for x in kv)]
+                new = await retry(lambda: self._claim_and_queue(keys=[self.keys.idempotency(rid), self.keys.requests],
+                                                                args=args), what="enqueue", attempts=_ATTEMPTS)
+                if not new:
+                    return Queued(rid, len(prompt_ids), fresh=False)
+            else:
+                await retry(lambda: self.redis.xadd(self.keys.requests, fields), what="xadd", attempts=_ATTEMPTS)
         log.info("request.enqueued", request_id=rid, num_prompt_tokens=len(prompt_ids),
                  priority=request.priority, traceparent=msg.traceparent)
         return Queued(rid, len(prompt_ids), fresh=True)

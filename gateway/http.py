@@ -6,6 +6,11 @@ inside the gateway's own asyncio loop (``HttpServer``).
 ``GET /version``. Every response is counted by route and status
 (``pagefleet:gateway_http_requests_total``); completion requests are also counted and
 traced as Generate calls are (observe.py).
+
+Guards, outside the routes (``Doors``, guard.py): with keys, every path but ``/health`` needs
+``Authorization: Bearer <key>`` (else 401, before the body is read); a body past
+``--max-request-bytes`` is refused with 413; with ``--tls-cert`` the server speaks only TLS
+(and with ``--tls-client-ca`` wants a client certificate).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import socket
+import ssl
 import time
 from typing import Any
 
@@ -24,9 +30,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pagefleet import __version__
+from pagefleet.common.api_keys import ApiKeys, Unauthenticated, caller
 from pagefleet.common.chat_template import load_chat_template
 
 from .core import GatewayCore
+from .guard import Doors
+from .limits import Limits, TooLarge
 from .openai_door import ApiError, OpenAIDoor
 from .openai_request import parse_chat, parse_completion
 
@@ -40,10 +49,14 @@ _NO_NATIVE_TELEMETRY = (
 )
 
 
-def build_app(core: GatewayCore, served_model_name: str) -> FastAPI:
+def build_app(core: GatewayCore, served_model_name: str, keys: ApiKeys | None = None) -> FastAPI:
     door = OpenAIDoor(core, served_model_name, load_chat_template(core.model))
     app = FastAPI(title="pagefleet", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   **_NO_NATIVE_TELEMETRY)
+    # The last added runs first: count every response, then the key, then the body's size.
+    app.add_middleware(LimitBody, limits=core.limits)
+    if keys is not None and keys.required:
+        app.add_middleware(RequireApiKey, keys=keys, on_refused=core.metrics.unauthenticated.labels("http").inc)
     app.add_middleware(CountResponses, counter=core.metrics.http_requests)
 
     @app.post("/v1/completions")
@@ -114,6 +127,62 @@ class CountResponses:
             self.counter.labels(getattr(route, "path", "other"), str(status)).inc()
 
 
+class RequireApiKey:
+    """ASGI middleware: every path but ``OPEN_PATHS`` needs one of ``keys`` (401 otherwise);
+    the request then runs as its key (``api_keys.caller``)."""
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app, keys: ApiKeys, on_refused) -> None:
+        self.app = app
+        self.keys = keys
+        self.on_refused = on_refused
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        try:
+            kid = self.keys.check(header)
+        except Unauthenticated as e:
+            self.on_refused()
+            log.info("auth.refused", door="http", path=scope["path"], reason=str(e))
+            refusal = ApiError(401, str(e), "invalid_request_error", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+            return await refusal.response()(scope, receive, send)
+        with caller(kid):
+            await self.app(scope, receive, send)
+
+
+class LimitBody:
+    """ASGI middleware: a body longer than ``--max-request-bytes`` is refused with 413, by its
+    Content-Length before it is read, or as it streams in (the door then answers 413)."""
+
+    def __init__(self, app, limits: Limits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        error = self.limits.body_error(int(declared) if declared.isdigit() else 0)
+        if error:
+            return await ApiError(413, error, "invalid_request_error", code="request_too_large").response()(
+                scope, receive, send)
+        received = 0
+
+        async def counted() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if message["type"] == "http.request" and (error := self.limits.body_error(received)):
+                raise TooLarge(error)
+            return message
+
+        await self.app(scope, counted, send)
+
+
 class _Server(uvicorn.Server):
     """uvicorn inside the gateway's loop: the gateway owns SIGINT and SIGTERM."""
 
@@ -125,10 +194,13 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """The HTTP door on ``--host``:``--http-port`` (0: a free port; ``port`` is the bound one)."""
 
-    def __init__(self, core: GatewayCore, args) -> None:
-        app = build_app(core, args.served_model_name or args.model)
+    def __init__(self, core: GatewayCore, args, doors: Doors | None = None) -> None:
+        app = build_app(core, args.served_model_name or args.model, doors.keys if doors else None)
+        tls = doors.tls if doors else None
+        files = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.ca,
+                                        "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE}
         self.config = uvicorn.Config(app, host=args.host, port=args.http_port, log_config=None, access_log=False,
-                                     lifespan="off", ws="none", timeout_graceful_shutdown=2)
+                                     lifespan="off", ws="none", timeout_graceful_shutdown=2, **files)
         self.server = _Server(self.config)
         self.port = 0
         self._task: asyncio.Task | None = None

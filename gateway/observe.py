@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagefleet.common import telemetry
+from pagefleet.common.api_keys import SPAN_ATTRIBUTE, current_key_id
 
 GRPC_SERVICE = "pagefleet.v1.Generation"
 
@@ -107,6 +108,7 @@ def observed_generate(method):
                 prompt=request.prompt if request.WhichOneof("input") == "prompt" else None,
             )
             attrs.update({"rpc.system": "grpc", "rpc.service": GRPC_SERVICE, "rpc.method": "Generate"})
+            attrs.update(_caller())
             span = tracer.start_span(f"{GRPC_SERVICE}/Generate", context=telemetry.extract_grpc(context),
                                      kind=telemetry.SpanKind.SERVER, attributes=attrs)
         call = CallObserver(self.core.metrics, span)
@@ -137,9 +139,15 @@ def http_call(metrics: Any, method: str, route: str, headers: Mapping[str, str])
         span = telemetry.get_tracer("gateway").start_span(
             f"{method} {route}", context=telemetry.extract(carrier), kind=telemetry.SpanKind.SERVER,
             attributes={"http.request.method": method, "http.route": route,
-                        telemetry.GEN_AI_SYSTEM: telemetry.SYSTEM},
+                        telemetry.GEN_AI_SYSTEM: telemetry.SYSTEM, **_caller()},
         )
     return CallObserver(metrics, span)
+
+
+def _caller() -> dict[str, str]:
+    """The span attribute naming the call's API key by its id (none when no key is needed)."""
+    kid = current_key_id()
+    return {} if kid is None else {SPAN_ATTRIBUTE: kid}
 
 
 def _status_code(context: Any, error: BaseException):

@@ -6,7 +6,8 @@ model's chat template, and takes the path a gRPC call takes: ``GatewayCore.check
 ``enqueue``, ``relay_all``. The answer is one JSON body or server-sent events
 (``EventStream``, ending in ``data: [DONE]``), built by openai_response.py. Refusals are
 ``ApiError``s in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400
-naming the parameter, 404 for a model this gateway does not serve, 429 with
+naming the parameter (or the limit a request is past, limits.py), 413 for a body past
+``--max-request-bytes``, 404 for a model this gateway does not serve, 429 with
 ``Retry-After`` when the queue is full, 503 when the queue (Redis) is unreachable. A
 client that goes away (while waiting or streaming) cancels its requests.
 """
@@ -31,6 +32,7 @@ from pagefleet.common.sampling_params import DEFAULT_MAX_TOKENS
 from pagefleet.protos import generation_pb2 as pb
 
 from .core import GatewayCore, Queued, QueueUnavailable, Relays, Shed, traceparent_or_new
+from .limits import Limits, TooLarge
 from .observe import CallObserver, http_call
 from .openai_request import ApiRequest, BadParam, fan_out
 from .openai_response import Choices, TokenPieces
@@ -41,6 +43,7 @@ CODE_OF_STATUS = {
     200: grpc.StatusCode.OK,
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,  # not RESOURCE_EXHAUSTED: that counts as shed for a full queue
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,  # the client closed the connection first (nginx's code)
     500: grpc.StatusCode.INTERNAL,
@@ -79,7 +82,7 @@ class OpenAIDoor:
         self.pieces = TokenPieces(core.model.tokenizer)
         self.created = int(time.time())
 
-    async def completion(self, request: Request, route: str, parse: Callable[[Any], ApiRequest]) -> Response:
+    async def completion(self, request: Request, route: str, parse: Callable[[Any, Limits], ApiRequest]) -> Response:
         call = http_call(self.core.metrics, "POST", route, request.headers)
         try:
             req, queued, base_id = await self._admit(request, parse, call)
@@ -102,12 +105,16 @@ class OpenAIDoor:
     async def _admit(self, request: Request, parse, call: CallObserver) -> tuple[ApiRequest, list[Queued], str]:
         """Parse, check and queue; ``ApiError`` for every refusal."""
         try:
-            body = json.loads(await request.body())
+            raw = await request.body()
+        except TooLarge as e:
+            raise ApiError(413, str(e), "invalid_request_error", code="request_too_large") from None
+        try:
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request_error",
                            code="invalid_json") from None
         try:
-            req = parse(body)
+            req = parse(body, self.core.limits)
             if req.model is not None and req.model != self.served_model_name:
                 raise ApiError(404, f"The model `{req.model}` does not exist (this server serves "
                                     f"`{self.served_model_name}`).", "invalid_request_error", "model",
@@ -137,6 +144,8 @@ class OpenAIDoor:
         """A chat's messages through the model's chat template into its one prompt."""
         if self.template is None:
             raise BadParam("messages", "this model has no chat template; use /v1/completions")
+        if error := self.core.limits.prompt_error(sum(len(m["content"]) for m in req.messages)):
+            raise BadParam("messages", f"the messages' contents: {error}")
         try:
             ids = self.template.encode(self.core.model.tokenizer, req.messages)
         except (ChatTemplateError, ValueError) as e:

@@ -17,8 +17,9 @@ from typing import Any
 
 from pagefleet.protos import generation_pb2 as pb
 
-# Most choices (prompts x n) one request may fan out into.
-MAX_CHOICES = 128
+from .limits import Limits
+
+_DEFAULT_LIMITS = Limits()
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 _UINT32 = 2**32
@@ -86,15 +87,15 @@ class ApiRequest:
         return self.sampling.logprobs if self.sampling.HasField("logprobs") else None
 
 
-def parse_completion(body: Any) -> ApiRequest:
+def parse_completion(body: Any, limits: Limits = _DEFAULT_LIMITS) -> ApiRequest:
     p = _params(body, COMPLETION_PARAMS)
     req = ApiRequest(chat=False, model=_model(p), prompts=_prompts(p.get("prompt")), sampling=_sampling(p))
     if (k := p.get("logprobs")) is not None:
         req.sampling.logprobs = _int("logprobs", k, 0, MAX_COMPLETION_LOGPROBS)
-    return _finish(req, p)
+    return _finish(req, p, limits)
 
 
-def parse_chat(body: Any) -> ApiRequest:
+def parse_chat(body: Any, limits: Limits = _DEFAULT_LIMITS) -> ApiRequest:
     p = _params(body, CHAT_PARAMS)
     req = ApiRequest(chat=True, model=_model(p), prompts=[], sampling=_sampling(p), messages=_messages(p))
     if (m := p.get("max_completion_tokens")) is not None:
@@ -109,7 +110,7 @@ def parse_chat(body: Any) -> ApiRequest:
         req.sampling.logprobs = _int("top_logprobs", p["top_logprobs"], 0, MAX_TOP_LOGPROBS)
     elif want:
         req.sampling.logprobs = 0
-    return _finish(req, p)
+    return _finish(req, p, limits)
 
 
 def fan_out(req: ApiRequest, base_id: str) -> list[pb.GenerateRequest]:
@@ -159,11 +160,10 @@ def _params(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
     return params
 
 
-def _finish(req: ApiRequest, p: dict[str, Any]) -> ApiRequest:
-    req.n = _int("n", p.get("n", 1), 1, MAX_CHOICES)
-    if req.num_choices > MAX_CHOICES:
-        raise BadParam("n", f"{len(req.prompts) or 1} prompts x n = {req.num_choices} choices; "
-                            f"at most {MAX_CHOICES} per request")
+def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
+    req.n = _int("n", p.get("n", 1), 1, _INT32 - 1)
+    if error := limits.choices_error(len(req.prompts) or 1, req.n):
+        raise BadParam("n", error)
     req.stream = _bool("stream", p.get("stream", False))
     if "stream_options" in p:
         req.include_usage = _stream_options(p["stream_options"], req.stream)

@@ -6,6 +6,10 @@ Redis, relay its output stream (gateway/core.py, shared by both doors). A client
 or disconnect becomes a cancel entry in the requests stream, which the scheduler turns
 into a Cancel on the request's worker. When more than ``--max-queue`` requests wait, new
 ones are refused with RESOURCE_EXHAUSTED and a ``RetryInfo`` (HTTP: 429 and Retry-After).
+
+Guards (guard.py, limits.py; all off without their flags): API keys on both doors
+(``--api-key``, ``--api-keys-file``, read again on SIGHUP), TLS (``--tls-cert``, ``--tls-key``,
+client certificates with ``--tls-client-ca``), and bounds on what one request may ask.
 """
 
 from __future__ import annotations
@@ -18,18 +22,21 @@ import structlog
 
 from pagefleet.common.metrics import serve_metrics
 from pagefleet.common.model_config import load_model_spec
-from pagefleet.common.redis import Keys, connect, retry
+from pagefleet.common.redis import Keys, add_password_flag, connect, retry
 from pagefleet.common.service import (
-    SERVER_OPTIONS,
     EnvArgumentParser,
     add_common_flags,
     add_health_and_reflection,
+    server_options,
     set_serving,
     setup_logging,
+    start_health_port,
 )
+from pagefleet.common.tls import add_port
 from pagefleet.protos import generation_pb2 as pb
 from pagefleet.protos import generation_pb2_grpc
 
+from . import guard
 from .core import DEADLINE_ERROR, GatewayCore, QueueUnavailable, Shed, traceparent_or_new
 from .observe import GRPC_SERVICE, observed_generate
 from .validate import BadField, bad_request_metadata, retry_metadata
@@ -48,7 +55,9 @@ def build_parser() -> EnvArgumentParser:
                         "/v1/models) on this port (0: any free port; default: off)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the HTTP API (requests must name it; default: --model)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS)")
+    add_password_flag(p)
     p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
     p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory (tokenizer and config only)")
     p.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this")
@@ -58,8 +67,10 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--max-queue", type=int, default=1024,
                    help="refuse new requests (RESOURCE_EXHAUSTED / HTTP 429) while this many wait to be placed")
     p.add_argument("--max-stream-len", type=int, default=100_000,
-                   help="bound of the requests stream (MAXLEN ~); also a hard limit on requests in the system")
+                   help="most requests in the system (the requests stream's length): past it new ones are "
+                        "refused like past --max-queue (the stream is never trimmed: that would drop requests)")
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds a refused client is told to wait")
+    guard.add_flags(p)
     add_common_flags(p)
     return p
 
@@ -145,35 +156,45 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return pb.CancelResponse(accepted=True)
 
 
-async def serve(args) -> int:
+async def serve(args, doors: guard.Doors | None = None) -> int:
     import signal
 
+    doors = doors or guard.Doors.from_args(args)
     model = load_model_spec(args.model)
-    redis = connect(args.redis_url)
-    core = GatewayCore(redis, Keys(args.namespace), model, args)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    redis = connect(args.redis_url, args.redis_password_file)
+    core = GatewayCore(redis, Keys(args.namespace), model, args, doors.limits)
+    refused = core.metrics.unauthenticated.labels("grpc").inc
+    server = grpc.aio.server(options=server_options(max_receive_message_length=doors.limits.max_request_bytes,
+                                                    max_concurrent_streams=doors.limits.grpc_max_streams),
+                             interceptors=doors.interceptors(on_refused=refused))
     add_generation_service(GenerationService(core), server)
-    serve_metrics(args, core.metrics.registry, "gateway")
+    serve_metrics(args, core.metrics.registry, "gateway", **doors.metrics_guard())
     health, names, _ = add_health_and_reflection(server, [SERVICE])
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = add_port(server, f"{args.host}:{args.port}", doors.tls)
     await retry(redis.ping, what="ping")
     http = None
     if args.http_port is not None:
         from .http import HttpServer  # FastAPI and uvicorn only where HTTP is served
 
-        http = await HttpServer(core, args).start()
+        http = await HttpServer(core, args, doors).start()
     await server.start()
+    health_port = await start_health_port(health, args.host, args.health_port)
     await set_serving(health, names, True)
     log.info("gateway.ready", port=port, http_port=http.port if http else None, model=args.model,
-             max_model_len=core.max_model_len)
+             max_model_len=core.max_model_len, tls=doors.tls is not None, client_certs=bool(doors.tls and doors.tls.ca),
+             key_required=doors.keys.required, num_keys=doors.keys.num_keys)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if doors.keys.file is not None:
+        loop.add_signal_handler(signal.SIGHUP, doors.keys.reload)
     await stop.wait()
     await set_serving(health, names, False)
     if http is not None:
         await http.stop()
+    if health_port is not None:
+        await health_port.stop(grace=0.5)
     await server.stop(grace=2.0)
     await redis.aclose()
     log.info("gateway.stopped")
@@ -189,5 +210,9 @@ def main(argv: list[str]) -> int:
         parser.error(f"--http-port must be between 0 and 65535, got {args.http_port}")
     if args.http_port is not None and args.http_port and args.http_port == args.port:
         parser.error(f"--http-port {args.http_port} is the gRPC --port too")
+    try:
+        doors = guard.Doors.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     setup_logging("gateway", args)
-    return asyncio.run(serve(args))
+    return asyncio.run(serve(args, doors))

@@ -1,7 +1,8 @@
 """Check a ``GenerateRequest`` at the door; refusals name the field and the reason.
 
-``check`` returns the prompt's token ids or raises ``BadField``; ``bad_request_metadata``
-turns that into the ``google.rpc.BadRequest`` details that grpcio-status clients read.
+``check`` returns the prompt's token ids or raises ``BadField`` (also for a request past one of
+the gateway's ``Limits``); ``bad_request_metadata`` turns that into the ``google.rpc.BadRequest``
+details that grpcio-status clients read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pagefleet.common.model_config import ModelSpec
 from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import generation_pb2 as pb
 
+from .limits import Limits
+
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_DEFAULT_LIMITS = Limits()
 # Longer names before their prefixes ("stop_token_ids" before "stop").
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs")
@@ -28,12 +32,14 @@ class BadField(ValueError):
         self.reason = reason
 
 
-def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int) -> list[int]:
-    """The prompt's token ids; ``BadField`` if anything is wrong."""
+def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits: Limits = _DEFAULT_LIMITS) -> list[int]:
+    """The prompt's token ids; ``BadField`` if anything is wrong or past one of ``limits``."""
     if req.request_id and not _REQUEST_ID.match(req.request_id):
         raise BadField("request_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
     if req.HasField("deadline_ms") and req.deadline_ms == 0:
         raise BadField("deadline_ms", "must be > 0 when set")
+    if error := limits.stop_error(req.sampling.stop):
+        raise BadField("sampling.stop", error)
     params = from_proto(req.sampling)
     try:
         params.validate()
@@ -47,6 +53,8 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int) -> list
     if which == "prompt":
         if not req.prompt:
             raise BadField("prompt", "must not be empty")
+        if error := limits.prompt_error(len(req.prompt)):
+            raise BadField("prompt", error)
         try:
             ids = model.tokenizer.encode(req.prompt)
         except ValueError as e:

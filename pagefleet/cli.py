@@ -16,8 +16,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "scheduler": ("pagefleet.scheduler.server", "main", "run the scheduler"),
     "worker": ("pagefleet.worker.service", "main", "run one worker"),
     "generate": ("pagefleet.client", "main", "stream a generation from a running gateway"),
+    "certs": ("pagefleet.common.certs", "main", "write a throwaway CA, certificates, an API key, a Redis password"),
     "run": ("pagefleet.demo", "main", "generate in-process (no cluster) and stream the tokens"),
-    "bench": ("pagefleet.bench", "main", "benchmarks: engine | kernels | preemption | serve"),
+    "bench": ("pagefleet.bench", "main", "benchmarks: engine | kernels | preemption | reliability | scheduler | serve | sim-fit | study"),
 }
 
 

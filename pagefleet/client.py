@@ -9,6 +9,8 @@
     from pagefleet.client import AsyncClient
     async with AsyncClient("localhost:50051") as c:
         async for msg in c.generate_stream("Hello", max_tokens=16): ...
+
+    Client("gateway.example:50051", api_key="pf-...", ca="ca.pem")   # TLS, and a key on every call
 """
 
 from __future__ import annotations
@@ -86,21 +88,46 @@ def build_request(
     return req
 
 
-def _metadata(traceparent: str | None):
-    return (("traceparent", traceparent),) if traceparent else None
+def _metadata(auth: tuple, traceparent: str | None):
+    return (*auth, *((("traceparent", traceparent),) if traceparent else ())) or None
+
+
+def _auth(api_key: str | None) -> tuple:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def _credentials(ca: str | None, client_cert: str | None, client_key: str | None):
+    """TLS channel credentials when ``ca`` or a client certificate is given, else None (plaintext)."""
+    if ca is None and client_cert is None:
+        return None
+    from pagefleet.common.tls import channel_credentials
+
+    return channel_credentials(ca, client_cert, client_key)
 
 
 class Client:
-    """Blocking client; one channel, thread-safe."""
+    """Blocking client; one channel, thread-safe. ``options``: more gRPC channel options.
 
-    def __init__(self, target: str = "localhost:50051") -> None:
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    ``api_key``: sent with every call (``authorization: Bearer``); ``ca``: speak TLS and trust
+    this CA (PEM) for the gateway's certificate; ``client_cert``/``client_key``: show this
+    certificate, for a gateway that asks for one (TLS with the system's roots if ``ca`` is None).
+    """
+
+    def __init__(self, target: str = "localhost:50051", options: Sequence[tuple[str, object]] = (), *,
+                 api_key: str | None = None, ca: str | None = None, client_cert: str | None = None,
+                 client_key: str | None = None) -> None:
+        credentials = _credentials(ca, client_cert, client_key)
+        options = [*CHANNEL_OPTIONS, *options]
+        self.channel = (grpc.insecure_channel(target, options=options) if credentials is None
+                        else grpc.secure_channel(target, credentials, options=options))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self._auth = _auth(api_key)
 
     def generate_stream(self, prompt, *, traceparent: str | None = None, timeout: float | None = None,
                         **kwargs) -> Iterator[pb.GenerateResponse]:
         """Stream the messages; cancel the iterator (``.cancel()``) or drop it to stop the request."""
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=_metadata(traceparent))
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                  metadata=_metadata(self._auth, traceparent))
 
     def generate(self, prompt, **kwargs) -> Completion:
         out = Completion()
@@ -109,7 +136,7 @@ class Client:
         return out
 
     def cancel(self, request_id: str) -> bool:
-        return self.stub.Cancel(pb.CancelRequest(request_id=request_id)).accepted
+        return self.stub.Cancel(pb.CancelRequest(request_id=request_id), metadata=_metadata(self._auth, None)).accepted
 
     def close(self) -> None:
         self.channel.close()
@@ -122,16 +149,24 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client (``grpc.aio``)."""
+    """asyncio client (``grpc.aio``). ``options``: more gRPC channel options; ``api_key``, ``ca``,
+    ``client_cert``, ``client_key`` as ``Client`` takes them."""
 
-    def __init__(self, target: str = "localhost:50051") -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str = "localhost:50051", options: Sequence[tuple[str, object]] = (), *,
+                 api_key: str | None = None, ca: str | None = None, client_cert: str | None = None,
+                 client_key: str | None = None) -> None:
+        credentials = _credentials(ca, client_cert, client_key)
+        options = [*CHANNEL_OPTIONS, *options]
+        self.channel = (grpc.aio.insecure_channel(target, options=options) if credentials is None
+                        else grpc.aio.secure_channel(target, credentials, options=options))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self._auth = _auth(api_key)
 
     def generate_stream(self, prompt, *, traceparent: str | None = None, timeout: float | None = None,
                         **kwargs) -> AsyncIterator[pb.GenerateResponse]:
         """An async iterator of messages; ``.cancel()`` on it stops the request."""
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=_metadata(traceparent))
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                  metadata=_metadata(self._auth, traceparent))
 
     async def generate(self, prompt, **kwargs) -> Completion:
         out = Completion()
@@ -140,7 +175,8 @@ class AsyncClient:
         return out
 
     async def cancel(self, request_id: str) -> bool:
-        return (await self.stub.Cancel(pb.CancelRequest(request_id=request_id))).accepted
+        return (await self.stub.Cancel(pb.CancelRequest(request_id=request_id),
+                                       metadata=_metadata(self._auth, None))).accepted
 
     async def close(self) -> None:
         await self.channel.close()
@@ -162,9 +198,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     p.add_argument("--priority", type=int, default=0, help="larger is more important")
     p.add_argument("--show-tokens", action="store_true", help="print token ids instead of text")
+    p.add_argument("--api-key", default=None, help="the gateway's API key (sent as `authorization: Bearer`)")
+    p.add_argument("--ca", default=None, metavar="PATH", help="speak TLS, trusting this CA for the gateway's certificate")
+    p.add_argument("--client-cert", default=None, metavar="PATH",
+                   help="show this client certificate (a gateway with --tls-client-ca wants one)")
+    p.add_argument("--client-key", default=None, metavar="PATH", help="the private key of --client-cert")
     args = p.parse_args(argv)
     try:
-        with Client(args.target) as c:
+        with Client(args.target, api_key=args.api_key, ca=args.ca, client_cert=args.client_cert,
+                    client_key=args.client_key) as c:
             done = Completion()
             for msg in c.generate_stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                          seed=args.seed, priority=args.priority):

@@ -12,24 +12,34 @@ from the gateway process too; the ready line gives its URL (``LocalCluster.http_
 Metrics: ``--metrics-port N`` gives every component its own ``/metrics`` port, the
 gateway N, the scheduler N+1 and worker i N+2+i (``0``: a free port each); the ready
 line lists them. Unset, no component serves metrics.
+
+Security: ``--secure`` (``ClusterConfig.material``) starts everything with throwaway
+credentials (pagefleet.common.certs): the gateway over TLS wanting the API key, mutual TLS
+between scheduler and workers, Redis with a password; metrics over TLS too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
-from pagefleet.common.redis import RedisServer
+from pagefleet.common.redis import RedisServer, redacted
 from pagefleet.common.service import EnvArgumentParser, add_common_flags, free_port
 from pagefleet.scheduler.placement import PLACEMENTS
+
+if TYPE_CHECKING:
+    from pagefleet.common.certs import ClusterMaterial
 
 METRICS_PORT_HELP = ("serve Prometheus /metrics, one port per component: the gateway on N, the scheduler "
                      "on N+1, worker i on N+2+i (0: any free port for each; default: off)")
@@ -46,6 +56,9 @@ class ClusterConfig:
     redis_url: str | None = None
     namespace: str = "pf"
     worker_args: list[str] = field(default_factory=list)
+    # Workers per worker process (``pagefleet worker --count``); simulated workers
+    # (``--engine sim`` in worker_args) are light enough for dozens to share one.
+    workers_per_process: int = 1
     scheduler_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: children write to this process's stderr
@@ -53,6 +66,18 @@ class ClusterConfig:
     # /metrics: the gateway on N, the scheduler on N+1, worker i on N+2+i; 0: a free port
     # each (chosen here, so the launcher knows them); None: no metrics.
     metrics_port: int | None = None
+    # Gateways (all alike, stateless); the first listens on ``port`` and serves HTTP and
+    # metrics, the others on free ports (``LocalCluster.gateway_targets``).
+    num_gateways: int = 1
+    # The first scheduler's Redis when it differs from everyone else's (e.g. a proxy a test
+    # cuts); None: ``redis_url``.
+    scheduler_redis_url: str | None = None
+    # More environment for every process (e.g. OMP_NUM_THREADS=1 for workers sharing few cores).
+    env: dict[str, str] = field(default_factory=dict)
+    # Certificates, an API key and a Redis password (``certs.write_cluster_material``): TLS and
+    # keys on the gateway, mutual TLS between scheduler and workers, a password on the Redis
+    # started here. None: everything in plaintext and open, as without ``up --secure``.
+    material: ClusterMaterial | None = None
 
 
 class LocalCluster:
@@ -70,6 +95,13 @@ class LocalCluster:
             while self.http_port in (self.scheduler_port, self.gateway_port):
                 self.http_port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
+        # gateway i listens on gateway_ports[i]; a scheduler's name -> its port (kept across restarts)
+        self.gateway_ports = [self.gateway_port]
+        while len(self.gateway_ports) < cfg.num_gateways:
+            port = free_port()
+            if port not in (*self.gateway_ports, self.scheduler_port, self.http_port):
+                self.gateway_ports.append(port)
+        self.scheduler_ports = {"scheduler": self.scheduler_port}
         self._worker_seq = 0
         # component name -> its /metrics port (gateway, scheduler, then workers as they are added)
         self.metrics_ports: dict[str, int] = {}
@@ -82,20 +114,31 @@ class LocalCluster:
         return f"{host}:{self.gateway_port}"
 
     @property
+    def gateway_targets(self) -> list[str]:
+        """Every gateway's ``host:port``, the first one's (``gateway_target``) first."""
+        host = self.gateway_target.rsplit(":", 1)[0]
+        return [f"{host}:{port}" for port in self.gateway_ports]
+
+    @staticmethod
+    def gateway_name(i: int) -> str:
+        return "gateway" if i == 0 else f"gateway-{i}"
+
+    @property
     def http_url(self) -> str:
         """``http://host:port`` of the gateway's HTTP API (``ValueError`` when it serves none)."""
         if self.http_port is None:
             raise ValueError("this cluster's gateway serves no HTTP (ClusterConfig.http_port is None)")
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
-        return f"http://{host}:{self.http_port}"
+        return f"{'https' if self.cfg.material else 'http'}://{host}:{self.http_port}"
 
     @property
     def scheduler_target(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
 
     def metrics_url(self, name: str) -> str:
-        """``http://127.0.0.1:<port>/metrics`` of one component (KeyError: it serves none)."""
-        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+        """``http://127.0.0.1:<port>/metrics`` of one component (KeyError: it serves none);
+        ``https`` with ``material``."""
+        return f"{'https' if self.cfg.material else 'http'}://127.0.0.1:{self.metrics_ports[name]}/metrics"
 
     def _metrics_port(self, name: str, offset: int) -> int | None:
         """The /metrics port of component ``name`` (the ``offset``-th), chosen once and kept."""
@@ -115,9 +158,30 @@ class LocalCluster:
             self.metrics_ports[name] = port
         return self.metrics_ports[name]
 
+    def channel(self, target: str) -> grpc.Channel:
+        """A channel to one of this cluster's gRPC servers: with ``material``, TLS showing its
+        client certificate (no API key: health and the scheduler's view need none)."""
+        m = self.cfg.material
+        if m is None:
+            return grpc.insecure_channel(target)
+        from pagefleet.common.tls import channel_credentials
+
+        return grpc.secure_channel(target, channel_credentials(m.ca, m.client.cert, m.client.key))
+
+    def _secure_flags(self, component: str) -> list[str]:
+        """What gives ``component`` its certificates, keys and Redis password (none without material)."""
+        m = self.cfg.material
+        if m is None:
+            return []
+        redis = m.redis_flags() if self.redis is not None and self.redis.password else []
+        own = {"gateway": m.gateway_flags(), "scheduler": m.cluster_flags(m.scheduler),
+               "worker": m.cluster_flags(m.worker)}
+        return [*own.get(component, []), *redis]
+
     # -- processes ------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str], metrics_port: int | None = None) -> subprocess.Popen:
-        env = dict(os.environ, PAGEFLEET_LOG_LEVEL=self.cfg.log_level)
+    def _spawn(self, name: str, args: list[str], metrics_port: int | None = None,
+               redis_url: str | None = None) -> subprocess.Popen:
+        env = dict(os.environ, **self.cfg.env, PAGEFLEET_LOG_LEVEL=self.cfg.log_level)
         env.pop("PAGEFLEET_METRICS_PORT", None)  # one port per process: pass --metrics-port per component
         env.pop("PAGEFLEET_HTTP_PORT", None)  # the launcher's own: the gateway gets --http-port
         if self.cfg.log_dir:
@@ -125,7 +189,8 @@ class LocalCluster:
             out = open(Path(self.cfg.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         else:
             out = None
-        common = ["--redis-url", self.redis_url, "--namespace", self.cfg.namespace]
+        common = ["--redis-url", redis_url or self.redis_url, "--namespace", self.cfg.namespace,
+                  *self._secure_flags(args[0])]
         if metrics_port is not None:
             common += ["--metrics-port", str(metrics_port)]
         proc = subprocess.Popen([sys.executable, "-m", "pagefleet", *args, *common], env=env,
@@ -137,28 +202,44 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
         if not self.redis_url:
-            self.redis = RedisServer().start()
+            password = self.cfg.material.redis_password if self.cfg.material else None
+            self.redis = RedisServer(password=password).start()
             self.redis_url = self.redis.url
-        self.start_scheduler()
-        for _ in range(self.cfg.num_workers):
-            self.add_worker()
-        http = [] if self.http_port is None else ["--http-port", str(self.http_port)]
-        self._spawn("gateway", ["gateway", "--host", self.cfg.host, "--port", str(self.gateway_port), *http,
-                                "--model", self.cfg.model, *self.cfg.gateway_args],
-                    self._metrics_port("gateway", 0))
+        self.start_scheduler(redis_url=self.cfg.scheduler_redis_url)
+        left = self.cfg.num_workers
+        while left > 0:
+            count = min(left, max(1, self.cfg.workers_per_process))
+            self.add_worker(count=count)
+            left -= count
+        for i in range(self.cfg.num_gateways):
+            self.start_gateway(i)
         self.wait_ready(timeout_s)
         return self
 
-    def start_scheduler(self) -> subprocess.Popen:
-        return self._spawn("scheduler", ["scheduler", "--port", str(self.scheduler_port), *self.cfg.scheduler_args],
-                           self._metrics_port("scheduler", 1))
+    def start_gateway(self, i: int = 0) -> subprocess.Popen:
+        """Gateway ``i`` on its port (again after a kill: the same port); HTTP and metrics on the first only."""
+        first = i == 0
+        http = ["--http-port", str(self.http_port)] if first and self.http_port is not None else []
+        return self._spawn(self.gateway_name(i),
+                           ["gateway", "--host", self.cfg.host, "--port", str(self.gateway_ports[i]), *http,
+                            "--model", self.cfg.model, *self.cfg.gateway_args],
+                           self._metrics_port("gateway", 0) if first else None)
 
-    def add_worker(self, extra: list[str] | None = None) -> str:
+    def start_scheduler(self, name: str = "scheduler", redis_url: str | None = None) -> subprocess.Popen:
+        """The scheduler ``name`` (a second one waits as standby), on its own port, kept across
+        restarts; metrics on the first only. ``redis_url``: its own Redis (default: the cluster's)."""
+        port = self.scheduler_ports.setdefault(name, free_port())
+        metrics = self._metrics_port("scheduler", 1) if name == "scheduler" else None
+        return self._spawn(name, ["scheduler", "--port", str(port), *self.cfg.scheduler_args], metrics, redis_url)
+
+    def add_worker(self, extra: list[str] | None = None, count: int = 1) -> str:
+        """One worker process; with ``count`` > 1 it hosts that many workers, ids ``<name>-<i>``."""
         seq = self._worker_seq
         name = f"worker-{seq}"
         self._worker_seq += 1
+        several = ["--count", str(count)] if count > 1 else []
         self._spawn(name, ["worker", "--worker-id", name, "--model", self.cfg.model, "--device", self.cfg.device,
-                           "--drain-timeout", "5", *self.cfg.worker_args, *(extra or [])],
+                           "--drain-timeout", "5", *several, *self.cfg.worker_args, *(extra or [])],
                     self._metrics_port(name, 2 + seq))
         return name
 
@@ -175,8 +256,9 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 8.0) -> None:
         """SIGTERM every process group, SIGKILL what is left after ``grace_s``; then Redis."""
-        order = ["gateway"] + [n for n in self.procs if n.startswith("worker")] + ["scheduler"]
-        procs = [(n, self.procs[n]) for n in order if n in self.procs]
+        kinds = ("gateway", "worker", "scheduler")  # the doors first, the scheduler last
+        order = sorted(self.procs, key=lambda n: next((i for i, k in enumerate(kinds) if n.startswith(k)), 3))
+        procs = [(n, self.procs[n]) for n in order]
         for _, p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
@@ -211,11 +293,27 @@ class LocalCluster:
                 raise RuntimeError(f"{name} exited with {p.returncode}" +
                                    (f"; see {self.cfg.log_dir}/{name}.log" if self.cfg.log_dir else ""))
 
-    def scheduler_state(self, timeout_s: float = 2.0):
+    def scheduler_state(self, timeout_s: float = 2.0, name: str | None = None):
+        """The state of scheduler ``name``; None: of the active one if any answers as active,
+        else of the first that answers (``grpc.RpcError`` when none does)."""
         from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
-        with grpc.insecure_channel(self.scheduler_target) as ch:
-            return cluster_pb2_grpc.SchedulerStub(ch).GetState(cluster_pb2.GetStateRequest(), timeout=timeout_s)
+        names = [name] if name else [n for n in self.scheduler_ports if n in self.procs] or ["scheduler"]
+        inactive, error = None, None
+        for n in names:
+            try:
+                with self.channel(f"127.0.0.1:{self.scheduler_ports[n]}") as ch:
+                    state = cluster_pb2_grpc.SchedulerStub(ch).GetState(cluster_pb2.GetStateRequest(),
+                                                                        timeout=timeout_s)
+            except grpc.RpcError as e:
+                error = e
+                continue
+            if state.active:
+                return state
+            inactive = inactive or state
+        if inactive is None:
+            raise error
+        return inactive
 
     def wait_ready(self, timeout_s: float = 120.0, num_workers: int | None = None) -> None:
         """Until the gateway is SERVING and the active scheduler has reports from the workers."""
@@ -226,11 +324,14 @@ class LocalCluster:
         while True:
             self.check_alive()
             try:
-                with grpc.insecure_channel(self.gateway_target) as ch:
-                    h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                serving = True
+                for target in self.gateway_targets:
+                    with self.channel(target) as ch:
+                        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    serving = serving and h.status == health_pb2.HealthCheckResponse.SERVING
                 state = self.scheduler_state()
                 ready = sum(1 for w in state.workers if w.HasField("report"))
-                if h.status == health_pb2.HealthCheckResponse.SERVING and state.active and ready >= want:
+                if serving and state.active and ready >= want:
                     return
             except grpc.RpcError:
                 pass
@@ -253,12 +354,23 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
     p.add_argument("--redis-url", default=None, help="an external Redis (default: start one in a temp dir)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: fit memory)")
+    p.add_argument("--engine", default="model", choices=("model", "sim"),
+                   help="sim: simulated workers (no model; see `pagefleet worker --help`)")
+    p.add_argument("--sim-profile", default="llama-3-8b-h100", help="--engine sim: the step-time profile")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="--engine sim: simulated seconds per real second (inf: never sleep)")
+    p.add_argument("--workers-per-process", type=int, default=None,
+                   help="workers hosted by one worker process (default: 64 with --engine sim, else 1)")
     p.add_argument("--policy", default="fcfs", help="scheduler queue policy: fcfs | priority | deadline")
     p.add_argument("--placement", default="prefix", choices=PLACEMENTS,
                    help="scheduler placement policy (see `pagefleet scheduler --help`)")
     p.add_argument("--demo", default=None, metavar="PROMPT",
                    help="stream one greedy generation of PROMPT once ready, then stop everything")
     p.add_argument("--demo-tokens", type=int, default=48, help="tokens the demo generates")
+    p.add_argument("--secure", action="store_true",
+                   help="make a throwaway CA, a certificate for every component, an API key and a Redis "
+                        "password (in a temp dir, gone at exit): TLS and the key on the gateway, mutual TLS "
+                        "between scheduler and workers, a password on Redis; prints the key and the CA's path")
     add_common_flags(p, metrics_help=METRICS_PORT_HELP)  # `up` runs several processes: one port each
     return p
 
@@ -270,11 +382,12 @@ def _metrics_summary(ports: dict[str, int]) -> str:
     return ", metrics " + ", ".join(f"{name} :{port}" for name, port in ports.items())
 
 
-def _demo(target: str, prompt: str, max_tokens: int) -> int:
+def _demo(target: str, prompt: str, max_tokens: int, material: ClusterMaterial | None = None) -> int:
     from pagefleet.client import Client, Completion
 
     done = Completion()
-    with Client(target) as c:
+    secure = {"api_key": material.api_key, "ca": material.ca} if material else {}
+    with Client(target, **secure) as c:
         for msg in c.generate_stream(prompt, max_tokens=max_tokens, temperature=0):
             done.add(msg)
             sys.stdout.write(msg.text)
@@ -301,14 +414,19 @@ def main(argv: list[str]) -> int:
     if args.http_port and args.http_port == args.port:
         parser.error(f"--http-port {args.http_port} is the gateway's --port too")
     worker_args = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+    if args.engine == "sim":
+        worker_args += ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale)]
+    per_process = args.workers_per_process or (64 if args.engine == "sim" else 1)
     # The demo shows the stream, not every component's info logs (--log-level still wins).
     quiet = args.demo is not None and "--log-level" not in argv and "PAGEFLEET_LOG_LEVEL" not in os.environ
     gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    material = _secure_material(args.host) if args.secure else None
     cfg = ClusterConfig(port=args.port, host=args.host, http_port=args.http_port, num_workers=args.workers,
                         model=args.model, device=args.device, redis_url=args.redis_url, worker_args=worker_args,
-                        gateway_args=gateway_args,
+                        gateway_args=gateway_args, workers_per_process=per_process,
                         scheduler_args=["--policy", args.policy, "--placement", args.placement],
-                        log_level="warning" if quiet else args.log_level, metrics_port=args.metrics_port)
+                        log_level="warning" if quiet else args.log_level, metrics_port=args.metrics_port,
+                        material=material)
     cluster = LocalCluster(cfg)
     stopping = False
 
@@ -323,11 +441,15 @@ def main(argv: list[str]) -> int:
     try:
         cluster.start()
         print(f"pagefleet ready: gateway {cluster.gateway_target}, http {cluster.http_url}, {args.workers} workers, "
-              f"scheduler {cluster.scheduler_target}, redis {cluster.redis_url}"
+              f"scheduler {cluster.scheduler_target}, redis {redacted(cluster.redis_url)}"
               f"{_metrics_summary(cluster.metrics_ports)} (Ctrl-C stops everything)",
               flush=True)
+        if material is not None:
+            print(f"pagefleet secure: API key {material.api_key}  CA {material.ca}\n"
+                  f"  pagefleet generate --target {cluster.gateway_target} --ca {material.ca} --api-key <key> \"Hello\"",
+                  flush=True)
         if args.demo is not None:
-            rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens)
+            rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens, material)
         else:
             while True:
                 cluster.check_alive()
@@ -341,4 +463,16 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.stop()
+        if material is not None:
+            shutil.rmtree(material.dir, ignore_errors=True)
     return rc
+
+
+def _secure_material(host: str) -> ClusterMaterial:
+    """Throwaway material for ``up --secure`` in a new temp dir only this user can read."""
+    import socket
+
+    from pagefleet.common.certs import LOCAL_HOSTS, write_cluster_material
+
+    names = [*LOCAL_HOSTS, socket.gethostname()] if host in ("0.0.0.0", "::", "") else [*LOCAL_HOSTS, host]
+    return write_cluster_material(tempfile.mkdtemp(prefix="pagefleet-secure-"), list(dict.fromkeys(names)))

@@ -66,6 +66,18 @@ class AssignResponse(_message.Message):
     stale_scheduler: bool
     def __init__(self, accepted: _Optional[bool] = ..., stale_scheduler: _Optional[bool] = ...) -> None: ...
 
+class AssignBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[AssignRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[AssignRequest, _Mapping]]] = ...) -> None: ...
+
+class AssignBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[AssignResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[AssignResponse, _Mapping]]] = ...) -> None: ...
+
 class WorkerCancelRequest(_message.Message):
     __slots__ = ("request_id", "notify_client")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

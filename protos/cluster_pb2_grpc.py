@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=cluster__pb2.AssignRequest.SerializeToString,
                 response_deserializer=cluster__pb2.AssignResponse.FromString,
                 _registered_method=True)
+        self.AssignBatch = channel.unary_unary(
+                '/pagefleet.v1.Worker/AssignBatch',
+                request_serializer=cluster__pb2.AssignBatchRequest.SerializeToString,
+                response_deserializer=cluster__pb2.AssignBatchResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/pagefleet.v1.Worker/Cancel',
                 request_serializer=cluster__pb2.WorkerCancelRequest.SerializeToString,
@@ -68,6 +73,14 @@ class WorkerServicer:
 
     def Assign(self, request, context):
         """Add a request to the worker's engine (new, or resumed from emitted tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AssignBatch(self, request, context):
+        """Several Assigns at once (a round of the scheduler's placements on this worker), each
+        handled as its own Assign would be, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +121,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Assign,
                     request_deserializer=cluster__pb2.AssignRequest.FromString,
                     response_serializer=cluster__pb2.AssignResponse.SerializeToString,
+            ),
+            'AssignBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AssignBatch,
+                    request_deserializer=cluster__pb2.AssignBatchRequest.FromString,
+                    response_serializer=cluster__pb2.AssignBatchResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -158,6 +176,33 @@ class Worker:
             '/pagefleet.v1.Worker/Assign',
             cluster__pb2.AssignRequest.SerializeToString,
             cluster__pb2.AssignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.Worker/AssignBatch',
+            cluster__pb2.AssignBatchRequest.SerializeToString,
+            cluster__pb2.AssignBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

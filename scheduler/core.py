@@ -60,12 +60,29 @@ from .workers import WorkerEntry, pick_victims
 
 log = structlog.get_logger("scheduler")
 
+# Placements decided (and fenced in one round trip) before their Assigns are sent.
+_ROUND = 256
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 PREEMPT_MODES = {
     "auto": cluster_pb2.PREEMPT_MODE_AUTO,
     "swap": cluster_pb2.PREEMPT_MODE_SWAP,
     "recompute": cluster_pb2.PREEMPT_MODE_RECOMPUTE,
 }
+
+
+def _dial_plaintext(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def _carrying(msg: cluster_pb2.AssignRequest, metadata) -> cluster_pb2.AssignRequest:
+    """``msg``, or (while tracing) a copy whose traceparent is the one in ``metadata``."""
+    traceparent = dict(metadata).get("traceparent")
+    if not traceparent:
+        return msg
+    copy = cluster_pb2.AssignRequest()
+    copy.CopyFrom(msg)
+    copy.traceparent = traceparent
+    return copy
 
 
 class StaleScheduler(RuntimeError):
@@ -88,11 +105,14 @@ class SchedulerConfig:
 
 class ClusterScheduler:
     """``epoch``: this scheduler's epoch (taken with the lease); ``lease_ok``: whether the lease
-    is still surely held by the scheduler's own clock (checked before every assignment)."""
+    is still surely held by the scheduler's own clock (checked before every assignment);
+    ``dial``: a channel to a worker's address (default: plaintext; ``tls.dialer`` for mutual TLS)."""
 
     def __init__(self, redis, keys: Keys, config: SchedulerConfig, metrics: SchedulerMetrics | None = None,
-                 *, epoch: int = 0, lease_ok: Callable[[], bool] = lambda: True) -> None:
+                 *, epoch: int = 0, lease_ok: Callable[[], bool] = lambda: True,
+                 dial: Callable[[str], grpc.aio.Channel] | None = None) -> None:
         self.redis = redis
+        self.dial = dial or _dial_plaintext
         self.keys = keys
         self.cfg = config
         self.epoch = epoch
@@ -115,6 +135,7 @@ class ClusterScheduler:
         self._published_waiting = -1
         self._published_at = 0.0
         self._tasks: list[asyncio.Task] = []
+        self._cancel_calls: set[asyncio.Task] = set()  # best-effort Cancel calls in flight
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.metrics.bind(self)
 
@@ -138,7 +159,7 @@ class ClusterScheduler:
             await self.close()
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in (*self._tasks, *self._cancel_calls):
             t.cancel()
         for w in self.workers.values():
             if w.channel is not None:
@@ -214,8 +235,7 @@ class ClusterScheduler:
         self.known[rid] = p
         if holders is not None and rid in holders:  # takeover: a worker already runs it
             w = holders[rid]
-            w.place(p, self.cfg.headroom_tokens)
-            w.placed[rid].reflected = True
+            w.place(p, self.cfg.headroom_tokens, reflected=True)
             self._hold(w, p)
             self.where[rid] = w.worker_id
         elif holders is not None:  # takeover: it may have run somewhere; resume from its output
@@ -235,6 +255,7 @@ class ClusterScheduler:
         output read is final (nobody before can add to it)."""
         if await self._fence(p.request_id, "") == 0:
             self._forget(p.request_id)
+            await self._ack(p.entry_id)
             return
         emitted, finish = await read_emitted(self.redis, self.keys, p.request_id)
         if finish:
@@ -258,7 +279,11 @@ class ClusterScheduler:
             return
         w = self.workers.get(wid) if wid else None
         if w is not None:
-            await self._tell_cancel(w, rid)
+            # Not awaited: the worker answers between two of its steps, and this is the intake's
+            # path (a storm of cancels would hold every new request back a step each).
+            call = asyncio.create_task(self._tell_cancel(w, rid))
+            self._cancel_calls.add(call)
+            call.add_done_callback(self._cancel_calls.discard)
             log.info("request.cancel_sent", request_id=rid, worker_id=wid)
 
     async def _tell_cancel(self, w: WorkerEntry, rid: str) -> None:
@@ -279,13 +304,17 @@ class ClusterScheduler:
         """Write ``rid``'s final message (and acknowledge its entry) under a new epoch, then
         forget it; False if it had finished already."""
         p = self.known.get(rid)
-        epoch = await self._fence(rid, "scheduler")
-        if epoch == 0:
-            self._forget(rid)
-            return False
-        entry = OutEntry(len(p.assign.output_token_ids) if p else 0, [], "", reason, error)
-        write = Write(rid, epoch, entry, p.entry_id if p else "")
-        await retry(lambda: self.fencing.write([write]), what="finish")
+        while True:
+            epoch = await self._fence(rid, "scheduler")
+            if epoch == 0:
+                self._forget(rid)
+                return False
+            entry = OutEntry(len(p.assign.output_token_ids) if p else 0, [], "", reason, error)
+            write = Write(rid, epoch, entry, p.entry_id if p else "")
+            if (await retry(lambda w=write: self.fencing.write([w]), what="finish"))[0]:
+                break
+            # Refused: an assignment in flight took a newer epoch between our fence and our
+            # write. Forgetting the request now would leave it running unowned: fence again.
         self._forget(rid)
         log.info("request.finished_by_scheduler", request_id=rid, finish_reason=reason, error=error)
         return True
@@ -325,7 +354,7 @@ class ClusterScheduler:
             await asyncio.sleep(0.5)
 
     def _add_worker(self, wid: str, address: str) -> None:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = self.dial(address)
         w = WorkerEntry(wid, address, channel, cluster_pb2_grpc.WorkerStub(channel))
         self.workers[wid] = w
         self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{wid}"))
@@ -336,12 +365,13 @@ class ClusterScheduler:
             async for report in w.stub.StreamOccupancy(cluster_pb2.OccupancyRequest()):
                 if not w.alive:
                     return
+                room = w.num_available_blocks if w.report is not None else None
                 vanished, orphans = w.apply_report(report)
                 self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
                                         report.block_hashes_reset)
                 self.metrics.observe_report(w.worker_id, report)
                 for rid in vanished:  # dropped without a finish reported: resume (or forget) it
-                    pl = w.placed.pop(rid)
+                    pl = w.unplace(rid)
                     self.index.release(rid)
                     if self.where.get(rid) == w.worker_id:
                         del self.where[rid]
@@ -349,7 +379,9 @@ class ClusterScheduler:
                         await self._requeue(pl.pending)
                 if orphans and not self._adopting:
                     await self._withdraw_orphans(w, orphans)
-                self._wake.set()
+                # Placement only gains from a report that shows room (the tick wakes it anyway).
+                if room is None or vanished or w.num_available_blocks > room:
+                    self._wake.set()
             reason = "report stream ended"
         except grpc.RpcError as e:
             reason = f"report stream broke: {e.code().name}"
@@ -365,7 +397,7 @@ class ClusterScheduler:
         wid = self.where.pop(rid, None)
         w = self.workers.get(wid) if wid else None
         if w is not None:
-            w.placed.pop(rid, None)
+            w.unplace(rid)
 
     async def _finishes(self) -> None:
         """Forget each request whose final write landed (the done stream, written in the same
@@ -395,8 +427,7 @@ class ClusterScheduler:
             self.index.remove_worker(w.worker_id)
             self.metrics.forget_worker(w.worker_id)
         await retry(lambda: self.redis.hdel(self.keys.workers, w.worker_id), what="hdel_worker")
-        placed = list(w.placed.values())
-        w.placed.clear()
+        placed = w.unplace_all()
         log.warning("worker.dead", worker_id=w.worker_id, reason=reason, num_requests=len(placed))
         for pl in placed:
             rid = pl.pending.request_id
@@ -432,64 +463,127 @@ class ClusterScheduler:
 
     # -- placing --------------------------------------------------------------------------------
     async def _dispatch(self) -> None:
+        """Place the queue's heads in rounds: decide up to ``_ROUND`` placements (pure CPU,
+        each recorded on its worker at once so the next decision sees it), fence them in one
+        Redis round trip, send their Assigns at once; then the next round. A head that fits
+        nowhere is placed by preempting lower-priority sequences, or waits (head of line)."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while (p := self.queue.peek()) is not None:
-                live = list(self.workers.values())
-                t0 = time.perf_counter()
-                placement = self.placer.choose(live, p, self.cfg.headroom_tokens)
-                found = None
-                if placement is None and self.cfg.preempt_mode != "off":
-                    found = pick_victims(live, p, self.cfg.headroom_tokens)
-                self.metrics.decision_latency.observe(time.perf_counter() - t0)
-                if placement is not None:
-                    await self._assign(p, placement)
-                elif found is not None:
+            while True:
+                claimed, blocked, found = self._decide()
+                if claimed:
+                    await self._assign_claimed(claimed)
+                elif blocked is not None and found is not None:
                     # Assign first, then preempt: the request is already waiting on the worker
                     # when the victims' blocks come free, so it (the higher priority) takes
                     # them, not a victim swapping straight back in.
                     w, victims = found
-                    if await self._assign(p, Placement(w, "preempt")):
-                        await self._preempt(w, victims, p)
+                    self._claim(blocked, Placement(w, "preempt"))
+                    if (await self._assign_claimed([(blocked, Placement(w, "preempt"))]))[0]:
+                        await self._preempt(w, victims, blocked)
                 else:
-                    break  # head of line: it waits until a report shows room
+                    break  # empty, or head of line: it waits until a report shows room
+
+    def _decide(self) -> tuple[list[tuple[Pending, Placement]], Pending | None, tuple | None]:
+        """Claim placements for the queue's heads while they fit, at most ``_ROUND``; also the
+        head that fits nowhere (None: the queue ran out) and, if nothing was claimed before
+        it, the victims that would make room for it (``pick_victims``)."""
+        if not self.lease_ok():
+            raise StaleScheduler("the lease was not renewed in time: stop placing before it lapses")
+        t0 = time.perf_counter()
+        live = list(self.workers.values())
+        rnd = self.placer.round(live)  # valid until the next await: only our claims change the workers
+        claimed: list[tuple[Pending, Placement]] = []
+        headroom, observe = self.cfg.headroom_tokens, self.metrics.decision_latency.observe
+        while len(claimed) < _ROUND and (p := self.queue.peek()) is not None:
+            placement = rnd.choose(p, headroom)
+            if placement is None:
+                found = None
+                if not claimed and self.cfg.preempt_mode != "off":
+                    found = pick_victims(live, p, headroom)
+                observe(time.perf_counter() - t0)
+                return claimed, p, found
+            self._claim(p, placement)
+            t1 = time.perf_counter()
+            observe(t1 - t0)
+            t0 = t1
+            claimed.append((p, placement))
+        return claimed, None, None
+
+    def _claim(self, p: Pending, placement: Placement) -> None:
+        """Take ``p`` off the queue onto the placement's worker (reports and fencing confirm it)."""
+        w = placement.worker
+        self.queue.remove(p.request_id)
+        w.place(p, self.cfg.headroom_tokens, placement.num_shared_blocks)
+        self._hold(w, p)
+        self.where[p.request_id] = w.worker_id
 
     def _hold(self, w: WorkerEntry, p: Pending) -> None:
         """Record optimistically that ``w`` will hold ``p``'s prompt blocks (reports correct it)."""
         if p.assign.block_hashes and p.assign.hash_block_size == w.block_size:
             self.index.hold(w.worker_id, p.request_id, p.assign.block_hashes)
 
-    async def _assign(self, p: Pending, placement: Placement) -> bool:
-        """Send ``p`` to the placement's worker; False if it went back to the queue (worker
-        draining or dead)."""
-        w = placement.worker
-        if not self.lease_ok():
-            raise StaleScheduler("the lease was not renewed in time: stop placing before it lapses")
-        self.queue.remove(p.request_id)
-        epoch = await self._fence(p.request_id, w.worker_id)
-        if epoch == 0:  # finished meanwhile (e.g. cancelled)
-            self._forget(p.request_id)
-            return False
-        p.assign.epoch, p.assign.scheduler_epoch = epoch, self.epoch
-        w.place(p, self.cfg.headroom_tokens, placement.num_shared_blocks)
-        self._hold(w, p)
-        self.where[p.request_id] = w.worker_id
+    async def _assign_claimed(self, claimed: list[tuple[Pending, Placement]]) -> list[bool]:
+        """Fence every claimed request in one round trip, then send them, one call per worker,
+        to all their workers at once; for each, whether its worker took it."""
+        owners = [(p.request_id, pl.worker.worker_id) for p, pl in claimed]
+        epochs = await retry(lambda: self.fencing.assign_many(owners, self.epoch), what="fence")
+        if any(e < 0 for e in epochs):
+            raise StaleScheduler(f"scheduler epoch {self.epoch} is no longer the current one")
+        by_worker: dict[str, list[tuple[int, Pending, Placement]]] = {}
+        for i, ((p, placement), epoch) in enumerate(zip(claimed, epochs, strict=True)):
+            if epoch == 0:  # finished meanwhile (e.g. cancelled before it was read): drop its entry too
+                self._forget(p.request_id)
+                await self._ack(p.entry_id)
+                continue
+            p.assign.epoch, p.assign.scheduler_epoch = epoch, self.epoch
+            by_worker.setdefault(placement.worker.worker_id, []).append((i, p, placement))
+        groups = list(by_worker.values())
+        results = await asyncio.gather(*(self._send_to(g[0][2].worker, [(p, pl) for _, p, pl in g]) for g in groups))
+        taken = [False] * len(claimed)
+        for group, oks in zip(groups, results, strict=True):
+            for (i, _, _), ok in zip(group, oks, strict=True):
+                taken[i] = ok
+        return taken
+
+    async def _send_to(self, w: WorkerEntry, items: list[tuple[Pending, Placement]]) -> list[bool]:
+        """Send fenced, claimed requests to ``w`` (one Assign, or one AssignBatch for several);
+        for each, False if it went back to the queue (worker draining or dead) or was
+        forgotten while it was being fenced (cancelled, or its worker declared dead)."""
+        live = [self.where.get(p.request_id) == w.worker_id for p, _ in items]
+        send = [it for it, ok in zip(items, live, strict=True) if ok]
+        if not send:
+            return live
         try:
-            with assign_span(p, w) as metadata:  # the trace goes on to the worker
-                resp = await w.stub.Assign(p.assign, timeout=self.cfg.rpc_timeout_s, metadata=metadata)
+            if len(send) == 1:
+                p = send[0][0]
+                with assign_span(p, w) as metadata:  # the trace goes on to the worker
+                    responses = [await w.stub.Assign(p.assign, timeout=self.cfg.rpc_timeout_s, metadata=metadata)]
+            else:
+                with contextlib.ExitStack() as spans:
+                    # Each request's assign span goes on to the worker in its copy's traceparent.
+                    batch = cluster_pb2.AssignBatchRequest(requests=[
+                        _carrying(p.assign, spans.enter_context(assign_span(p, w))) for p, _ in send])
+                    responses = (await w.stub.AssignBatch(batch, timeout=self.cfg.rpc_timeout_s)).responses
         except grpc.RpcError as e:
             await self._worker_dead(w, f"Assign failed: {e.code().name}")
-            return False
+            return [False] * len(items)
         except asyncio.CancelledError:
             if w.alive:
                 raise
-            return False  # its channel was closed under the call: it was declared dead meanwhile
+            return [False] * len(items)  # its channel was closed under the call: declared dead meanwhile
+        settled = iter([self._settle(w, p, placement, resp) for (p, placement), resp
+                        in zip(send, responses, strict=True)])
+        return [next(settled) if ok else False for ok in live]
+
+    def _settle(self, w: WorkerEntry, p: Pending, placement: Placement, resp) -> bool:
+        """Take ``w``'s answer to ``p``'s Assign in: True if it took it."""
         if resp.stale_scheduler:
             raise StaleScheduler(f"worker {w.worker_id} has seen a newer scheduler than epoch {self.epoch}")
         if not resp.accepted:  # draining: back to the queue, elsewhere next time
             w.accepting = False
-            w.placed.pop(p.request_id, None)
+            w.unplace(p.request_id)
             self.index.release(p.request_id)
             self.where.pop(p.request_id, None)
             self.queue.push(p)

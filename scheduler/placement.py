@@ -19,8 +19,13 @@ costs a cache miss, never a wrong answer.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pagefleet.common.blocks import num_blocks_for
 
 from .prefix_index import Match, PrefixIndex
 from .queue import Pending
@@ -71,29 +76,11 @@ class Placer:
 
     def choose(self, workers: Sequence[WorkerEntry], p: Pending, headroom_tokens: int) -> Placement | None:
         """Where ``p`` goes; None if it fits nowhere."""
-        matches = self.matches(workers, p)
+        return self.round(workers).choose(p, headroom_tokens)
 
-        def match(w: WorkerEntry) -> Match:
-            return matches.get(w.worker_id, _NO_MATCH)
-
-        fitting = [w for w in workers if w.fits(p, headroom_tokens, match(w).num_shared_blocks)]
-        if not fitting:
-            return None
-        if self.cfg.policy == "round-robin":
-            w = self._next_in_turn(fitting)
-            self._last_worker_id = w.worker_id
-            return self._decided(w, "round-robin", match(w))
-        scores = {w.worker_id: w.score(p, headroom_tokens, match(w).num_shared_blocks) for w in fitting}
-        least = max(fitting, key=lambda w: scores[w.worker_id])
-        if self.cfg.policy == "least-loaded":
-            return self._decided(least, "load", match(least))
-        if self.out_of_balance(workers):
-            return self._decided(least, "balance", match(least))
-        best = max(fitting, key=lambda w: (match(w).num_matched_blocks, scores[w.worker_id]))
-        num_matched = match(best).num_matched_blocks
-        if num_matched and num_matched >= self.cfg.cache_threshold * len(p.assign.block_hashes):
-            return self._decided(best, "cache", match(best))
-        return self._decided(least, "load", match(least))
+    def round(self, workers: Sequence[WorkerEntry]) -> Round:
+        """Decisions over ``workers`` as they are now; see ``Round``."""
+        return Round(self, workers)
 
     @staticmethod
     def _decided(w: WorkerEntry, decision: str, m: Match) -> Placement:
@@ -115,13 +102,133 @@ class Placer:
 
     def out_of_balance(self, workers: Sequence[WorkerEntry]) -> bool:
         loads = [w.load for w in workers if w.ready]
-        if len(loads) < 2:
-            return False
-        busiest, idlest = max(loads), min(loads)
+        return len(loads) >= 2 and self._unbalanced(max(loads), min(loads))
+
+    def _unbalanced(self, busiest: int, idlest: int) -> bool:
         return (busiest - idlest > self.cfg.balance_abs_threshold
                 and busiest > idlest * self.cfg.balance_rel_threshold)
 
-    def _next_in_turn(self, fitting: list[WorkerEntry]) -> WorkerEntry:
-        last = self._last_worker_id
-        after = [w for w in fitting if last is not None and w.worker_id > last]
-        return min(after or fitting, key=lambda w: w.worker_id)
+
+class Round:
+    """A run of decisions over the workers as they stand, without looking at every worker
+    for every request: the ready workers sit in a heap by ``WorkerEntry.spare`` (the score's
+    request-independent part when every worker has one pool size; otherwise each decision
+    scans them), round-robin walks them by id, and the loads are counted once.
+
+    Contract: between two ``choose`` calls only the placements it returned change the
+    workers (each is claimed on its worker before the next call, nothing else runs): a
+    worker's spare then only falls, so a heap entry found stale on top is pushed again with
+    its current value. A round that outlives that (a report came in) gives wrong answers:
+    the scheduler starts a new one every time it has waited.
+    """
+
+    def __init__(self, placer: Placer, workers: Sequence[WorkerEntry]) -> None:
+        self.placer = placer
+        self.cfg = placer.cfg
+        self.ready = [w for w in workers if w.ready]
+        self._order = {w.worker_id: i for i, w in enumerate(self.ready)}
+        self._uniform = len({(w.pool_size, w.block_size) for w in self.ready}) <= 1
+        self._heap = [(-w.spare, i, w) for i, w in enumerate(self.ready)]
+        heapq.heapify(self._heap)
+        self._max_available = max((w.num_available_blocks for w in self.ready), default=0)
+        loads = [w.load for w in self.ready]
+        self._loads = Counter(loads)
+        self._busiest, self._idlest = max(loads, default=0), min(loads, default=0)
+        self._by_id: list[WorkerEntry] | None = None  # round-robin's order, made when first needed
+
+    def choose(self, p: Pending, headroom_tokens: int) -> Placement | None:
+        """Where ``p`` goes; None if it fits nowhere."""
+        placement = self._choose(p, headroom_tokens)
+        if placement is not None:
+            self._loaded(placement.worker)
+        return placement
+
+    def _choose(self, p: Pending, headroom_tokens: int) -> Placement | None:
+        matches = self.placer.matches(self.ready, p)
+        total = p.num_tokens + p.num_remaining_tokens
+        need = p.num_tokens + min(p.num_remaining_tokens, headroom_tokens)
+        sizes: dict[int, int] = {}
+
+        def taken(w: WorkerEntry, shared: int) -> int:
+            bs = w.block_size
+            if bs not in sizes:
+                sizes[bs] = num_blocks_for(need, bs)
+            return sizes[bs] - shared
+
+        def fits(w: WorkerEntry, m: Match) -> bool:
+            return w.has_room(total, taken(w, m.num_shared_blocks))
+
+        if self.cfg.policy == "round-robin":
+            w = self._next_in_turn(lambda w: fits(w, matches.get(w.worker_id, _NO_MATCH)))
+            if w is None:
+                return None
+            self.placer._last_worker_id = w.worker_id
+            return self.placer._decided(w, "round-robin", matches.get(w.worker_id, _NO_MATCH))
+        # The candidates: every worker holding part of the prompt, and the best of the others.
+        cands = [(w, m) for wid, m in matches.items() if fits(w := self.ready[self._order[wid]], m)]
+        other = self._best_other(matches, lambda w: fits(w, _NO_MATCH), need)
+        if other is not None:
+            cands.append((other, _NO_MATCH))
+        if not cands:
+            return None
+
+        def score(c: tuple[WorkerEntry, Match]) -> tuple[float, int]:
+            w, m = c
+            return w.score_after(taken(w, m.num_shared_blocks)), -self._order[w.worker_id]
+
+        least = max(cands, key=score)
+        if self.cfg.policy == "least-loaded":
+            return self.placer._decided(least[0], "load", least[1])
+        if len(self.ready) >= 2 and self.placer._unbalanced(self._busiest, self._idlest):
+            return self.placer._decided(least[0], "balance", least[1])
+        best = max(cands, key=lambda c: (c[1].num_matched_blocks, score(c)))
+        num_matched = best[1].num_matched_blocks
+        if num_matched and num_matched >= self.cfg.cache_threshold * len(p.assign.block_hashes):
+            return self.placer._decided(best[0], "cache", best[1])
+        return self.placer._decided(least[0], "load", least[1])
+
+    def _best_other(self, matches: dict[str, Match], fits, need_tokens: int) -> WorkerEntry | None:
+        """The best-scoring worker that fits and holds none of the prompt (None if none does)."""
+        if not self._uniform:  # pool sizes differ: the order depends on the request; look at all
+            others = [w for w in self.ready if w.worker_id not in matches and fits(w)]
+            return max(others, key=lambda w: (w.score_after(0), -self._order[w.worker_id]), default=None)
+        if self.ready and num_blocks_for(need_tokens, self.ready[0].block_size) > self._max_available:
+            return None  # nobody has room (one block size; the bound only falls during a round)
+        heap, aside, found = self._heap, [], None
+        while heap:
+            key, i, w = heap[0]
+            spare = w.spare
+            if -key != spare:  # placed on since it was pushed: its spare fell
+                heapq.heapreplace(heap, (-spare, i, w))
+                continue
+            if w.worker_id not in matches and fits(w):
+                found = w
+                break
+            aside.append(heapq.heappop(heap))
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _next_in_turn(self, fits) -> WorkerEntry | None:
+        """The first worker that fits, by id, after the one chosen last (wrapping around)."""
+        if self._by_id is None:
+            self._by_id = sorted(self.ready, key=lambda w: w.worker_id)
+        ids = [w.worker_id for w in self._by_id]
+        last = self.placer._last_worker_id
+        start = bisect.bisect_right(ids, last) if last is not None else 0
+        n = len(self._by_id)
+        for k in range(n):
+            w = self._by_id[(start + k) % n]
+            if fits(w):
+                return w
+        return None
+
+    def _loaded(self, w: WorkerEntry) -> None:
+        """``w`` is about to take one more request: count it in the loads."""
+        before = w.load
+        loads = self._loads
+        loads[before] -= 1
+        loads[before + 1] += 1
+        self._busiest = max(self._busiest, before + 1)
+        while loads[self._idlest] <= 0 and self._idlest < self._busiest:
+            self._idlest += 1

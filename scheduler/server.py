@@ -6,6 +6,10 @@ Each holder takes a new scheduler epoch (``<ns>:scheduler:epoch``), which fences
 assignment it makes. An instance that loses its lease, or cannot renew it within two
 thirds of its length by its own monotonic clock (cut off from Redis: it cannot know), stops
 placing at once and exits, before the lease can lapse; so two never place requests at once.
+
+With ``--cluster-ca``, ``--cluster-cert`` and ``--cluster-key`` (common/tls.py) it dials workers
+over mutual TLS, trusting only those whose certificate chains to the cluster CA and names
+``--worker-tls-name``, and its own view and metrics answer only peers with such a certificate.
 """
 
 from __future__ import annotations
@@ -22,14 +26,25 @@ import grpc
 import structlog
 
 from pagefleet.common.metrics import SchedulerMetrics, serve_metrics
-from pagefleet.common.redis import Keys, connect, retry
+from pagefleet.common.redis import Keys, add_password_flag, connect, retry
 from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
     add_common_flags,
+    add_door_flags,
     add_health_and_reflection,
+    open_to_all,
     set_serving,
     setup_logging,
+    start_health_port,
+)
+from pagefleet.common.tls import (
+    WORKER_TLS_NAME,
+    add_cluster_tls_flags,
+    add_port,
+    check_files,
+    cluster_tls,
+    dialer,
 )
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
@@ -49,7 +64,9 @@ def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="pagefleet scheduler", description="Run the scheduler (one active, others standby).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="port of the Scheduler service and health (0: any free)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS)")
+    add_password_flag(p)
     p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
     p.add_argument("--policy", default="fcfs", choices=POLICIES, help="global queue order")
     p.add_argument("--aging-seconds", type=float, default=10.0,
@@ -74,6 +91,11 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
                    help="prefix: the longest cached prefix wins if it covers at least this fraction of "
                         "the prompt's blocks, else the least loaded")
+    add_cluster_tls_flags(p)
+    p.add_argument("--worker-tls-name", default=WORKER_TLS_NAME, metavar="NAME",
+                   help="with --cluster-ca: the name a worker's certificate must carry (empty: the host "
+                        "of the address the worker advertises)")
+    add_door_flags(p, ("metrics",))
     add_common_flags(p)
     return p
 
@@ -111,10 +133,15 @@ class Lease:
     async def hold(self, acquired: asyncio.Event) -> None:
         """Take the lease (waiting as standby while another holds it), then keep it; return
         when it is lost or can no longer be trusted."""
+        sent = 0.0
+
+        async def take():
+            nonlocal sent
+            sent = time.monotonic()  # this attempt's: not the first of retries through a Redis outage
+            return await self.redis.set(self.keys.lease, self.me, nx=True, px=self.lease_ms)
+
         while True:
-            sent = time.monotonic()
-            if await retry(lambda: self.redis.set(self.keys.lease, self.me, nx=True, px=self.lease_ms),
-                           what="lease"):
+            if await retry(take, what="lease"):
                 self._renewed_at = sent
                 break
             await asyncio.sleep(self.lease_s / 6)
@@ -143,16 +170,19 @@ class Lease:
 
 async def serve(args) -> int:
     keys = Keys(args.namespace)
-    redis = connect(args.redis_url)
+    redis = connect(args.redis_url, args.redis_password_file)
+    tls = cluster_tls(args)
     me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     servicer = SchedulerService()
     server = grpc.aio.server(options=SERVER_OPTIONS)
     cluster_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health, names, _ = add_health_and_reflection(server, [SERVICE])
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = add_port(server, f"{args.host}:{args.port}", tls)
     metrics = SchedulerMetrics()
-    serve_metrics(args, metrics.registry, "scheduler")
+    serve_metrics(args, metrics.registry, "scheduler",
+                  tls=tls.server_context(verify_clients=not open_to_all(args, "metrics")) if tls else None)
     await server.start()
+    health_port = await start_health_port(health, args.host, args.health_port)
     await set_serving(health, names, False)
     log.info("scheduler.standby", port=port, instance=me)
 
@@ -172,7 +202,8 @@ async def serve(args) -> int:
             preempt_mode=args.preempt_mode, dead_after_s=args.dead_after,
             placement=placement_config(args),
             prefix_index_size=args.prefix_index_size,
-        ), metrics=metrics, epoch=holder.epoch, lease_ok=holder.valid)
+        ), metrics=metrics, epoch=holder.epoch, lease_ok=holder.valid,
+            dial=dialer(tls, args.worker_tls_name or None))
         servicer.core = core
         run = asyncio.create_task(core.run())
         await set_serving(health, names, True)
@@ -193,6 +224,8 @@ async def serve(args) -> int:
     for t in (lease, *waiters):
         t.cancel()
     await set_serving(health, names, False)
+    if health_port is not None:
+        await health_port.stop(grace=0)
     await server.stop(grace=0.5)
     await redis.aclose()
     log.info("scheduler.stopped")
@@ -212,5 +245,9 @@ def main(argv: list[str]) -> int:
         parser.error(str(e))
     if args.prefix_index_size < 1:
         parser.error(f"--prefix-index-size must be at least 1, got {args.prefix_index_size}")
+    try:
+        check_files(cluster_tls(args))
+    except ValueError as e:
+        parser.error(str(e))
     setup_logging("scheduler", args)
     return asyncio.run(serve(args))

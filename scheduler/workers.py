@@ -31,6 +31,7 @@ towards the less busy worker.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pagefleet.common.blocks import num_blocks_for
@@ -56,6 +57,10 @@ class Placed:
 
 @dataclass(slots=True)
 class WorkerEntry:
+    """One worker as the scheduler sees it. ``placed`` is read freely but changed only by
+    ``place`` / ``unplace`` / ``unplace_all`` / ``apply_report``, which keep
+    ``num_owed_blocks_total`` current (so admission costs O(1) per worker, not O(placed))."""
+
     worker_id: str
     address: str
     channel: object = None
@@ -66,6 +71,25 @@ class WorkerEntry:
     num_assigned: int = 0
     alive: bool = True
     accepting: bool = True  # False once it refused an Assign (draining) before its report says so
+    # Blocks owed to all the requests placed here (see the module docstring).
+    num_owed_blocks_total: int = field(default=0, init=False)
+    # From the latest report, read once per report rather than once per decision.
+    _num_reported_free: int = field(default=0, init=False, repr=False)  # free minus swapped
+    _limits: tuple[int, int, int] = field(default=(0, 0, 1), init=False, repr=False)  # model len, seqs, blocks
+    _num_running: int = field(default=0, init=False, repr=False)
+    _priorities: Counter[int] = field(default_factory=Counter, init=False, repr=False)  # of placed requests
+
+    def __post_init__(self) -> None:
+        if self.report is not None:
+            self._take(self.report)
+            self.num_owed_blocks_total = sum(self.num_owed_blocks(rid, pl) for rid, pl in self.placed.items())
+        self._priorities.update(pl.pending.priority for pl in self.placed.values())
+
+    def _take(self, r: cluster_pb2.OccupancyReport) -> None:
+        self.report = r
+        self._num_reported_free = r.num_free_blocks - r.num_swapped_blocks
+        self._limits = (r.max_model_len, r.max_num_seqs, max(1, r.num_blocks))
+        self._num_running = r.num_running
 
     # -- the numbers admission uses ---------------------------------------------------
     @property
@@ -88,16 +112,10 @@ class WorkerEntry:
         return max(0, pl.num_reserved_blocks - num_device_blocks) if num_device_blocks else 0
 
     @property
-    def num_owed_blocks_total(self) -> int:
-        """Blocks owed to all the requests placed here."""
-        return sum(self.num_owed_blocks(rid, pl) for rid, pl in self.placed.items())
-
-    @property
     def num_available_blocks(self) -> int:
-        r = self.report
-        if r is None:
+        if self.report is None:
             return 0
-        return r.num_free_blocks - r.num_swapped_blocks - self.num_owed_blocks_total
+        return self._num_reported_free - self.num_owed_blocks_total
 
     @property
     def load(self) -> int:
@@ -113,22 +131,72 @@ class WorkerEntry:
         return self.blocks_needed(p, headroom_tokens) - num_shared_blocks
 
     def fits(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0) -> bool:
-        r = self.report
-        if not self.ready or p.num_tokens + p.num_remaining_tokens > r.max_model_len:
+        if not self.ready:
             return False
-        if len(self.placed) >= r.max_num_seqs:
-            return False
-        return self.blocks_taken(p, headroom_tokens, num_shared_blocks) <= self.num_available_blocks
+        return self.has_room(p.num_tokens + p.num_remaining_tokens,
+                             self.blocks_taken(p, headroom_tokens, num_shared_blocks))
+
+    def has_room(self, num_total_tokens: int, num_blocks_taken: int) -> bool:
+        """Whether a request of ``num_total_tokens`` (prompt + all it may generate) taking
+        ``num_blocks_taken`` blocks fits here now; the caller has checked ``ready``."""
+        max_model_len, max_num_seqs, _ = self._limits
+        return (num_total_tokens <= max_model_len and len(self.placed) < max_num_seqs
+                and num_blocks_taken <= self._num_reported_free - self.num_owed_blocks_total)
 
     def score(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0) -> float:
-        r = self.report
-        left = self.num_available_blocks - self.blocks_taken(p, headroom_tokens, num_shared_blocks)
-        return left / max(1, r.num_blocks) - 0.01 * r.num_running
+        return self.score_after(self.blocks_taken(p, headroom_tokens, num_shared_blocks))
+
+    @property
+    def pool_size(self) -> int:
+        """Blocks in the worker's pool (1 before its first report)."""
+        return self._limits[2]
+
+    @property
+    def spare(self) -> float:
+        """``score_after(0)``: what the score of every request here shares; with one pool size
+        for all, workers in this order are in the order of their scores for any request."""
+        return (self._num_reported_free - self.num_owed_blocks_total) / self._limits[2] - 0.01 * self._num_running
+
+    def score_after(self, num_blocks_taken: int) -> float:
+        """The fraction of the pool left after taking ``num_blocks_taken``, less 0.01 a running sequence."""
+        left = self._num_reported_free - self.num_owed_blocks_total - num_blocks_taken
+        return left / self._limits[2] - 0.01 * self._num_running
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def place(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0) -> None:
-        self.placed[p.request_id] = Placed(p, self.blocks_needed(p, headroom_tokens), num_shared_blocks)
+    def place(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0, *,
+              reflected: bool = False) -> Placed:
+        """``reflected``: a report already shows it here (a takeover adopting it)."""
+        rid = p.request_id
+        self.unplace(rid)
+        pl = self.placed[rid] = Placed(p, self.blocks_needed(p, headroom_tokens), num_shared_blocks,
+                                       reflected=reflected)
+        self.num_owed_blocks_total += self.num_owed_blocks(rid, pl)
+        self._priorities[p.priority] += 1
         self.num_assigned += 1
+        return pl
+
+    def unplace(self, rid: str) -> Placed | None:
+        """``rid`` leaves this worker (finished, moved or refused); its entry, None if not here."""
+        pl = self.placed.pop(rid, None)
+        if pl is not None:
+            self.num_owed_blocks_total -= self.num_owed_blocks(rid, pl)
+            priority = pl.pending.priority
+            self._priorities[priority] -= 1
+            if not self._priorities[priority]:
+                del self._priorities[priority]
+        return pl
+
+    def unplace_all(self) -> list[Placed]:
+        """Every request leaves (the worker is dead); their entries."""
+        placed = list(self.placed.values())
+        self.placed.clear()
+        self._priorities.clear()
+        self.num_owed_blocks_total = 0
+        return placed
+
+    def holds_priority_below(self, priority: int) -> bool:
+        """Whether a request placed here has a lower priority than ``priority`` (a possible victim)."""
+        return any(q < priority for q in self._priorities)
 
     def apply_report(self, report: cluster_pb2.OccupancyReport) -> tuple[list[str], list[str]]:
         """Take a report in; ``(vanished, orphans)``.
@@ -139,22 +207,27 @@ class WorkerEntry:
         holds that were not placed there. Requests reported finished stay placed, owed
         nothing, until the caller sees their final write in Redis.
         """
-        self.report = report
+        self._take(report)
         self.last_report_at = time.monotonic()
-        reported_ids = set(report.request_ids)
         for rid in report.finished_request_ids:
             pl = self.placed.get(rid)
             if pl is not None:
                 pl.finished = True
+        reported_ids = set(report.request_ids)
+        blocks = report.blocks_per_request
         vanished = []
+        owed = 0
         for rid, pl in self.placed.items():
             if pl.finished:
                 continue
             if rid in reported_ids:
-                if report.blocks_per_request.get(rid, 0) > 0:
+                if blocks.get(rid, 0) > 0:
                     pl.reflected = True
             elif pl.reflected:
                 vanished.append(rid)
+                continue
+            owed += self.num_owed_blocks(rid, pl)
+        self.num_owed_blocks_total = owed
         orphans = [rid for rid in reported_ids if rid not in self.placed]
         return vanished, orphans
 
@@ -170,16 +243,18 @@ class WorkerEntry:
 
 
 def pick_victims(
-    workers: list[WorkerEntry], p: Pending, headroom_tokens: int, cooldown_s: float = 1.0
+    workers: list[WorkerEntry], p: Pending, headroom_tokens: int, cooldown_s: float = 1.0,
+    now: float | None = None,
 ) -> tuple[WorkerEntry, list[Placed]] | None:
     """The worker where preempting the fewest lower-priority running sequences makes room.
 
     Victims go lowest priority first, then most recently placed (least work lost).
+    ``now``: the clock ``Placed.preempted_at`` is on (default ``time.monotonic()``).
     """
-    now = time.monotonic()
+    now = time.monotonic() if now is None else now
     best: tuple[WorkerEntry, list[Placed]] | None = None
     for w in workers:
-        if not w.ready:
+        if not w.ready or not w.holds_priority_below(p.priority):
             continue
         need = w.blocks_needed(p, headroom_tokens)
         avail = w.num_available_blocks

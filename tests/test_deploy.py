@@ -6,7 +6,13 @@
 * every command a manifest runs is a ``pagefleet`` command whose parser takes its flags,
   every ``PAGEFLEET_*`` variable a container gets is one of its flags (with a value the
   flag accepts), every ``OTEL_*`` variable is one the SDK reads, and every port a manifest
-  names (container ports, probes, Services, scrape targets) is one the process listens on.
+  names (container ports, probes, Services, scrape targets) is one the process listens on;
+* with the secure component (kustomize) or docker-compose.secure.yml: every certificate, key,
+  keys file and password file a process is told to read is a file of a secret it mounts
+  (one cert-manager issues, or one the operator makes, as documented), the gateway wants TLS
+  and a key, scheduler and workers speak mutual TLS under one CA and the scheduler checks the
+  name the workers' certificate carries, probes ask the plaintext health port, Redis wants
+  the password, and Prometheus scrapes over TLS with what each port wants.
 """
 
 from __future__ import annotations
@@ -35,7 +41,21 @@ COMPOSE_SCHEMA_URL = "https://raw.githubusercontent.com/compose-spec/compose-spe
 # Variables pagefleet reads that are not flags.
 EXTRA_PAGEFLEET_VARS = {"PAGEFLEET_TRACE_PROMPTS"}
 EXTRA_OTEL_VARS = {"OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"}
-KINDS_WITHOUT_SCHEMA = {("keda.sh/v1alpha1", "ScaledObject")}
+KINDS_WITHOUT_SCHEMA = {("keda.sh/v1alpha1", "ScaledObject"), ("cert-manager.io/v1", "Certificate"),
+                        ("cert-manager.io/v1", "Issuer")}
+# Secrets the secure component mounts that the operator makes (docs/OPERATIONS.md), and their
+# files; the TLS ones may come from cert-manager (components/cert-manager) instead.
+OPERATOR_SECRETS = {
+    "pagefleet-api-keys": {"api-keys.txt"},
+    "pagefleet-redis": {"password"},
+    "pagefleet-gateway-tls": {"tls.crt", "tls.key", "ca.crt"},
+    "pagefleet-scheduler-tls": {"tls.crt", "tls.key", "ca.crt"},
+    "pagefleet-worker-tls": {"tls.crt", "tls.key", "ca.crt"},
+}
+CERT_MANAGER_FILES = {"tls.crt", "tls.key", "ca.crt"}
+# Flags that name a file a process reads its credentials from.
+SECRET_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "api_keys_file", "redis_password_file",
+                "cluster_ca", "cluster_cert", "cluster_key")
 
 
 # -- rendering -------------------------------------------------------------------------
@@ -48,6 +68,18 @@ def kubectl() -> str:
     return exe
 
 
+def combine(tmp: Path, overlay: str, components: list[str]) -> list[dict]:
+    """An overlay rendered with ``components``."""
+    rel = os.path.relpath(DEPLOY, tmp)  # kustomize refuses absolute paths
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [f"{rel}/overlays/{overlay}"],
+        "components": [f"{rel}/components/{c}" for c in components],
+    }))
+    return kustomize(tmp)
+
+
 def kustomize(path: Path) -> list[dict]:
     out = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {path}: {out.stderr}"
@@ -56,20 +88,19 @@ def kustomize(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
-    """Every overlay, and every overlay with all optional components."""
+    """Every overlay, every overlay with all optional components, and with the secure one
+    alone (its secrets made by the operator, not cert-manager)."""
     out = {}
     for name in OVERLAYS:
         out[name] = kustomize(DEPLOY / "overlays" / name)
-        combo = tmp_path_factory.mktemp(f"{name}-all")
-        rel = os.path.relpath(DEPLOY, combo)  # kustomize refuses absolute paths
-        (combo / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1",
-            "kind": "Kustomization",
-            "resources": [f"{rel}/overlays/{name}"],
-            "components": [f"{rel}/components/{c}" for c in COMPONENTS],
-        }))
-        out[f"{name}+components"] = kustomize(combo)
+        out[f"{name}+components"] = combine(tmp_path_factory.mktemp(f"{name}-all"), name, COMPONENTS)
+        out[f"{name}+secure"] = combine(tmp_path_factory.mktemp(f"{name}-secure"), name, ["secure"])
     return out
+
+
+def secured(name: str) -> bool:
+    """Whether the render ``name`` has the secure component."""
+    return name.endswith(("+components", "+secure"))
 
 
 def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
@@ -78,7 +109,7 @@ def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
 
 def test_overlays_exist():
     assert {"cpu-dev", "gpu"} <= set(OVERLAYS)
-    assert {"keda", "external-redis"} <= set(COMPONENTS)
+    assert {"keda", "external-redis", "secure", "cert-manager"} <= set(COMPONENTS)
 
 
 def test_objects_validate_against_kubernetes_schemas(rendered):
@@ -236,7 +267,9 @@ def resolve(proc: Process, monkeypatch) -> dict[str, object]:
             )
             action = flag_vars.get(name)
             if action is not None and action.choices and value is not None:
-                assert getattr(args, action.dest) in action.choices, f"{proc.where}: {name}={value!r}"
+                got = getattr(args, action.dest)
+                for v in got if isinstance(got, list) else [got]:
+                    assert v in action.choices, f"{proc.where}: {name}={value!r}"
         elif name.startswith("OTEL_"):
             assert name in otel_vars(), f"{proc.where}: {name} is not an OpenTelemetry variable"
     return vars(args)
@@ -290,7 +323,10 @@ def test_kubernetes_commands_flags_env_and_ports_exist(rendered, monkeypatch):
                     if probe != "livenessProbe":
                         assert "grpc" in spec, f"{proc.where}: {probe} should use the gRPC health service"
                     if "grpc" in spec:
-                        assert spec["grpc"]["port"] == values["port"], f"{proc.where}: {probe} port"
+                        # The kubelet speaks no TLS: with TLS on, probes ask the plaintext health port.
+                        tls = values.get("tls_cert") or values.get("cluster_cert")
+                        want = values.get("health_port") if tls else values["port"]
+                        assert spec["grpc"]["port"] == want, f"{proc.where}: {probe} port"
                     else:
                         port = spec["tcpSocket"]["port"]
                         assert proc.ports.get(port, port) == values["port"], f"{proc.where}: {probe} port"
@@ -306,6 +342,59 @@ def test_kubernetes_commands_flags_env_and_ports_exist(rendered, monkeypatch):
                             ok = target in proc.ports if isinstance(target, str) else target in declared
                             assert ok, f"{name}: Service/{svc['metadata']['name']} targets {target!r}"
         assert {"gateway", "scheduler", "worker"} <= seen, name
+
+
+def _secret_file(path: str, container: dict, pod: dict, certificates: dict[str, dict], where: str) -> str:
+    """The Secret whose file ``path`` is (mounted into ``container``); fails if it is none."""
+    mount = next((m for m in container.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")),
+                 None)
+    assert mount is not None, f"{where}: nothing mounted at {path}"
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert "secret" in volume, f"{where}: {path} is not a file of a Secret"
+    name, file = volume["secret"]["secretName"], path[len(mount["mountPath"].rstrip("/")) + 1:]
+    files = CERT_MANAGER_FILES if name in certificates else OPERATOR_SECRETS.get(name)
+    assert files is not None, f"{where}: Secret {name} is neither issued by cert-manager nor documented"
+    assert file in files, f"{where}: Secret {name} has no file {file} ({sorted(files)})"
+    return name
+
+
+def test_secure_component_gives_every_process_its_secrets(rendered, monkeypatch):
+    for name, objs in rendered.items():
+        if not secured(name):
+            continue
+        certificates = {c["spec"]["secretName"]: c for c in by_kind(objs, "Certificate").values()}
+        assert bool(certificates) == name.endswith("+components"), name
+        seen, secrets = {}, {}
+        for _obj, pod, procs in pod_processes(name, objs):
+            for container, proc in procs:
+                assert pod["metadata"]["annotations"]["prometheus.io/scheme"] == "https", proc.where
+                values = resolve(proc, monkeypatch)
+                seen[proc.argv[1]] = values
+                for flag in SECRET_FLAGS:
+                    if values.get(flag):
+                        secrets[(proc.argv[1], flag)] = _secret_file(values[flag], container, pod["spec"],
+                                                                     certificates, proc.where)
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    if "grpc" in container.get(probe, {}):
+                        assert container[probe]["grpc"]["port"] == values["health_port"], f"{proc.where}: {probe}"
+        gateway, scheduler, worker = seen["gateway"], seen["scheduler"], seen["worker"]
+        assert gateway["tls_cert"] and gateway["tls_key"] and gateway["api_keys_file"], name
+        for values in (scheduler, worker):
+            assert values["cluster_ca"] and values["cluster_cert"] and values["cluster_key"], name
+        assert {secrets[(c, f)] for c in ("gateway", "scheduler", "worker") for f in ("redis_password_file",)} \
+            == {"pagefleet-redis"}, name
+        if certificates:  # one CA for both sides, and the name the scheduler checks is the workers'
+            issuers = {certificates[secrets[(c, "cluster_cert")]]["spec"]["issuerRef"]["name"]
+                       for c in ("scheduler", "worker")}
+            assert len(issuers) == 1, f"{name}: scheduler and workers under different issuers {issuers}"
+            assert scheduler["worker_tls_name"] in certificates[secrets[("worker", "cluster_cert")]]["spec"]["dnsNames"]
+            usages = {c: set(certificates[secrets[(c, "cluster_cert")]]["spec"]["usages"]) for c in ("scheduler", "worker")}
+            assert "client auth" in usages["scheduler"] and "client auth" not in usages["worker"], usages
+        for redis in by_kind(objs, "StatefulSet").values():
+            (c,) = redis["spec"]["template"]["spec"]["containers"]
+            assert "--requirepass" in c["args"], f"{name}: Redis wants no password"
+            auth = next(e for e in c["env"] if e["name"] == "REDISCLI_AUTH")["valueFrom"]["secretKeyRef"]
+            assert auth["name"] == "pagefleet-redis" and auth["key"] in OPERATOR_SECRETS["pagefleet-redis"]
 
 
 def test_compose_commands_flags_env_and_ports_exist(compose, monkeypatch):
@@ -334,6 +423,78 @@ def test_compose_commands_flags_env_and_ports_exist(compose, monkeypatch):
         assert host in metrics_ports, f"prometheus.yml scrapes {host}, which docker-compose.yml does not run"
         assert int(port) == metrics_ports[host], f"prometheus.yml scrapes {target}; {host} serves metrics on {metrics_ports[host]}"
     assert set(metrics_ports) <= {t.rsplit(":", 1)[0] for t in targets}, "a component is not scraped"
+
+
+def compose_merge(base, override, key: str = ""):
+    """``docker compose -f base -f override`` for what these files use: mappings merge,
+    ``secrets`` and ``volumes`` add (a volume replaces the one at its container path), other
+    sequences (``command``, a healthcheck's ``test``) replace."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {k: compose_merge(base[k], v, k) if k in base else v for k, v in override.items()} | \
+            {k: v for k, v in base.items() if k not in override}
+    if key == "secrets" and isinstance(base, list):
+        return [*base, *(s for s in override if s not in base)]
+    if key == "volumes" and isinstance(base, list):
+        target = {str(v).split(":")[1]: v for v in override}
+        return [v for v in base if str(v).split(":")[1] not in target] + list(override)
+    return override
+
+
+@pytest.fixture(scope="module")
+def secure_compose(compose) -> dict:
+    override = yaml.safe_load(interpolate((REPO / "docker-compose.secure.yml").read_text()))
+    return compose_merge(compose, override)
+
+
+def test_secure_compose_validates_and_every_secret_is_one_certs_writes(secure_compose, tmp_path, monkeypatch):
+    import jsonschema
+
+    from pagefleet.common.certs import write_cluster_material
+
+    validator = jsonschema.Draft201909Validator(compose_schema())
+    errors = sorted(validator.iter_errors(secure_compose), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+    write_cluster_material(tmp_path)
+    written = {p.name for p in tmp_path.iterdir()}
+    declared = secure_compose["secrets"]
+    for secret in declared.values():  # `pagefleet certs ./secrets` makes every one of them
+        assert secret["file"].startswith("./secrets/") and secret["file"].removeprefix("./secrets/") in written
+    seen, metrics_ports = {}, {}
+    for sname, svc in secure_compose["services"].items():
+        mine = set(svc.get("secrets", []))
+        assert mine <= set(declared), f"{sname}: undeclared secrets {mine - set(declared)}"
+        argv = svc.get("command")
+        if not argv or argv[0] != "pagefleet":
+            continue
+        env = {k: str(v) for k, v in svc.get("environment", {}).items()}
+        values = resolve(Process(f"docker-compose.secure.yml: {sname}", argv, env), monkeypatch)
+        seen[argv[1]] = values
+        for flag in SECRET_FLAGS:
+            if values.get(flag):
+                assert values[flag].removeprefix("/run/secrets/") in mine, f"{sname}: --{flag} {values[flag]}"
+        test = " ".join(svc.get("healthcheck", {}).get("test", []))
+        for port in re.findall(r"localhost:(\d+)", test):
+            assert int(port) == values["health_port"], f"{sname}: a TLS port's health check must ask the health port"
+        metrics_ports[svc.get("hostname", sname)] = values.get("metrics_port")
+    assert seen["gateway"]["tls_cert"] and seen["gateway"]["api_keys_file"]
+    for component in ("scheduler", "worker"):
+        assert seen[component]["cluster_ca"] and seen[component]["cluster_cert"] and seen[component]["cluster_key"]
+    assert all(v["redis_password_file"] for v in seen.values())
+    redis = secure_compose["services"]["redis"]
+    assert "--requirepass" in " ".join(redis["command"]) and "redis-password" in redis["secrets"]
+    prometheus = yaml.safe_load((DEPLOY / "prometheus.secure.yml").read_text())
+    mounted = {f"/run/secrets/{s}" for s in secure_compose["services"]["prometheus"]["secrets"]}
+    assert any("prometheus.secure.yml" in v for v in secure_compose["services"]["prometheus"]["volumes"])
+    for job in prometheus["scrape_configs"]:
+        assert job["scheme"] == "https", job["job_name"]
+        files = [*job["tls_config"].values(), job.get("authorization", {}).get("credentials_file")]
+        assert {f for f in files if f and f.startswith("/")} <= mounted, job["job_name"]
+        for target in (t for sc in job["static_configs"] for t in sc["targets"]):
+            host, port = target.rsplit(":", 1)
+            assert int(port) == metrics_ports[host], target
+        if job["job_name"] != "pagefleet-gateway":  # mutual TLS: a client certificate, the servers' name
+            assert "cert_file" in job["tls_config"] and job["tls_config"]["server_name"] in (
+                seen["scheduler"]["worker_tls_name"], "pagefleet-scheduler")
 
 
 def test_dockerfile_command_exists(monkeypatch):

@@ -272,6 +272,9 @@ class FakeWorkerStub:
         self.epochs[request.request_id] = request.epoch
         return cluster_pb2.AssignResponse(accepted=True)
 
+    async def AssignBatch(self, request, timeout=None, metadata=None):
+        return cluster_pb2.AssignBatchResponse(responses=[await self.Assign(r) for r in request.requests])
+
     async def StreamOccupancy(self, request):
         while (r := await self.reports.get()) is not None:
             yield r
@@ -422,3 +425,62 @@ def test_a_cluster_places_shared_prefixes_by_policy(tmp_path, placement):
         assert len({e["worker_id"] for e in lines}) == 1, lines
     finally:
         cluster.stop()
+
+
+# -- a round of decisions against the plain scan -----------------------------------------------------
+def _scan(placer: Placer, workers: list[WorkerEntry], p: Pending, headroom: int):
+    """The placement rule as a plain scan of every worker (what ``Round`` must agree with)."""
+    matches = placer.matches(workers, p)
+
+    def m(w):
+        return matches.get(w.worker_id, Match(0, 0))
+
+    fitting = [w for w in workers if w.fits(p, headroom, m(w).num_shared_blocks)]
+    if not fitting:
+        return None
+    if placer.cfg.policy == "round-robin":
+        last = placer._last_worker_id
+        after = [w for w in fitting if last is not None and w.worker_id > last]
+        return min(after or fitting, key=lambda w: w.worker_id).worker_id, "round-robin"
+    score = {w.worker_id: w.score(p, headroom, m(w).num_shared_blocks) for w in fitting}
+    least = max(fitting, key=lambda w: score[w.worker_id])
+    if placer.cfg.policy == "least-loaded":
+        return least.worker_id, "load"
+    if placer.out_of_balance(workers):
+        return least.worker_id, "balance"
+    best = max(fitting, key=lambda w: (m(w).num_matched_blocks, score[w.worker_id]))
+    if m(best).num_matched_blocks and m(best).num_matched_blocks >= placer.cfg.cache_threshold * len(
+            p.assign.block_hashes):
+        return best.worker_id, "cache"
+    return least.worker_id, "load"
+
+
+@pytest.mark.parametrize("policy", ["prefix", "least-loaded", "round-robin"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_round_decides_as_a_scan_of_every_worker_would(policy, seed):
+    """Random workers, prefixes and requests; every decision of a round, claimed before the
+    next, is the one the plain scan makes on the same state."""
+    import random
+
+    rng = random.Random(seed)
+    idx = PrefixIndex()
+    cfg = PlacementConfig(policy, balance_abs_threshold=rng.choice([2, 32]))
+    placer, twin = Placer(cfg, idx), Placer(cfg, idx)
+    workers = [worker(f"w{i:02d}", free=rng.randint(0, 64), num_blocks=64, num_running=rng.randint(0, 9))
+               for i in range(rng.randint(1, 12))]
+    systems = [[rng.randrange(1, 50) for _ in range(4 * BS)] for _ in range(3)]
+    for i, w in enumerate(workers):
+        if rng.random() < 0.5:
+            idx.store(w.worker_id, block_hashes(systems[i % 3], BS)[: rng.randint(1, 4)])
+    rnd = placer.round(workers)
+    for j in range(40):
+        prompt = (systems[rng.randrange(3)] if rng.random() < 0.6 else []) + [rng.randrange(50, 99)
+                                                                            for _ in range(rng.randint(1, 40))]
+        p = pending(f"r{j}", prompt, max_tokens=rng.randint(1, 80))
+        want = _scan(twin, workers, p, HEADROOM)
+        got = rnd.choose(p, HEADROOM)
+        assert (None if got is None else (got.worker.worker_id, got.decision)) == want, j
+        if got is not None:
+            twin._last_worker_id = placer._last_worker_id
+            got.worker.place(p, HEADROOM, got.num_shared_blocks)
+            idx.hold(got.worker.worker_id, p.request_id, p.assign.block_hashes)

@@ -9,42 +9,25 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-import torch
-
-from pagefleet.common.blocks import num_blocks_for
 from pagefleet.common.logprobs import TokenLogprobs
-from pagefleet.common.model_config import load_model_spec
+from pagefleet.common.model_config import ModelSpec, load_model_spec
 from pagefleet.common.sampling_params import SamplingParams
 
 from .batch_scheduler import BatchScheduler
 from .continuous_scheduler import ContinuousScheduler
 from .detokenizer import IncrementalDetokenizer
+from .executor import Executor, ModelExecutor
 from .kv_cache_manager import KVCacheManager
-from .model_runner import ModelRunner
-from .models.loader import load_model
 from .outputs import EngineStats, RequestOutput, TokenDelta
 from .policy import PREEMPTION_MODES, PreemptionPolicy
 from .request import Request, RequestStatus
 from .static_scheduler import StaticScheduler
-from .swap import SwapAllocator, SwapSpace
+from .swap import SwapAllocator
 
 Prompt = str | Sequence[int]
 
-# Without num_blocks on a CPU: at most this much memory for the KV pool.
-_CPU_KV_BYTES = 1 << 30
-_GPU_MEMORY_UTILIZATION = 0.90
 # With num_swap_blocks=None: at most this much host memory for the swap pool (vLLM's default too).
 _SWAP_BYTES = 4 << 30
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for but no CUDA device is available")
-    return torch.device(device)
 
 
 class Engine:
@@ -57,6 +40,9 @@ class Engine:
     prefill speed at start-up and picks swap or recompute per victim.
     ``enable_prefix_caching``: keep full blocks of computed tokens, keyed by their prefix,
     for later requests that start the same way (continuous batching only).
+
+    What runs the steps is an ``Executor`` (``executor.py``), made by ``_make_executor``:
+    the model here, a step-time model in ``sim.SimEngine``.
 
     >>> engine = Engine(model="tiny")
     >>> out = engine.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0))[0]
@@ -92,45 +78,34 @@ class Engine:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.device = _resolve_device(device)
         self.model_name = model
         self.spec = load_model_spec(model)
-        max_model_len = self.spec.max_model_len(max_model_len)
         self.tokenizer, self.model_config = self.spec.tokenizer, self.spec.config
-        cfg = self.model_config
-        self.model = load_model(self.spec, self.device, dtype, max_positions=max_model_len)
-        if max_model_len > self.model.rope.cos.shape[0]:
-            self.model.rope = type(self.model.rope)(cfg, max_model_len).to(self.device)
-        self.max_model_len = max_model_len
+        self.executor = self._make_executor(self.spec, device=device, dtype=dtype, max_model_len=max_model_len,
+                                            seed=seed)
+        self.device = self.executor.device
+        self.max_model_len = self.executor.max_model_len
         self.block_size = block_size
-        self.dtype = next(self.model.parameters()).dtype
         if num_blocks is None:
-            num_blocks = self._auto_num_blocks()
+            num_blocks = self.executor.num_blocks_that_fit(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
         self.kv = KVCacheManager(num_blocks, block_size,
                                  enable_caching=enable_prefix_caching and batching == "continuous")
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # Zeroed, not empty: masked-out slots must hold finite values (0 * NaN is NaN).
-        # One tensor [num_layers, 2, *shape]; each layer's (key, value) caches are
-        # contiguous views, and a range of blocks moves across all layers in one copy (swap).
-        self.kv_cache = torch.zeros((cfg.num_hidden_layers, 2, *shape), dtype=self.dtype, device=self.device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        if batching == "static":  # static batching reserves up front and never preempts
+            num_swap_blocks = 0
+        elif num_swap_blocks is None:  # as many as the device pool, within the host budget
+            num_swap_blocks = min(num_blocks, _SWAP_BYTES // self.executor.block_bytes(block_size))
+        self.executor.allocate(self.kv, num_swap_blocks)
         self.batching = batching
         self.preemption = preemption
-        self.swap_space: SwapSpace | None = None
         self.cost_model = None
-        if batching == "static":  # static batching reserves up front and never preempts
+        if batching == "static":
             self.scheduler: BatchScheduler = StaticScheduler(self.kv, max_num_seqs=max_num_seqs)
         else:
-            swap = None
-            if num_swap_blocks is None:  # as many as the device pool, within the host budget
-                num_swap_blocks = min(num_blocks, _SWAP_BYTES // self.block_bytes())
-            if num_swap_blocks:
-                self.swap_space = SwapSpace(self.kv_cache, num_swap_blocks)
-                swap = SwapAllocator(num_swap_blocks)
-                if preemption == "auto":
-                    self.cost_model = self._calibrate(max_num_batched_tokens)
+            swap = SwapAllocator(num_swap_blocks) if num_swap_blocks else None
+            if swap is not None and preemption == "auto":
+                self.cost_model = self.executor.calibrate(max_num_batched_tokens)
             self.scheduler = ContinuousScheduler(
                 self.kv,
                 max_num_seqs=max_num_seqs,
@@ -139,43 +114,16 @@ class Engine:
                 policy=PreemptionPolicy(preemption),
                 cost_model=self.cost_model,
             )
-        self.runner = ModelRunner(self.model, self.kv, self.kv_caches, self.device, max_model_len, seed)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.num_generated_tokens_total = 0
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
 
-    # -- sizing ------------------------------------------------------------------------
-    def block_bytes(self) -> int:
-        cfg = self.model_config
-        elt = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elt
-
-    def _auto_num_blocks(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - _GPU_MEMORY_UTILIZATION))
-        else:
-            budget = _CPU_KV_BYTES
-        num = budget // self.block_bytes()
-        need = num_blocks_for(self.max_model_len, self.block_size)
-        if num < need:
-            raise ValueError(
-                f"num_blocks: only {num} blocks fit in memory but one max_model_len sequence needs {need}; "
-                "lower max_model_len or free memory"
-            )
-        return int(num)
-
-    def _calibrate(self, max_num_batched_tokens: int):
-        """Measure copy bandwidth and prefill throughput while the pools are still empty."""
-        from .cost_model import calibrate
-
-        tokens = max(1, min(max_num_batched_tokens, self.max_model_len, 512))
-        return calibrate(
-            self.swap_space, self.model, self.kv_caches, block_size=self.block_size,
-            num_device_blocks=self.kv.num_blocks, prefill_tokens=tokens,
-        )
+    def _make_executor(self, spec: ModelSpec, *, device: str, dtype: str, max_model_len: int | None,
+                       seed: int) -> Executor:
+        """What runs the steps: the model of ``spec`` (a subclass may run something else)."""
+        return ModelExecutor(spec, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed)
 
     # -- the streaming API -------------------------------------------------------------
     def add_request(
@@ -295,13 +243,9 @@ class Engine:
         out = self.scheduler.schedule()
         if not out:
             return []
-        if self.swap_space is not None:
-            self.swap_space.fence()  # last step's swap-ins land before this forward
-            self.swap_space.swap_out(out.blocks_to_swap_out)
-            self.swap_space.swap_in(out.blocks_to_swap_in)
+        sampled, result = self.executor.execute(out)
         if not out.requests:  # a step of copies only
             return []
-        sampled, result = self.runner.execute(out)
         tokens = result.token_ids
         self.scheduler.update_after_step(out)
         self.num_generated_tokens_total += len(tokens)

@@ -3,7 +3,9 @@
 The step is flattened the same way for every kind of row: ``input_ids``,
 ``positions``, ``slot_mapping`` (one per token), ``block_tables``, ``seq_lens``,
 ``query_start_loc`` (one per sequence). Only each sequence's last row is sent
-through the LM head.
+through the LM head. A step's inputs reach the device in one packed non-blocking copy, the
+block tables as diffs against rows kept there (``step_inputs``); the one wait for the device
+in a step is reading the sampled ids.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .kv_cache_manager import KVCacheManager
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .request import Request, RequestStatus
 from .sampler import SamplerOutput, sample
+from .step_inputs import DeviceBlockTables, StepUploader
 
 _EMPTY: list[int] = []
 
@@ -46,6 +49,13 @@ class ModelRunner:
         self.profile = False
         self.last_model_seconds = 0.0
         self.last_model_cpu_seconds = 0.0
+        # On a GPU a step's inputs go over in one packed copy with block tables as diffs
+        # (``step_inputs``). On a CPU the numpy arrays are the device's already: wrapping them
+        # costs nothing, staging would only add work (tests turn it on to check it there).
+        self.stage_inputs = device.type == "cuda"
+        self.uploader = StepUploader(device)
+        max_blocks = -(-max_model_len // kv.block_size)
+        self.device_tables = DeviceBlockTables(256, max_blocks, device)
 
     def prepare(self, out: SchedulerOutput):
         """The step's input tensors and the requests whose last row is sampled.
@@ -113,21 +123,29 @@ class ModelRunner:
             rows_of = [i for i, (f, g) in enumerate(zip(flags, ghost, strict=True)) if f or g]
             logits_rows = np.where(c[rows_of] > 0, last_real[rows_of], qsl[1:][rows_of] - 1)
             keep = [j for j, i in enumerate(rows_of) if flags[i]]
-        dev = self.device
+        if not self.stage_inputs:
+            meta = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots),
+                block_tables=torch.from_numpy(block_tables),
+                seq_lens=torch.from_numpy((s + q).astype(np.int32)),
+                query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+            )
+            return (torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
+                    torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)), sampled, keep)
+        table_rows, d_rows, d_cols, d_vals = self.device_tables.diffs(
+            [r.request_id for r in reqs], rows, tables)
+        (input_ids_t, positions_t, slots_t, logits_t, seq_lens_t, qsl_t,
+         table_rows_t, d_rows_t, d_cols_t, d_vals_t) = self.uploader.upload([
+            input_ids, positions.astype(np.int64, copy=False), slots, np.asarray(logits_rows, dtype=np.int64),
+            (s + q).astype(np.int32), qsl.astype(np.int32), table_rows, d_rows, d_cols, d_vals,
+        ])
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.from_numpy((s + q).astype(np.int32)).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            slot_mapping=slots_t,
+            block_tables=self.device_tables.apply(table_rows_t, d_rows_t, d_cols_t, d_vals_t, width),
+            seq_lens=seq_lens_t,
+            query_start_loc=qsl_t,
         )
-        return (
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            meta,
-            torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)).to(dev),
-            sampled,
-            keep,
-        )
+        return input_ids_t, positions_t, meta, logits_t, sampled, keep
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
         """Run the step; the requests that sampled a token, and their tokens (with logprobs

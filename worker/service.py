@@ -1,4 +1,8 @@
-"""``pagefleet worker``: one process, one Engine, the ``pagefleet.v1.Worker`` gRPC service.
+"""``pagefleet worker``: an Engine behind the ``pagefleet.v1.Worker`` gRPC service.
+
+One worker per process, or ``--count N`` of them (each its own engine, port, id and report
+stream; one event loop). ``--engine sim`` runs a simulated engine (``sim.SimEngine``): no
+model, step times from a profile, so a few processes can stand for hundreds of GPUs.
 
 The engine runs on its own thread (``EngineLoop``); the gRPC handlers only queue work for
 it. The worker registers its address in Redis (``<ns>:workers``) every second so the
@@ -6,6 +10,10 @@ scheduler finds it, writes every step's tokens to Redis in one round trip
 (``OutputWriter``) and streams its occupancy to the scheduler. SIGTERM drains: nothing
 new is accepted, the requests held get ``--drain-timeout`` seconds to finish, and the
 rest are handed back (the scheduler resumes them elsewhere from their emitted tokens).
+
+With ``--cluster-ca``, ``--cluster-cert`` and ``--cluster-key`` the port speaks mutual TLS
+only: Assign, Preempt, Cancel, Drain (and everything else) need a peer whose certificate
+chains to the cluster CA; ``--health-port`` serves health alone in plaintext for probes.
 """
 
 from __future__ import annotations
@@ -26,15 +34,19 @@ import structlog
 
 from pagefleet.common import telemetry
 from pagefleet.common.metrics import WorkerMetrics, serve_metrics
-from pagefleet.common.redis import Keys, connect, retry
+from pagefleet.common.redis import Keys, add_password_flag, connect, retry
 from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
     add_common_flags,
+    add_door_flags,
     add_health_and_reflection,
+    open_to_all,
     set_serving,
     setup_logging,
+    start_health_port,
 )
+from pagefleet.common.tls import add_cluster_tls_flags, add_port, check_files, cluster_tls
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .engine_loop import EngineLoop
@@ -56,7 +68,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     p.add_argument("--advertise-host", default=None,
                    help="host the scheduler dials (default: --host, or the hostname for 0.0.0.0)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS)")
+    add_password_flag(p)
     p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
     p.add_argument("--worker-id", default=None, help="unique name (default: host-pid)")
     p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
@@ -77,6 +91,18 @@ def build_parser() -> EnvArgumentParser:
                    help="keep full KV blocks for later requests with the same prefix")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let held requests finish on SIGTERM before handing them back")
+    p.add_argument("--engine", default="model", choices=("model", "sim"),
+                   help="model: run --model; sim: simulate it (no model: step times from --sim-profile, "
+                        "tokens from the seed and position; --model gives only the tokenizer)")
+    p.add_argument("--sim-profile", default="llama-3-8b-h100",
+                   help="--engine sim: a shipped profile name or a .toml/.json file (worker/sim_profiles)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="--engine sim: simulated seconds per real second (inf: never sleep)")
+    p.add_argument("--count", type=int, default=1,
+                   help="workers in this process, each with its own engine, port (--port + i when --port "
+                        "is set) and id (--worker-id-i); --metrics-port serves the first one's metrics")
+    add_cluster_tls_flags(p)
+    add_door_flags(p, ("metrics",))
     add_common_flags(p)
     return p
 
@@ -88,6 +114,22 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         self.w = worker
 
     async def Assign(self, request, context):
+        parent = telemetry.extract_grpc(context)  # the scheduler's assign span
+        resp = self._admit(request)
+        if resp.accepted:
+            self.w.loop.call(lambda: self.w.loop.assign(request, parent))  # answered before the engine runs it
+        return resp
+
+    async def AssignBatch(self, request, context):
+        parent = telemetry.extract_grpc(context)
+        responses = [self._admit(r) for r in request.requests]
+        taken = [r for r, resp in zip(request.requests, responses, strict=True) if resp.accepted]
+        if taken:  # one command for the engine thread: the whole batch between two steps
+            self.w.loop.call(lambda: [self.w.loop.assign(r, parent) for r in taken])
+        return cluster_pb2.AssignBatchResponse(responses=responses)
+
+    def _admit(self, request) -> cluster_pb2.AssignResponse:
+        """Whether this worker takes ``request`` (not while draining, nor from a replaced scheduler)."""
         if self.w.draining:
             return cluster_pb2.AssignResponse(accepted=False)
         if request.scheduler_epoch < self.w.scheduler_epoch:  # from a scheduler that was replaced
@@ -95,8 +137,6 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
                         scheduler_epoch=request.scheduler_epoch, newest=self.w.scheduler_epoch)
             return cluster_pb2.AssignResponse(accepted=False, stale_scheduler=True)
         self.w.scheduler_epoch = request.scheduler_epoch
-        parent = telemetry.extract_grpc(context)  # the scheduler's assign span
-        self.w.loop.call(lambda: self.w.loop.assign(request, parent))  # answered before the engine runs it
         return cluster_pb2.AssignResponse(accepted=True)
 
     async def Cancel(self, request, context):
@@ -131,12 +171,14 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
 
 
 class Worker:
-    def __init__(self, args, engine) -> None:
+    """``redis``: a client shared with other workers of this process (default: its own)."""
+
+    def __init__(self, args, engine, *, worker_id: str | None = None, redis=None) -> None:
         self.args = args
         self.engine = engine
         self.keys = Keys(args.namespace)
-        self.worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.redis = connect(args.redis_url)
+        self.worker_id = worker_id or args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.redis = redis if redis is not None else connect(args.redis_url, args.redis_password_file)
         self.writer = OutputWriter(
             self.redis, self.keys,
             on_refused=lambda rid: self.loop.call(lambda: self.loop.drop(rid)),
@@ -212,57 +254,94 @@ class Worker:
                 await asyncio.wait_for(self.stopped.wait(), REGISTER_INTERVAL_S)
 
 
-async def serve(args) -> int:
-    from pagefleet.worker.engine import Engine
-
-    engine = await asyncio.to_thread(
-        Engine,
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        num_swap_blocks=args.num_swap_blocks,
-        preemption=args.preemption,
+def make_engine(args):
+    """One engine as the flags say: the model, or a simulated one (``--engine sim``)."""
+    common = dict(
+        block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, seed=args.seed,
+        num_swap_blocks=args.num_swap_blocks, preemption=args.preemption,
         enable_prefix_caching=args.enable_prefix_caching,
     )
-    w = Worker(args, engine)
-    serve_metrics(args, w.metrics.registry, "worker")
+    if args.engine == "sim":
+        from pagefleet.worker.sim import SimEngine
+
+        return SimEngine(args.sim_profile, args.model, time_scale=args.time_scale, **common)
+    from pagefleet.worker.engine import Engine
+
+    return Engine(args.model, device=args.device, dtype=args.dtype, **common)
+
+
+def worker_ids(args) -> list[str]:
+    """``--count`` ids: ``--worker-id`` (default host-pid) alone, or with ``-<i>`` for several."""
+    base = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    return [base] if args.count == 1 else [f"{base}-{i}" for i in range(args.count)]
+
+
+async def serve(args) -> int:
+    """``--count`` workers in this process, each with its own engine (and engine thread), port,
+    registration and report stream; one Redis client for all of them."""
+    engines = await asyncio.to_thread(lambda: [make_engine(args) for _ in range(args.count)])
+    redis = connect(args.redis_url, args.redis_password_file)
+    workers = [Worker(args, e, worker_id=wid, redis=redis) for e, wid in zip(engines, worker_ids(args), strict=True)]
+    tls = cluster_tls(args)
+    metrics_tls = tls.server_context(verify_clients=not open_to_all(args, "metrics")) if tls else None
+    serve_metrics(args, workers[0].metrics.registry, "worker", tls=metrics_tls)  # the first worker's, with --count
+    await retry(redis.ping, what="ping")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: [w.begin_drain() for w in workers])
+    ports = [args.port + i if args.port else 0 for i in range(args.count)]
+    health_ports = [args.health_port + i if args.health_port else args.health_port for i in range(args.count)]
+    await asyncio.gather(*(run_worker(w, args, port, health_port)
+                           for w, port, health_port in zip(workers, ports, health_ports, strict=True)))
+    await redis.aclose()
+    return 0
+
+
+async def run_worker(w: Worker, args, port: int, health_port: int | None = None) -> None:
+    """Serve ``w`` on ``port`` (0: any free port) until it has drained; with ``--cluster-*``
+    only to peers whose certificate the cluster CA signed (the scheduler's)."""
+    engine = w.engine
     server = grpc.aio.server(options=SERVER_OPTIONS)
     cluster_pb2_grpc.add_WorkerServicer_to_server(WorkerService(w), server)
     health, names, _ = add_health_and_reflection(server, [SERVICE])
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = add_port(server, f"{args.host}:{port}", cluster_tls(args))
     host = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "[::]") else args.host)
     w.address = f"{host}:{port}"
-    structlog.contextvars.bind_contextvars(worker_id=w.worker_id)
-    await retry(w.redis.ping, what="ping")
+    structlog.contextvars.bind_contextvars(worker_id=w.worker_id)  # this task and those it starts
     await server.start()
+    health_server = await start_health_port(health, args.host, health_port)
     w.loop.start()
     writer_task = asyncio.create_task(w.writer.run())
     register_task = asyncio.create_task(w.register())
     await set_serving(health, names, True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        w.aio.add_signal_handler(sig, w.begin_drain)
     log.info("worker.ready", address=w.address, model=args.model, num_blocks=engine.kv.num_blocks,
              block_size=engine.block_size, device=str(engine.device))
     await w.stopped.wait()
     await set_serving(health, names, False)
     await retry(lambda: w.redis.hdel(w.keys.workers, w.worker_id), what="unregister", attempts=3)
+    if health_server is not None:
+        await health_server.stop(grace=0)
     await server.stop(grace=0.5)
     w.loop.stop()
     for t in (writer_task, register_task):
         t.cancel()
-    await w.redis.aclose()
     log.info("worker.stopped")
-    return 0
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.count < 1:
+        parser.error(f"--count must be at least 1, got {args.count}")
+    if args.engine != "sim" and (args.time_scale != 1.0 or "--sim-profile" in argv):
+        parser.error("--sim-profile and --time-scale need --engine sim")
+    if not args.time_scale > 0:
+        parser.error(f"--time-scale must be > 0 (inf: never sleep), got {args.time_scale}")
+    try:
+        check_files(cluster_tls(args))
+    except ValueError as e:
+        parser.error(str(e))
     setup_logging("worker", args)
     # The engine thread holds the GIL through long stretches of Python between torch ops;
     # handing it over every 0.5 ms (not the default 5 ms) lets the event loop write tokens

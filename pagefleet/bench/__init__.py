@@ -9,7 +9,11 @@ SUITES = {
     "engine": "pagefleet.bench.engine",
     "kernels": "pagefleet.bench.kernels",
     "preemption": "pagefleet.bench.preemption",
+    "scheduler": "pagefleet.bench.scheduler",
+    "reliability": "pagefleet.bench.reliability",
     "serve": "pagefleet.bench.serve",
+    "sim-fit": "pagefleet.bench.sim_fit",
+    "study": "pagefleet.bench.study",
 }
 
 

@@ -87,6 +87,9 @@ class Result:
     ttft_p50_s: float | None = None  # from the trace's start (every request arrives then)
     ttft_p90_s: float | None = None
     prefix_cache_hit_rate: float | None = None  # tokens found cached / tokens looked up
+    # Every step that computed tokens: [batched tokens, KV tokens read, seconds of the whole
+    # engine.step()] (what `pagefleet bench sim-fit` fits a simulated worker's profile to).
+    step_timings: list[list[float]] | None = None
 
 
 def run_pagefleet(model: str, trace: Trace, batching: str, max_num_seqs: int, block_size: int,
@@ -99,10 +102,14 @@ def run_pagefleet(model: str, trace: Trace, batching: str, max_num_seqs: int, bl
         engine.add_request(p, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
     peak_alloc, used_at_peak, steps, produced = 0, 0, 0, 0
     first_token: dict[str, float] = {}
+    shapes, timings = _record_step_shapes(engine), []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
+        num_shapes, t0 = len(shapes), time.perf_counter()
         deltas = engine.step()
         now = time.perf_counter()
+        if len(shapes) > num_shapes and shapes[-1][0]:
+            timings.append([*shapes[-1], now - t0])
         for d in deltas:
             produced += len(d.token_ids)
             if d.token_ids and d.request_id not in first_token:
@@ -124,7 +131,23 @@ def run_pagefleet(model: str, trace: Trace, batching: str, max_num_seqs: int, bl
         ttft_p50_s=_percentile(ttft, 0.5), ttft_p90_s=_percentile(ttft, 0.9),
         prefix_cache_hit_rate=(stats.prefix_cache_hits_total / stats.prefix_cache_queries_total
                                if stats.prefix_cache_queries_total else None),
+        step_timings=timings,
     )
+
+
+def _record_step_shapes(engine) -> list[tuple[int, int]]:
+    """A list that gets ``(batched tokens, KV tokens read)`` of every step the engine runs."""
+    from pagefleet.worker.sim import step_shape
+
+    shapes: list[tuple[int, int]] = []
+    execute = engine.executor.execute
+
+    def recorded(out):
+        shapes.append(step_shape(out))
+        return execute(out)
+
+    engine.executor.execute = recorded
+    return shapes
 
 
 def _percentile(sorted_values: list[float], q: float) -> float | None:
@@ -204,7 +227,7 @@ def step_overhead(model: str, num_seqs: int = 256, steps: int = 30, enable_prefi
 
     engine = Engine(model, num_blocks=num_seqs * 8, max_num_seqs=num_seqs, max_num_batched_tokens=4096,
                     enable_prefix_caching=enable_prefix_caching)
-    engine.runner.profile = True  # time the forward pass apart from the rest of the step
+    engine.executor.runner.profile = True  # time the forward pass apart from the rest of the step
     rng = random.Random(0)
     for _ in range(num_seqs):
         engine.add_request([rng.randrange(256) for _ in range(64)],
@@ -218,8 +241,8 @@ def step_overhead(model: str, num_seqs: int = 256, steps: int = 30, enable_prefi
         engine.step()
         total.append(time.perf_counter() - t)
         # This thread's CPU time outside the forward pass: robust to other load on the machine.
-        cpu.append(time.thread_time() - c - engine.runner.last_model_cpu_seconds)
-        model_t.append(engine.runner.last_model_seconds)
+        cpu.append(time.thread_time() - c - engine.executor.runner.last_model_cpu_seconds)
+        model_t.append(engine.executor.runner.last_model_seconds)
     non_model = [a - b for a, b in zip(total, model_t, strict=True)]
     return {
         "num_running": num_seqs,

@@ -143,14 +143,14 @@ def run_one(model: str, trace: Trace, mode: str, args) -> Run:
             produced += len(d.token_ids)
             if d.finished:
                 done[d.request_id] = time.perf_counter() - start
-    if engine.swap_space is not None:
-        engine.swap_space.synchronize()
+    if engine.executor.swap_space is not None:
+        engine.executor.swap_space.synchronize()
     seconds = time.perf_counter() - start
     cpu_seconds = time.process_time() - cpu_start
     engine.check_integrity()
     s = engine.stats()
     lat = [done[r] for r in ids]
-    space = engine.swap_space
+    space = engine.executor.swap_space
     moved = space.num_bytes_moved if space else 0
     swap_bw = space.bytes_per_second / 1e9 if space and moved else None
     plain = None

@@ -110,6 +110,16 @@ class Fencing:
         keys = [self.keys.owner(request_id), self.keys.scheduler_epoch]
         return int(await self._assign(keys=keys, args=[scheduler_epoch, worker_id, REQUEST_TTL_S]))
 
+    async def assign_many(self, owners: list[tuple[str, str]], scheduler_epoch: int) -> list[int]:
+        """``assign`` for each ``(request_id, worker_id)`` of ``owners``, in one round trip."""
+        if not owners:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id, worker_id in owners:
+            await self._assign(keys=[self.keys.owner(request_id), self.keys.scheduler_epoch],
+                               args=[scheduler_epoch, worker_id, REQUEST_TTL_S], client=pipe)
+        return [int(e) for e in await pipe.execute()]
+
     async def queue_write(self, pipe, w: Write) -> None:
         """Add ``w`` to a pipeline (nothing is sent yet); its result is 1 (written) or 0
         (refused: not the owner)."""

@@ -84,7 +84,8 @@ def configure_logging(
         renderer = structlog.dev.ConsoleRenderer(colors=stream.isatty())
         tail = []
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        # Below the level, an event is dropped before any processor runs (not after them all).
+        processors=[structlog.stdlib.filter_by_level, *shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,

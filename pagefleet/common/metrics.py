@@ -10,8 +10,9 @@ dashboards carry over.
 from __future__ import annotations
 
 import contextlib
+import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
 )
 
 __all__ = [
@@ -53,12 +53,17 @@ class MetricsServer:
         self._server.server_close()
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread."""
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0", *,
+                         tls: ssl.SSLContext | None = None,
+                         authorize: Callable[[str | None], bool] | None = None) -> MetricsServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread; over TLS with
+    ``tls``; to requests whose ``Authorization`` header ``authorize`` accepts, if given."""
+    from pagefleet.common import metrics_http
+
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be between 0 and 65535, got {port!r}")
     disable_created_metrics()  # the *_created series only add noise to every scrape
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    server = metrics_http.start(port, registry, host, tls=tls, authorize=authorize)
     return MetricsServer(host, server.server_address[1], server)
 
 
@@ -288,6 +293,10 @@ class GatewayMetrics:
             "pagefleet:gateway_shed_requests", "Requests refused with RESOURCE_EXHAUSTED (queue full).",
             registry=r,
         )
+        self.unauthenticated = Counter(
+            "pagefleet:gateway_unauthenticated_requests",
+            "Calls refused for a missing or wrong API key, by door (grpc, http).", ["door"], registry=r,
+        )
         self.in_flight = Gauge("pagefleet:gateway_requests_in_flight", "Generate calls open now.", registry=r)
         self.ttft = Histogram(
             "pagefleet:gateway_time_to_first_token_seconds", "From the call to its first streamed token.",
@@ -306,8 +315,10 @@ class GatewayMetrics:
             self.e2e.observe(seconds)
 
 
-def serve_metrics(args: Any, registry: CollectorRegistry, component: str) -> MetricsServer | None:
-    """Serve ``registry`` on ``--metrics-port`` (on ``--host``) if the flag is set.
+def serve_metrics(args: Any, registry: CollectorRegistry, component: str, *, tls: ssl.SSLContext | None = None,
+                  authorize: Callable[[str | None], bool] | None = None) -> MetricsServer | None:
+    """Serve ``registry`` on ``--metrics-port`` (on ``--host``) if the flag is set; ``tls`` and
+    ``authorize`` as ``start_metrics_server`` takes them.
 
     A port already taken is logged and skipped: metrics must never stop a server.
     """
@@ -319,9 +330,10 @@ def serve_metrics(args: Any, registry: CollectorRegistry, component: str) -> Met
     host = getattr(args, "host", None) or "0.0.0.0"
     log = structlog.get_logger("metrics")
     try:
-        server = start_metrics_server(port, registry, host)
+        server = start_metrics_server(port, registry, host, tls=tls, authorize=authorize)
     except OSError as e:
         log.error("metrics.unavailable", component=component, host=host, port=port, error=str(e))
         return None
-    log.info("metrics.serving", component=component, host=host, metrics_port=server.port)
+    log.info("metrics.serving", component=component, host=host, metrics_port=server.port, tls=tls is not None,
+             key_required=authorize is not None)
     return server

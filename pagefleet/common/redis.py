@@ -78,12 +78,20 @@ class Keys:
         return f"{self.ns}:scheduler:num_waiting"
 
 
-def connect(url: str):
-    """An asyncio client; connection errors surface to ``retry`` (no hidden retries)."""
+def connect(url: str, password_file: str | None = None):
+    """An asyncio client; connection errors surface to ``retry`` (no hidden retries).
+
+    ``url`` may carry a user and password (``redis://user:password@host:6379/0``) and be
+    ``rediss://`` for TLS (``?ssl_ca_certs=/path/ca.pem`` to trust a private CA);
+    ``password_file``: the password read from this file instead (a mounted secret), used when
+    the URL has none.
+    """
     import redis.asyncio as aioredis
 
+    extra = {} if password_file is None else {"password": read_password(password_file)}
     return aioredis.Redis.from_url(
         url,
+        **extra,
         max_connections=10_000,
         health_check_interval=30,
         socket_keepalive=True,
@@ -92,6 +100,31 @@ def connect(url: str):
         # default of 5 s would cut those reads off.
         socket_timeout=30,
     )
+
+
+def read_password(path: str) -> str:
+    """A password file's first line (``ValueError`` naming the file when unreadable)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--redis-password-file {path}: {e.strerror or e}") from None
+    return lines[0].strip() if lines else ""
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (for logs and messages)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def add_password_flag(parser) -> None:
+    parser.add_argument("--redis-password-file", default=None, metavar="PATH",
+                        help="Redis password (or the ACL user's, with the user in --redis-url) from this file")
 
 
 def _transient() -> tuple[type[BaseException], ...]:
@@ -210,13 +243,23 @@ def redis_server_binary() -> str:
 
 
 class RedisServer:
-    """A throwaway ``redis-server`` on loopback in a temp dir (``with RedisServer() as r: r.url``)."""
+    """A throwaway ``redis-server`` on loopback in a temp dir (``with RedisServer() as r: r.url``).
 
-    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+    ``appendonly``: every write goes to an append-only file, fsynced before the reply
+    (``appendfsync always``), so ``kill()`` (SIGKILL) followed by ``start()`` (or ``restart()``)
+    brings back everything a client was told was written, on the same port.
+
+    ``password``: clients must AUTH with it (``--requirepass``); ``url`` does not carry it.
+    """
+
+    def __init__(self, port: int | None = None, binary: str | None = None, *, appendonly: bool = False,
+                 password: str | None = None) -> None:
         from pagefleet.common.service import free_port
 
         self.port = port or free_port()
         self.binary = binary or redis_server_binary()
+        self.appendonly = appendonly
+        self.password = password
         self.dir = tempfile.mkdtemp(prefix="pagefleet-redis-")
         self.proc: subprocess.Popen | None = None
 
@@ -226,8 +269,10 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-                "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",
+                "--save", "", *self._persistence(), "--daemonize", "no", "--protected-mode", "no",
                 "--loglevel", "warning", "--logfile", str(Path(self.dir) / "redis.log")]
+        if self.password:
+            args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         import redis as sync_redis
@@ -236,12 +281,30 @@ class RedisServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.dir}/redis.log")
             try:
-                sync_redis.Redis(port=self.port, socket_connect_timeout=0.2).ping()
+                sync_redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2).ping()
                 return self
             except sync_redis.exceptions.ConnectionError:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def _persistence(self) -> list[str]:
+        if not self.appendonly:
+            return ["--appendonly", "no"]
+        return ["--appendonly", "yes", "--appendfsync", "always", "--appendfilename", "pagefleet.aof"]
+
+    def kill(self) -> None:
+        """SIGKILL the server, keeping its directory (and append-only file) for ``start()``."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+    def restart(self, down_s: float = 0.0, timeout_s: float = 30.0) -> RedisServer:
+        """``kill()``, stay down ``down_s`` seconds, then start again on the same port and directory."""
+        self.kill()
+        time.sleep(down_s)
+        return self.start(timeout_s)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

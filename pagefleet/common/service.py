@@ -37,6 +37,16 @@ class EnvArgumentParser(argparse.ArgumentParser):
             action = kwargs.get("action")
             if action in ("store_true", argparse.BooleanOptionalAction):
                 kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif action == "append":  # a comma-separated list, which values on the command line replace
+                conv = kwargs.get("type", str)
+                try:
+                    kwargs["default"] = [conv(v.strip()) for v in raw.split(",") if v.strip()]
+                except (TypeError, ValueError) as e:
+                    raise SystemExit(f"{var}={raw!r}: {e}") from None
+                bad = [v for v in kwargs["default"] if kwargs.get("choices") and v not in kwargs["choices"]]
+                if bad:
+                    raise SystemExit(f"{var}={raw!r}: {bad[0]!r} is not one of {', '.join(kwargs['choices'])}")
+                kwargs["action"] = _AppendOverDefault
             else:
                 conv = kwargs.get("type", str)
                 try:
@@ -44,6 +54,16 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 except (TypeError, ValueError) as e:
                     raise SystemExit(f"{var}={raw!r}: {e}") from None
         return super().add_argument(*names, **kwargs)
+
+
+class _AppendOverDefault(argparse.Action):
+    """``action="append"`` whose first value on the command line replaces the default (the
+    environment's list) instead of extending it: the command line wins."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = getattr(namespace, self.dest, None)
+        items = [] if items is None or items is self.default else list(items)
+        setattr(namespace, self.dest, [*items, values])
 
 
 METRICS_PORT_HELP = "serve Prometheus /metrics on this port (0: any free port; default: off)"
@@ -102,6 +122,52 @@ def add_health_and_reflection(server, service_names: Iterable[str]):
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return servicer, names, health_pb2.HealthCheckResponse
+
+
+def server_options(*, max_receive_message_length: int | None = None,
+                   max_concurrent_streams: int | None = None) -> list[tuple[str, int]]:
+    """``SERVER_OPTIONS`` with a different bound on a received message and a bound on the
+    streams one connection may have open at once (None: as ``SERVER_OPTIONS``: none)."""
+    options = [o for o in SERVER_OPTIONS
+               if not (max_receive_message_length is not None and o[0] == "grpc.max_receive_message_length")]
+    if max_receive_message_length is not None:
+        options.append(("grpc.max_receive_message_length", max_receive_message_length))
+    if max_concurrent_streams is not None:
+        options.append(("grpc.max_concurrent_streams", max_concurrent_streams))
+    return options
+
+
+def add_door_flags(parser: argparse.ArgumentParser, open_choices: Iterable[str]) -> None:
+    """``--health-port`` and ``--no-auth-for`` (``open_choices``: what it may open)."""
+    choices = tuple(open_choices)
+    parser.add_argument("--health-port", type=int, default=None, metavar="N",
+                        help="also serve grpc.health.v1.Health alone, in plaintext, on this port: for probes "
+                             "that cannot speak TLS or show a certificate, like the kubelet's (default: off)")
+    parser.add_argument("--no-auth-for", action="append", default=None, choices=choices, metavar="|".join(choices),
+                        help="serve this without the API key or client certificate the other calls need "
+                             "(repeatable; TLS stays on; health is always open)")
+
+
+def open_to_all(args, what: str) -> bool:
+    """Whether ``--no-auth-for`` names ``what`` (reflection, metrics)."""
+    return what in (getattr(args, "no_auth_for", None) or ())
+
+
+async def start_health_port(health_servicer, host: str, port: int | None):
+    """A second gRPC server with only ``health_servicer``, in plaintext on ``host:port``; None
+    when ``port`` is None. It reports what the main port's servicer reports."""
+    if port is None:
+        return None
+    import grpc
+    import structlog
+    from grpc_health.v1 import health_pb2_grpc
+
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    structlog.get_logger("service").info("health.serving", host=host, health_port=bound)
+    return server
 
 
 async def set_serving(health_servicer, names: Iterable[str], serving: bool) -> None:

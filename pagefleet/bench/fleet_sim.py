@@ -1,0 +1,308 @@
+"""A fleet of simulated workers and the scheduler's policies, on one virtual clock.
+
+What runs is the serving code itself, without its processes: per worker a ``SimEngine``
+(the worker-side scheduler, block pool, prefix cache; step times from its profile), its
+``EngineStats`` turned into ``OccupancyReport``s as the worker does (``worker/report.py``,
+prefix-cache keys through ``KVEventLog``), and the cluster scheduler's parts: the global
+queue (``GlobalQueue``: fcfs / priority / deadline), the worker table and admission
+(``WorkerEntry``), placement (``Placer``: prefix / least-loaded / round-robin, with the
+``PrefixIndex``) and directed preemption (``pick_victims``). Events (arrivals, steps,
+reports, finishes, ticks) run in time order; nothing sleeps, so an hour of a 64-GPU fleet
+takes minutes of one core.
+
+What it leaves out, on purpose: gRPC and Redis. Each hop the real cluster makes through
+them (an Assign, a finish seen in the done stream, a report on its stream) costs
+``hop_s`` here; ``pagefleet bench scheduler`` measures the real ones. Reports go out every
+``report_interval_s`` and after every step that changed which requests a worker holds (the
+worker's "large change" notice).
+
+``ideal=True`` is the bound a fleet cannot beat: one engine with the whole fleet's pool,
+batch and token budget, each step costing ``a`` and the fleet's share of ``b`` and ``c``
+(one queue, perfect balance, no fragmentation), fed directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from pagefleet.common.blocks import block_hashes
+from pagefleet.common.sampling_params import SamplingParams
+from pagefleet.protos import cluster_pb2, generation_pb2
+from pagefleet.scheduler.placement import Placement, PlacementConfig, Placer
+from pagefleet.scheduler.prefix_index import PrefixIndex
+from pagefleet.scheduler.queue import GlobalQueue, Pending
+from pagefleet.scheduler.workers import WorkerEntry, pick_victims
+from pagefleet.worker.kv_events import KVEventLog
+from pagefleet.worker.report import occupancy_report
+from pagefleet.worker.sim import SimEngine
+from pagefleet.worker.sim_profile import SimProfile, StepTimeModel
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival_s: float
+    priority: int = 0
+    deadline_s: float | None = None  # absolute, on the simulated clock
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a client saw of one request (seconds on the simulated clock)."""
+
+    arrival_s: float
+    priority: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_tokens: int = 0
+    finish_reason: str = ""  # "length" | "stop" | "deadline" | "" (unfinished when the run ended)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.finish_s is None or self.first_token_s is None or self.num_tokens < 2:
+            return 0.0 if self.finish_s is not None and self.num_tokens == 1 else None
+        return (self.finish_s - self.first_token_s) / (self.num_tokens - 1)
+
+
+@dataclass(slots=True)
+class _Worker:
+    engine: SimEngine
+    entry: WorkerEntry
+    events: object  # KVEventStream
+    log: KVEventLog
+    busy: bool = False  # a step event is pending
+    seq: int = 0
+    last_ids: frozenset = field(default_factory=frozenset)
+
+
+@dataclass
+class FleetConfig:
+    num_workers: int = 64
+    profile: SimProfile | None = None
+    policy: str = "fcfs"
+    placement: str = "prefix"
+    headroom_tokens: int = 64
+    preempt: bool = True  # directed preemption for higher priorities
+    engine_args: dict = field(default_factory=lambda: dict(max_num_seqs=256, max_num_batched_tokens=2048))
+    num_blocks: int | None = None  # per worker; None: the profile's
+    report_interval_s: float = 0.1
+    hop_s: float = 0.001  # one gRPC or Redis hop
+    tick_s: float = 0.05
+    ideal: bool = False
+
+
+class FleetSim:
+    def __init__(self, cfg: FleetConfig) -> None:
+        self.cfg = cfg
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.outcomes: dict[str, Outcome] = {}
+        n = 1 if cfg.ideal else cfg.num_workers
+        self.workers = [self._make_worker(i) for i in range(n)]
+        self.queue = GlobalQueue(cfg.policy)
+        self.index = PrefixIndex()
+        self.placer = Placer(PlacementConfig(cfg.placement), self.index)
+        self.where: dict[str, _Worker] = {}
+        self._deadlines: list[tuple[float, str]] = []
+
+    def _make_worker(self, i: int) -> _Worker:
+        cfg, prof = self.cfg, self.cfg.profile
+        args = dict(cfg.engine_args)
+        blocks = cfg.num_blocks or prof.num_blocks(BLOCK_SIZE)
+        if cfg.ideal:  # the whole fleet as one engine: its memory and batch, its GPUs' share of the work
+            k = cfg.num_workers
+            prof = dataclasses.replace(prof, kv_cache_bytes=prof.kv_cache_bytes * k,
+                                       step=StepTimeModel(prof.step.a, prof.step.b / k, prof.step.c / k))
+            blocks *= k
+            args = {key: v * k for key, v in args.items()}
+        engine = SimEngine(prof, time_scale=math.inf, block_size=BLOCK_SIZE, num_blocks=blocks,
+                           num_swap_blocks=0, preemption="recompute", **args)
+        log = KVEventLog(engine.kv)
+        w = _Worker(engine, WorkerEntry(f"w{i:03d}", "sim"), log.subscribe(), log)
+        self._report(w)
+        return w
+
+    # -- the clock -----------------------------------------------------------------------------
+    def _at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self, trace: list[TraceRequest], until_s: float) -> dict[str, Outcome]:
+        for r in trace:
+            self.outcomes[r.request_id] = Outcome(r.arrival_s, r.priority)
+            self._at(r.arrival_s, self._arrive, r)
+        if not self.cfg.ideal:
+            for i, w in enumerate(self.workers):  # staggered, as real workers' timers are
+                self._at(self.cfg.report_interval_s * (i + 1) / len(self.workers), self._report_tick, w)
+            self._at(self.cfg.tick_s, self._tick)
+        left = len(trace)
+        while self._events:
+            t, _, fn, args = heapq.heappop(self._events)
+            if t > until_s:
+                break
+            self.now = t
+            fn(*args)
+            if fn == self._finished:
+                left -= 1
+                if left == 0:
+                    break
+        return self.outcomes
+
+    # -- arrivals and the scheduler ------------------------------------------------------------
+    def _arrive(self, r: TraceRequest) -> None:
+        sampling = generation_pb2.SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+        msg = cluster_pb2.AssignRequest(
+            request_id=r.request_id, prompt_token_ids=r.prompt_ids, sampling=sampling, priority=r.priority,
+            deadline_unix_ms=int(r.deadline_s * 1000) if r.deadline_s is not None else 0,
+            block_hashes=block_hashes(r.prompt_ids, BLOCK_SIZE), hash_block_size=BLOCK_SIZE,
+        )
+        if self.cfg.ideal:  # no scheduler: straight into the one engine
+            self._at(self.now, self._assign, self.workers[0], msg)
+            return
+        self.queue.push(Pending(r.request_id, "", msg, next(self._seq), enqueued_at=self.now))
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        entries = [w.entry for w in self.workers]
+        rnd = self.placer.round(entries)
+        by_entry = {id(w.entry): w for w in self.workers}
+        headroom = self.cfg.headroom_tokens
+        while (p := self.queue.peek()) is not None:
+            placement = rnd.choose(p, headroom)
+            victims = None
+            if placement is None:
+                found = pick_victims(entries, p, headroom, now=self.now) if self.cfg.preempt else None
+                if found is None:
+                    return  # head of line: waits for room
+                entry, victims = found
+                placement = Placement(entry, "preempt")
+            w = by_entry[id(placement.worker)]
+            self.queue.remove(p.request_id)
+            w.entry.place(p, headroom, placement.num_shared_blocks)
+            if p.assign.block_hashes and p.assign.hash_block_size == w.entry.block_size:
+                self.index.hold(w.entry.worker_id, p.request_id, p.assign.block_hashes)
+            self.where[p.request_id] = w
+            if p.assign.deadline_unix_ms:
+                heapq.heappush(self._deadlines, (p.assign.deadline_unix_ms / 1000, p.request_id))
+            self._at(self.now + self.cfg.hop_s, self._assign, w, p.assign)
+            for pl in victims or ():
+                pl.preempted_at = self.now
+                self._at(self.now + self.cfg.hop_s, self._preempt, w, pl.pending.request_id)
+            if victims:
+                rnd = self.placer.round(entries)  # the victims' room is not in the round's view
+
+    def _forget(self, rid: str) -> None:
+        w = self.where.pop(rid, None)
+        if w is not None:
+            w.entry.unplace(rid)
+        self.index.release(rid)
+        self.queue.remove(rid)
+
+    def _tick(self) -> None:
+        for p in self.queue.pop_expired(int(self.now * 1000)):
+            self._end(p.request_id, "deadline")
+        while self._deadlines and self._deadlines[0][0] <= self.now:
+            _, rid = heapq.heappop(self._deadlines)
+            w = self.where.get(rid)
+            if w is not None:  # still running: cut off
+                self._at(self.now + self.cfg.hop_s, self._abort, w, rid)
+                self._forget(rid)
+                self._end(rid, "deadline")
+        self._dispatch()
+        self._at(self.now + self.cfg.tick_s, self._tick)
+
+    def _end(self, rid: str, reason: str) -> None:
+        o = self.outcomes[rid]
+        if not o.finish_reason:
+            o.finish_reason, o.finish_s = reason, self.now
+            self._at(self.now, self._finished)
+
+    def _finished(self) -> None:
+        """Counts a request as done (the run stops when all are)."""
+
+    # -- the workers ---------------------------------------------------------------------------
+    def _assign(self, w: _Worker, msg) -> None:
+        rid = msg.request_id
+        if self.outcomes[rid].finish_reason:  # cut off (deadline) before it got here
+            return
+        params = SamplingParams(max_tokens=msg.sampling.max_tokens, ignore_eos=True)
+        w.engine.add_request(list(msg.prompt_token_ids), params, request_id=rid, priority=msg.priority)
+        self._kick(w)
+
+    def _preempt(self, w: _Worker, rid: str) -> None:
+        w.engine.preempt_request(rid)
+
+    def _abort(self, w: _Worker, rid: str) -> None:
+        w.engine.abort_request(rid)
+
+    def _kick(self, w: _Worker) -> None:
+        if not w.busy and w.engine.has_unfinished_requests():
+            w.busy = True
+            self._at(self.now, self._step, w)
+
+    def _step(self, w: _Worker) -> None:
+        e = w.engine
+        if not e.has_unfinished_requests():
+            w.busy = False
+            return
+        deltas = e.step()
+        done_at = self.now + max(e.executor.last_step_s, 1e-4)  # nothing ran: look again soon
+        for d in deltas:
+            o = self.outcomes[d.request_id]
+            if d.token_ids:
+                if o.first_token_s is None:
+                    o.first_token_s = done_at
+                o.num_tokens += len(d.token_ids)
+            if d.finish_reason and not o.finish_reason:
+                o.finish_reason, o.finish_s = d.finish_reason, done_at
+                self._at(done_at, self._finished)
+                if not self.cfg.ideal:
+                    self._at(done_at + self.cfg.hop_s, self._forget_and_dispatch, d.request_id)
+        if not self.cfg.ideal:
+            ids = frozenset(e.requests)
+            if ids != w.last_ids:  # the worker's "large change" notice: a report now
+                w.last_ids = ids
+                self._at(done_at + self.cfg.hop_s, self._deliver, w, self._report(w))
+        self._at(done_at, self._step, w)
+
+    def _forget_and_dispatch(self, rid: str) -> None:
+        self._forget(rid)
+        self._dispatch()
+
+    def _report(self, w: _Worker) -> cluster_pb2.OccupancyReport:
+        e = w.engine
+        w.log.publish(e.kv)
+        stored, evicted, reset = w.events.take()
+        w.seq += 1
+        r = occupancy_report(e.stats(), worker_id=w.entry.worker_id, seq=w.seq, finished_request_ids=[],
+                             max_num_seqs=e.scheduler.max_num_seqs, max_model_len=e.max_model_len, draining=False,
+                             stored_block_hashes=stored, evicted_block_hashes=evicted, block_hashes_reset=reset)
+        if w.entry.report is None:
+            w.entry.apply_report(r)
+        return r
+
+    def _report_tick(self, w: _Worker) -> None:
+        self._at(self.now + self.cfg.hop_s, self._deliver, w, self._report(w))
+        self._at(self.now + self.cfg.report_interval_s, self._report_tick, w)
+
+    def _deliver(self, w: _Worker, r: cluster_pb2.OccupancyReport) -> None:
+        room = w.entry.num_available_blocks
+        vanished, _ = w.entry.apply_report(r)
+        self.index.apply_events(w.entry.worker_id, r.stored_block_hashes, r.evicted_block_hashes,
+                                r.block_hashes_reset)
+        for rid in vanished:  # gone from the worker before its done notice came (cut off): let it go
+            w.entry.unplace(rid)
+        if w.entry.num_available_blocks > room:
+            self._dispatch()

@@ -1,0 +1,288 @@
+"""``pagefleet bench study``: goodput against request rate, by queue policy and placement.
+
+A fleet of ``--workers`` simulated workers (``--profile``; default Llama-3-8B on H100) run
+with the scheduler's own policies on one virtual clock (``fleet_sim.FleetSim``), under
+traces generated from ``--seed``:
+
+* ``sharegpt``: ShareGPT-like lengths. No dataset can be downloaded here, so lengths are
+  drawn from log-normals with the means published for ShareGPT (161 prompt and 338 output
+  tokens: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+  PagedAttention", SOSP 2023, fig. 11) and pruned as ``vllm bench serve`` prunes ShareGPT
+  (4..1024 prompt tokens, at most 2048 in all); prompts are random bytes (nothing shared).
+* ``shared-prefix``: SGLang's generated-shared-prefix shape through ``datasets.py``'s
+  generator: ``--sp-groups`` system prompts of ``--sp-system-len`` tokens, each followed
+  by a question of ``--sp-question-len``; ``--sp-output-len`` out.
+
+Arrivals are Poisson, or gamma with shape ``--burstiness`` (``loadgen.arrival_times``).
+For the policy suite, ``--priority-fraction`` of the requests have priority 1 and every
+request has a deadline: its arrival plus the TTFT SLO plus max_tokens TPOT SLOs (the last
+moment its last token can still arrive within both SLOs).
+
+Goodput is the rate of requests that finished within both SLOs (``--slo-ttft``,
+``--slo-tpot``), as ``vllm bench serve --goodput`` counts it; the knee of a curve is the
+highest rate at which at least ``--knee-attainment`` of the requests met them
+(interpolated between measured rates). The ideal bound is one engine the size of the
+fleet (``FleetConfig.ideal``).
+
+Suites (``--suites``): ``policy`` (fcfs, priority, deadline; prefix placement; sharegpt),
+``placement`` (prefix, least-loaded, round-robin; fcfs; shared-prefix), ``bursty``
+(fcfs + prefix vs round-robin; sharegpt with ``--burstiness``). Rates are multiples
+(``--rate-factors``) of the suite's base rate (``--sharegpt-rate``, ``--shared-prefix-rate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .fleet_sim import FleetConfig, FleetSim, Outcome, TraceRequest
+from .loadgen import arrival_times
+
+SHAREGPT_MEAN_PROMPT, SHAREGPT_MEAN_OUTPUT = 161, 338
+BOS = 256
+
+
+# -- traces --------------------------------------------------------------------------------------
+def sharegpt_like(n: int, seed: int) -> list[tuple[list[int], int]]:
+    """``n`` (prompt ids, output length) pairs with ShareGPT-like lengths (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        p = int(rng.lognormal(math.log(SHAREGPT_MEAN_PROMPT) - 0.5, 1.0))
+        o = int(rng.lognormal(math.log(SHAREGPT_MEAN_OUTPUT) - 0.405, 0.9))
+        if 4 <= p <= 1024 and o >= 4 and p + o <= 2048:
+            out.append(([BOS, *rng.integers(32, 127, p - 1).tolist()], o))
+    return out
+
+
+def shared_prefix(n: int, seed: int, groups: int, system_len: int, question_len: int,
+                  output_len: int) -> list[tuple[list[int], int]]:
+    """``n`` prompts from ``datasets.shared_prefix_requests`` (as many groups, cycled), byte tokens."""
+    from .datasets import shared_prefix_requests
+    from .tokenizer import ByteTokenizer
+
+    reqs = shared_prefix_requests(ByteTokenizer(), groups, math.ceil(n / groups), system_len, question_len,
+                                  output_len, seed)[:n]
+    return [([BOS, *r.prompt.encode()], r.expected_output_len) for r in reqs]
+
+
+@dataclass(frozen=True)
+class Curve:
+    name: str  # the legend
+    trace: str  # sharegpt | shared-prefix
+    policy: str = "fcfs"
+    placement: str = "prefix"
+    burstiness: float = 1.0
+    priorities: bool = False  # priority classes and deadlines (the policy suite)
+    ideal: bool = False
+
+
+SUITES = {
+    "policy": [Curve("fcfs", "sharegpt", priorities=True), Curve("priority", "sharegpt", "priority", priorities=True),
+               Curve("deadline", "sharegpt", "deadline", priorities=True),
+               Curve("ideal (one pool)", "sharegpt", priorities=True, ideal=True)],
+    "placement": [Curve("prefix", "shared-prefix"), Curve("least-loaded", "shared-prefix", placement="least-loaded"),
+                  Curve("round-robin", "shared-prefix", placement="round-robin"),
+                  Curve("ideal (one pool)", "shared-prefix", ideal=True)],
+    "bursty": [Curve("prefix", "sharegpt", burstiness=0.25),
+               Curve("round-robin", "sharegpt", placement="round-robin", burstiness=0.25),
+               Curve("ideal (one pool)", "sharegpt", burstiness=0.25, ideal=True)],
+}
+
+
+def make_trace(curve: Curve, rate: float, args) -> list[TraceRequest]:
+    n = max(1, int(rate * args.duration))
+    seed = args.seed
+    if curve.trace == "sharegpt":
+        pairs = sharegpt_like(n, seed)
+    else:
+        pairs = shared_prefix(n, seed, args.sp_groups, args.sp_system_len, args.sp_question_len, args.sp_output_len)
+    arrivals = arrival_times(n, rate, curve.burstiness, seed)
+    rng = np.random.default_rng(seed + 1)
+    high = rng.random(n) < args.priority_fraction
+    out = []
+    for i, ((prompt, max_tokens), at) in enumerate(zip(pairs, arrivals, strict=True)):
+        priority, deadline = 0, None
+        if curve.priorities:
+            priority = int(high[i])
+            deadline = at + args.slo_ttft + max_tokens * args.slo_tpot
+        out.append(TraceRequest(f"r{i}", prompt, max_tokens, at, priority, deadline))
+    return out
+
+
+# -- one point -----------------------------------------------------------------------------------
+def measure(outcomes: list[Outcome], rate: float, duration: float, args) -> dict:
+    """Goodput and latencies of one run (requests that never finished count as misses)."""
+    n = len(outcomes)
+
+    def good(o: Outcome) -> bool:
+        return (o.finish_reason in ("length", "stop") and o.ttft_s <= args.slo_ttft
+                and o.tpot_s is not None and o.tpot_s <= args.slo_tpot)
+
+    done = [o for o in outcomes if o.finish_reason in ("length", "stop")]
+    ttft = np.array([o.ttft_s for o in done]) if done else np.array([np.nan])
+    tpot = np.array([o.tpot_s for o in done if o.tpot_s is not None]) if done else np.array([np.nan])
+    hi = [o for o in outcomes if o.priority > 0]
+    num_good = sum(map(good, outcomes))
+    return {
+        "rate": rate,
+        "num_requests": n,
+        "goodput": num_good / duration,
+        "attainment": num_good / n if n else 0.0,
+        "attainment_high_priority": sum(map(good, hi)) / len(hi) if hi else None,
+        "finished": len(done) / n if n else 0.0,
+        "cut_at_deadline": sum(1 for o in outcomes if o.finish_reason == "deadline") / n if n else 0.0,
+        "ttft_p50_s": float(np.nanpercentile(ttft, 50)), "ttft_p99_s": float(np.nanpercentile(ttft, 99)),
+        "tpot_p50_ms": float(np.nanpercentile(tpot, 50) * 1e3), "tpot_p99_ms": float(np.nanpercentile(tpot, 99) * 1e3),
+        "output_tokens_per_s": sum(o.num_tokens for o in done) / duration,
+    }
+
+
+def run_point(curve: Curve, rate: float, args, profile) -> dict:
+    trace = make_trace(curve, rate, args)
+    cfg = FleetConfig(num_workers=args.workers, profile=profile, policy=curve.policy, placement=curve.placement,
+                      ideal=curve.ideal)
+    t0 = time.process_time()
+    sim = FleetSim(cfg)
+    outcomes = sim.run(trace, until_s=args.duration + args.drain)
+    point = measure(list(outcomes.values()), rate, args.duration, args)
+    point["cpu_s"] = time.process_time() - t0
+    return point
+
+
+def knee(points: list[dict], target: float) -> float | None:
+    """The highest rate at which attainment is still >= ``target``, interpolated linearly
+    between the last rate above it and the first below (None if even the lowest misses)."""
+    pts = sorted(points, key=lambda p: p["rate"])
+    if not pts or pts[0]["attainment"] < target:
+        return None
+    for a, b in zip(pts, pts[1:], strict=False):
+        if b["attainment"] < target <= a["attainment"]:
+            return a["rate"] + (b["rate"] - a["rate"]) * (a["attainment"] - target) / (a["attainment"] - b["attainment"])
+    return pts[-1]["rate"]  # never fell below: the knee is past the last rate measured
+
+
+# -- the command ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagefleet bench study", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=64)
+    p.add_argument("--profile", default="llama-3-8b-h100", help="the workers' sim profile")
+    p.add_argument("--suites", default="policy,placement,bursty", help="comma-separated: " + ", ".join(SUITES))
+    p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per point (simulated)")
+    p.add_argument("--drain", type=float, default=8.0, help="seconds after the last arrival before a run stops")
+    p.add_argument("--rate-factors", default="0.6,0.85,1.0,1.15,1.3",
+                   help="rates measured, as multiples of the trace's base rate")
+    p.add_argument("--sharegpt-rate", type=float, default=3300.0, help="base rate (requests/s) of sharegpt")
+    p.add_argument("--shared-prefix-rate", type=float, default=1200.0, help="base rate of shared-prefix")
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
+    p.add_argument("--knee-attainment", type=float, default=0.9)
+    p.add_argument("--priority-fraction", type=float, default=0.2)
+    p.add_argument("--burstiness", type=float, default=0.25, help="the bursty suite's gamma shape")
+    p.add_argument("--sp-groups", type=int, default=256, help="more system prompts than one worker's pool holds")
+    p.add_argument("--sp-system-len", type=int, default=2048)
+    p.add_argument("--sp-question-len", type=int, default=128)
+    p.add_argument("--sp-output-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="bench-results/study.json")
+    p.add_argument("--plot-dir", default="docs/results", help="where the PNGs go ('' for none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagefleet.worker.sim_profile import load_profile
+
+    args = build_parser().parse_args(argv)
+    profile = load_profile(args.profile)
+    factors = [float(x) for x in args.rate_factors.split(",")]
+    base = {"sharegpt": args.sharegpt_rate, "shared-prefix": args.shared_prefix_rate}
+    suites = {}
+    for name in args.suites.split(","):
+        curves = []
+        for c in SUITES[name]:
+            c = Curve(c.name, c.trace, c.policy, c.placement, args.burstiness if c.burstiness != 1.0 else 1.0,
+                      c.priorities, c.ideal)
+            points = []
+            for f in factors:
+                pt = run_point(c, base[c.trace] * f, args, profile)
+                points.append(pt)
+                print(f"{name:9} {c.name:17} rate {pt['rate']:7.1f}/s: goodput {pt['goodput']:7.1f}/s "
+                      f"({pt['attainment']:.0%}), TTFT p99 {pt['ttft_p99_s']:.2f}s, TPOT p99 "
+                      f"{pt['tpot_p99_ms']:.0f}ms [{pt['cpu_s']:.0f}s CPU]", flush=True)
+            curves.append({"name": c.name, "trace": c.trace, "policy": c.policy, "placement": c.placement,
+                           "burstiness": c.burstiness, "ideal": c.ideal, "points": points,
+                           "knee_rate": knee(points, args.knee_attainment)})
+        suites[name] = curves
+    report = {
+        "benchmark": "study",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs (simulated time; machine speed only sets how long it runs)",
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir")},
+        "profile": profile.to_dict(),
+        "suites": suites,
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(summary(report))
+    if args.plot_dir:
+        for path in plot(report, Path(args.plot_dir)):
+            print(f"plot: {path}")
+    print(f"JSON: {out}")
+    return 0
+
+
+def summary(report: dict) -> str:
+    """The knees, as a markdown table."""
+    lines = ["| suite | curve | knee (req/s at >= {:.0%} within SLO) | goodput at the highest rate |".format(
+        report["config"]["knee_attainment"]), "|---|---|---|---|"]
+    for suite, curves in report["suites"].items():
+        for c in curves:
+            k = c["knee_rate"]
+            last = c["points"][-1]
+            lines.append(f"| {suite} | {c['name']} | {'-' if k is None else f'{k:.0f}'} | "
+                         f"{last['goodput']:.0f}/s of {last['rate']:.0f}/s |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, folder: Path) -> list[Path]:
+    """One PNG per suite: goodput against offered rate, the knees marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    cfg = report["config"]
+    for suite, curves in report["suites"].items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for c in curves:
+            xs = [p["rate"] for p in c["points"]]
+            ys = [p["goodput"] for p in c["points"]]
+            style = "--" if c["ideal"] else "-"
+            (line,) = ax.plot(xs, ys, style, marker="o", ms=3, label=c["name"])
+            if c["knee_rate"] is not None:
+                ax.axvline(c["knee_rate"], color=line.get_color(), lw=0.6, ls=":")
+        top = max(p["rate"] for c in curves for p in c["points"])
+        ax.plot([0, top], [0, top], color="0.7", lw=0.6, label="offered")
+        ax.set_xlabel("offered rate (requests/s)")
+        ax.set_ylabel(f"goodput (requests/s within TTFT {cfg['slo_ttft']}s, TPOT {cfg['slo_tpot'] * 1e3:.0f}ms)")
+        ax.set_title(f"{suite}: {cfg['workers']} simulated {cfg['profile']} workers")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = folder / f"study-{suite}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,293 @@
+"""The simulated engine: the real engine's invariants, tokens from (seed, position), step
+times from its profile; profiles and their fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+
+import pytest
+
+from pagefleet import SamplingParams
+from pagefleet.worker.sim import SimEngine, sim_token_id, step_shape
+from pagefleet.worker.sim_profile import (
+    SimProfile,
+    StepTimeModel,
+    fit_step_time,
+    load_profile,
+    profile_names,
+)
+
+FAST = math.inf  # never sleep
+
+
+def expected(engine: SimEngine, prompt: list[int], n: int, seed: int | None = None) -> list[int]:
+    s = engine.executor.seed if seed is None else seed
+    return [sim_token_id(s, len(prompt) + i, engine.executor.vocabulary) for i in range(n)]
+
+
+def prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(32, 127) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def tiny_profile(**step) -> SimProfile:
+    base = load_profile("llama-3-8b-h100")
+    return dataclasses.replace(base, name="test", step=StepTimeModel(**{"a": 0.0, "b": 0.0, "c": 0.0, **step}))
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_a_small_pool_preempts_and_gives_the_same_tokens(preemption):
+    """Under pressure (swap or recompute) every request still gets its tokens, which are
+    the function of (seed, position); the pools end free and add up."""
+    ps = prompts(12, seed=1)
+    params = [SamplingParams(max_tokens=24, seed=(i if i % 2 else None), temperature=0.8, ignore_eos=True)
+              for i in range(len(ps))]
+    roomy = SimEngine(time_scale=FAST, num_blocks=512, block_size=4)
+    tight = SimEngine(time_scale=FAST, num_blocks=40, block_size=4, num_swap_blocks=64, preemption=preemption,
+                      max_num_batched_tokens=32)
+    want = [expected(roomy, p, 24, sp.seed) for p, sp in zip(ps, params, strict=True)]
+    assert [o.token_ids for o in roomy.generate(ps, params)] == want
+    outs = tight.generate(ps, params)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.finish_reason == "length" for o in outs)
+    stats = tight.stats()
+    assert stats.num_preemptions_total > 0, "the pool was meant to force preemption"
+    if preemption == "swap":
+        assert stats.num_swapped_out_blocks_total > 0
+        assert stats.num_swapped_in_blocks_total <= stats.num_swapped_out_blocks_total
+        assert tight.executor.num_swapped_bytes_total > 0
+    else:
+        assert stats.num_recomputes_total > 0 and stats.num_swapped_out_blocks_total == 0
+    for e in (roomy, tight):
+        e.check_integrity()
+        assert e.kv.num_free_blocks == e.kv.num_blocks
+        assert e.stats().num_free_swap_blocks == e.stats().num_swap_blocks
+
+
+def test_directed_preemption_and_resume_elsewhere_keep_the_tokens():
+    e = SimEngine(time_scale=FAST, num_blocks=256, num_swap_blocks=64, block_size=4)
+    p = prompts(1, seed=2)[0]
+    sp = SamplingParams(max_tokens=30, seed=7, ignore_eos=True)
+    rid = e.add_request(p, sp)
+    got: list[int] = []
+    for i in range(12):
+        got += [t for d in e.step() for t in d.token_ids]
+        if i in (4, 8):
+            assert e.preempt_request(rid, mode="swap" if i == 4 else "recompute")
+    assert len(got) < 30
+    # The rest on another engine, resumed from the tokens emitted so far.
+    other = SimEngine(time_scale=FAST, num_blocks=256, seed=99)
+    e.abort_request(rid)
+    other.add_request(p, sp, output_token_ids=got)
+    while other.has_unfinished_requests():
+        got += [t for d in other.step() for t in d.token_ids]
+    assert got == expected(e, p, 30, seed=7)
+
+
+def test_prefix_cache_hits_and_counts_like_the_engine():
+    e = SimEngine(time_scale=FAST, num_blocks=256, block_size=4)
+    shared = list(range(40, 80))
+    ps = [shared + [100 + i, 101 + i] for i in range(6)]
+    e.generate(ps[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    e.generate(ps[1:], SamplingParams(max_tokens=2, ignore_eos=True))
+    s = e.stats()
+    assert s.prefix_cache_hits_total >= 5 * 40 - 5 * 4, s
+    assert e.kv.num_free_blocks == e.kv.num_blocks
+
+
+def test_min_tokens_and_stop_tokens_and_logprobs():
+    e = SimEngine(time_scale=FAST, num_blocks=128)
+    p = [65, 66, 67]
+    first = expected(e, p, 1)[0]
+    # The first token stops it, unless min_tokens holds it back.
+    out = e.generate([p], SamplingParams(max_tokens=8, stop_token_ids=[first]))[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    out = e.generate([p], SamplingParams(max_tokens=8, stop_token_ids=[first], min_tokens=2))[0]
+    assert out.token_ids[0] != first and len(out.token_ids) >= 2
+    out = e.generate([p], SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True))[0]
+    assert [lp.top_token_ids[0] for lp in out.logprobs] == out.token_ids
+    assert all(lp.logprob == 0.0 and len(lp.top_logprobs) == 2 for lp in out.logprobs)
+
+
+def test_step_time_follows_the_profile():
+    prof = tiny_profile(a=1e-3, b=2e-5, c=3e-7)
+    e = SimEngine(prof, time_scale=FAST, num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    ps = [[70] * 10, [71] * 30]
+    for p in ps:
+        e.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True))
+    shapes = []
+    run = e.executor.execute
+
+    def record(out):
+        shapes.append(step_shape(out))
+        return run(out)
+
+    e.executor.execute = record
+    total = 0.0
+    while e.has_unfinished_requests():
+        e.step()
+        n, kv = shapes[-1]
+        assert e.executor.last_step_s == pytest.approx(1e-3 + 2e-5 * n + 3e-7 * kv)
+        total += e.executor.last_step_s
+    # First step: the whole first prompt and 6 of the second (budget 16), reading 10 + 6.
+    assert shapes[0] == (16, 16)
+    assert e.executor.clock_s == pytest.approx(total)
+
+
+def test_swap_transfers_take_bytes_over_bandwidth():
+    prof = dataclasses.replace(tiny_profile(), swap_bytes_per_s=1e9, transfer_overhead_s=1e-4)
+    e = SimEngine(prof, time_scale=FAST, num_blocks=64, num_swap_blocks=64, block_size=4)
+    rid = e.add_request([70] * 20, SamplingParams(max_tokens=10, ignore_eos=True))
+    e.step()
+    assert e.preempt_request(rid, mode="swap")
+    one_way = 1e-4 + 5 * prof.block_bytes(4) / 1e9  # 20 computed tokens: 5 blocks of 4
+    e.step()  # copies them out
+    assert e.executor.last_step_s == pytest.approx(one_way)
+    e.step()  # and back in (never both ways in one step)
+    assert e.executor.last_step_s == pytest.approx(one_way)
+    assert e.executor.num_swapped_bytes_total == 10 * prof.block_bytes(4)
+    e.abort_request(rid)
+
+
+def test_time_scale_paces_steps_in_real_time():
+    prof = tiny_profile(a=0.02)
+    for scale, lo, hi in ((1.0, 0.1, 0.5), (10.0, 0.01, 0.09)):
+        e = SimEngine(prof, time_scale=scale, num_blocks=64)
+        t0 = time.perf_counter()
+        e.generate([[70, 71]], SamplingParams(max_tokens=5, ignore_eos=True))  # 5 steps of 20 ms simulated
+        assert lo <= time.perf_counter() - t0 <= hi, scale
+        assert e.executor.clock_s == pytest.approx(0.1)
+
+
+def test_shipped_profiles_load_and_cite_their_source():
+    names = profile_names()
+    assert {"llama-3-8b-h100", "llama-3-70b-tp8-h100"} <= set(names)
+    for name in names:
+        p = load_profile(name)
+        assert p.name == name and len(p.source) > 100
+        assert p.num_blocks(16) * 16 >= p.max_model_len
+        # A decode step of 64 sequences of 1k tokens: milliseconds, not micro- or whole seconds.
+        assert 3e-3 < p.step.seconds(64, 64 * 1024) < 0.1
+
+
+def test_bad_profiles_and_arguments_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="neither a file"):
+        load_profile("no-such-profile")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('source = ""\nkv_bytes_per_token = 1\nkv_cache_bytes = 1\nmax_model_len = 1\n'
+                   'swap_bytes_per_s = 1.0\n[step]\na = 0\nb = 0\nc = 0\n')
+    with pytest.raises(ValueError, match="source"):
+        load_profile(str(bad))
+    with pytest.raises(ValueError, match="time_scale"):
+        SimEngine(time_scale=0)
+    with pytest.raises(ValueError, match="device"):
+        SimEngine(device="cuda")
+    with pytest.raises(ValueError, match="max_model_len"):
+        SimEngine(max_model_len=10**6)
+
+
+def test_fit_recovers_the_coefficients():
+    rng = random.Random(0)
+    truth = StepTimeModel(5e-3, 3e-5, 5e-8)
+    samples = []
+    for _ in range(400):
+        n, kv = rng.randint(1, 2048), rng.randint(1, 200_000)
+        samples.append((n, kv, truth.seconds(n, kv) * rng.uniform(0.98, 1.02)))
+    fit, r2 = fit_step_time(samples)
+    assert fit.a == pytest.approx(truth.a, rel=0.1)
+    assert fit.b == pytest.approx(truth.b, rel=0.05)
+    assert fit.c == pytest.approx(truth.c, rel=0.05)
+    assert r2 > 0.99
+    # A coefficient the data do not support comes out 0, never negative.
+    flat = [(n, kv, 1e-3 + 1e-5 * n) for n, kv in ((1, 9), (5, 3), (9, 1), (20, 20), (3, 50))]
+    fit, _ = fit_step_time(flat)
+    assert fit.c == 0.0 and fit.a == pytest.approx(1e-3) and fit.b == pytest.approx(1e-5)
+
+
+# -- a cluster of simulated workers ---------------------------------------------------------
+def test_eight_simulated_workers_in_one_process_serve_through_the_gateway(tmp_path):
+    """``--engine sim --count 8``: one worker process, eight workers the scheduler tells
+    apart; requests go end to end and their tokens are the function of (seed, position)."""
+    from cluster_fixtures import generate_all, start_cluster
+
+    from pagefleet.common.model_config import load_model_spec
+    from pagefleet.worker.sim import sim_vocabulary
+
+    cluster = start_cluster(tmp_path, num_workers=8, workers_per_process=8,
+                            worker_args=["--engine", "sim", "--time-scale", "20", "--num-blocks", "256"])
+    try:
+        assert [n for n in cluster.procs if n.startswith("worker")] == ["worker-0"]
+        state = cluster.scheduler_state()
+        assert sorted(w.worker_id for w in state.workers) == [f"worker-0-{i}" for i in range(8)]
+        assert len({w.address for w in state.workers}) == 8
+        ps = [f"{i}: a simulated request" for i in range(24)]  # no shared prefix: spread by load
+        outs = generate_all(cluster.gateway_target, ps, 16, seed=1234)  # unseeded: the gateway draws one
+        spec = load_model_spec("tiny")
+        vocab = sim_vocabulary(spec)
+        for p, o in zip(ps, outs, strict=True):
+            n = len(spec.tokenizer.encode(p))
+            assert o.token_ids == [sim_token_id(1234, n + i, vocab) for i in range(16)]
+            assert o.finish_reason == "length"
+        served = [w.num_assigned for w in cluster.scheduler_state().workers]
+        assert sum(served) == 24 and sum(1 for n in served if n) >= 4, served
+    finally:
+        cluster.stop()
+
+
+def test_bench_scheduler_runs_small_and_writes_its_figures(tmp_path):
+    from pagefleet.bench import scheduler as bench
+
+    out = tmp_path / "scheduler.json"
+    assert bench.main(["--workers", "4", "--queued", "60", "--json", str(out), "--poll", "0.05"]) == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "scheduler" and set(report["targets"]) == {
+        "placements_per_s", "decision_p99_ms", "scheduler_cpu_per_s"}
+    (point,) = report["results"]
+    assert point["num_workers"] == 4 and point["num_queued"] == 60
+    for key in ("placements_per_s", "decision_p50_ms", "decision_p99_ms", "scheduler_cpu_per_s",
+                "redis_commands_per_request", "redis_commands_by_name_per_request", "max_queue_length_seen"):
+        assert key in point, key
+    assert point["placements_per_s"] > 0 and 0 < point["decision_p50_ms"] <= point["decision_p99_ms"]
+    # Every request: the gateway's XADD, the scheduler's fence, the worker's writes at least.
+    assert point["redis_commands_per_request"] >= 3
+    assert point["redis_commands_by_name_per_request"]["xadd"] >= 1
+    core = point["placement_core"]
+    assert core["placements"] == 60 and core["decision_p50_ms"] <= core["decision_p99_ms"]
+
+
+def test_histogram_quantiles_interpolate_inside_buckets():
+    from pagefleet.bench.scheduler import quantile
+
+    buckets = [(0.001, 50.0), (0.002, 90.0), (0.004, 100.0), (math.inf, 100.0)]
+    assert quantile(buckets, 0.5) == pytest.approx(0.001)
+    assert quantile(buckets, 0.7) == pytest.approx(0.0015)
+    assert quantile(buckets, 0.95) == pytest.approx(0.003)
+    assert quantile([(0.001, 0.0), (math.inf, 0.0)], 0.5) is None
+
+
+def test_sim_fit_writes_a_profile_the_worker_loads(tmp_path):
+    """``pagefleet bench sim-fit`` on a ``bench engine`` report: the fitted coefficients, the
+    base profile's memory, a source that says where they come from."""
+    from pagefleet.bench import sim_fit
+
+    truth = StepTimeModel(4e-3, 2e-5, 1e-8)
+    rng = random.Random(1)
+    steps = [[n, kv, truth.seconds(n, kv)] for n, kv in ((rng.randint(1, 512), rng.randint(1, 9000))
+                                                        for _ in range(50))]
+    report = {"date": "2026-01-01", "machine": "test", "trace": {},
+              "results": [{"system": "pagefleet static"}, {"system": "pagefleet continuous", "step_timings": steps}]}
+    src, out = tmp_path / "engine.json", tmp_path / "fitted.json"
+    src.write_text(json.dumps(report))
+    assert sim_fit.main(["--from", str(src), "--out", str(out), "--base", "llama-3-70b-tp8-h100"]) == 0
+    prof = load_profile(str(out))
+    assert prof.name == "fitted" and "50 steps" in prof.source
+    assert prof.step.a == pytest.approx(4e-3) and prof.step.b == pytest.approx(2e-5)
+    assert prof.kv_bytes_per_token == load_profile("llama-3-70b-tp8-h100").kv_bytes_per_token
+    engine = SimEngine(str(out), time_scale=FAST, num_blocks=64)
+    engine.generate([[70, 71]], SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(SystemExit):
+        sim_fit.main(["--from", str(src), "--out", str(out), "--system", "pagefleet static"])

@@ -1,0 +1,86 @@
+"""Step inputs reach the device in one copy; block tables travel as diffs, with the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagefleet import Engine, SamplingParams
+from pagefleet.worker.step_inputs import DeviceBlockTables, StepUploader
+
+
+def _apply(t: DeviceBlockTables, rids, tables, live):
+    rows, dr, dc, dv = t.diffs(rids, tables, live)
+    width = max((len(x) for x in tables), default=1)
+    return t.apply(torch.from_numpy(rows), torch.from_numpy(dr), torch.from_numpy(dc), torch.from_numpy(dv),
+                   width), len(dv)
+
+
+def test_only_new_blocks_travel_and_replaced_tables_are_sent_whole():
+    t = DeviceBlockTables(2, 4, torch.device("cpu"))
+    a, b = [3, 4], [7]
+    got, sent = _apply(t, ["a", "b"], [a, b], {"a": a, "b": b})
+    assert got.tolist() == [[3, 4], [7, 0]] and sent == 3
+    a.append(5)  # grew in place
+    got, sent = _apply(t, ["b", "a"], [b, a], {"a": a, "b": b})
+    assert got.tolist() == [[7, 0, 0], [3, 4, 5]] and sent == 1
+    a2 = [9, 4, 5]  # a preempted and allocated again: another list, same length
+    got, sent = _apply(t, ["a"], [a2], {"a": a2, "b": b})
+    assert got.tolist() == [[9, 4, 5]] and sent == 3
+    c = [1, 2, 3, 4, 5, 6]  # a third request: b's row comes back (b left), the table widens
+    got, sent = _apply(t, ["c", "a"], [c, a2], {"a": a2, "c": c})
+    assert got.tolist() == [[1, 2, 3, 4, 5, 6], [9, 4, 5, 0, 0, 0]] and sent == 6
+    d = [8]  # every row taken by a live request: the table grows
+    got, _ = _apply(t, ["d", "c"], [d, c], {"a": a2, "c": c, "d": d})
+    assert got.tolist() == [[8, 0, 0, 0, 0, 0], c]
+
+
+def test_one_upload_carries_every_array_with_its_dtype():
+    up = StepUploader(torch.device("cpu"), initial_bytes=8)
+    arrays = [np.arange(5, dtype=np.int64), np.array([7, 8], dtype=np.int32), np.array([], dtype=np.int64)]
+    out = up.upload(arrays)
+    assert [o.tolist() for o in out] == [a.tolist() for a in arrays]
+    assert [o.dtype for o in out] == [torch.int64, torch.int32, torch.int64]
+    assert up.num_copies == 1
+
+
+def test_decoding_sends_each_block_id_once_and_one_copy_per_step():
+    prompts = [[1 + i] * (20 + 7 * i) for i in range(8)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    reference = [o.token_ids for o in Engine("tiny", device="cpu", num_blocks=256, block_size=4,
+                                             enable_prefix_caching=False).generate(prompts, params)]
+    engine = Engine("tiny", device="cpu", num_blocks=256, block_size=4, enable_prefix_caching=False)
+    engine.executor.runner.stage_inputs = True  # the GPU's path, on the CPU
+    full_tables = 0
+    steps = 0
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            outs[d.request_id].extend(d.token_ids)
+        steps += 1
+        full_tables += sum(len(t) for t in engine.kv.block_tables.values())
+    assert [outs[r] for r in ids] == reference
+    runner = engine.executor.runner
+    assert runner.uploader.num_copies == steps
+    total_blocks = sum(-(-(len(p) + 60) // 4) for p in prompts)
+    assert runner.device_tables.num_entries_sent <= total_blocks  # each block id went over once
+    assert runner.device_tables.num_entries_sent * 10 < full_tables  # not the whole table every step
+
+
+def test_staged_inputs_give_the_same_tokens_under_preemption_swap_and_prefix_hits():
+    shared = [5] * 40
+    prompts = [shared + [10 + i] * (3 + i) for i in range(10)]
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True)] * 5
+
+    def run(stage: bool):
+        e = Engine("tiny", device="cpu", num_blocks=48, block_size=4, num_swap_blocks=24, preemption="swap",
+                   max_num_batched_tokens=32)
+        e.executor.runner.stage_inputs = stage
+        first = [o.token_ids for o in e.generate(prompts, params)]
+        again = [o.token_ids for o in e.generate(prompts, params)]  # prefix hits this time
+        assert e.stats().num_preemptions_total > 0 and e.stats().prefix_cache_hits_total > 0
+        return first, again
+
+    assert run(True) == run(False)

@@ -1,0 +1,136 @@
+"""Getting a step's inputs onto the device: one packed copy, block tables kept there by diffs.
+
+``StepUploader.upload`` packs every array of a step into one host buffer (pinned on CUDA,
+so the copy is asynchronous) and issues a single non-blocking copy; the arrays come back as
+views of one device buffer. The host buffer is reused next step: safe because every step
+ends by reading its sampled ids, which waits for the device, copy included.
+
+``DeviceBlockTables`` keeps each request's block table in a row of a device tensor between
+steps. A step sends only the block ids its requests gained since they were last sent (and
+a whole row when a request's table was replaced: freed and allocated again after a
+preemption), plus the rows of this step's requests in order; the step's ``block_tables``
+is a gather of those rows on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_ALIGN = 16  # bytes: every array starts aligned for any dtype's view
+
+
+class StepUploader:
+    def __init__(self, device: torch.device, initial_bytes: int = 1 << 20) -> None:
+        self.device = device
+        self._host: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._reserve(initial_bytes)
+        self.num_copies = 0  # host-to-device copies issued (one per step)
+        self.num_bytes = 0  # bytes they moved
+
+    def _reserve(self, nbytes: int) -> None:
+        if self._host is not None and self._host.numel() >= nbytes:
+            return
+        size = max(nbytes, 2 * (self._host.numel() if self._host is not None else 0))
+        host = torch.empty(size, dtype=torch.uint8)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+            self._dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._host = host
+
+    def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Each array as a tensor on the device (1-D arrays only; dtypes kept)."""
+        offsets, end = [], 0
+        for a in arrays:
+            offsets.append(end)
+            end += -(-a.nbytes // _ALIGN) * _ALIGN
+        self._reserve(end)
+        host = self._host.numpy()
+        for a, off in zip(arrays, offsets, strict=True):
+            host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        if self.device.type == "cuda":
+            self._dev[:end].copy_(self._host[:end], non_blocking=True)
+            base = self._dev
+        else:  # the host buffer is the device's: nothing to copy
+            base = self._host
+        self.num_copies += 1
+        self.num_bytes += end
+        return [base[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype.type]) for a, off in zip(arrays, offsets, strict=True)]
+
+
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
+
+
+class DeviceBlockTables:
+    """Block tables on the device, one row per request, updated by diffs (see the module doc)."""
+
+    def __init__(self, num_rows: int, num_cols: int, device: torch.device) -> None:
+        self.device = device
+        self.table = torch.zeros((max(num_rows, 1), max(num_cols, 1)), dtype=torch.int32, device=device)
+        self._row: dict[str, int] = {}
+        # request id -> (the table list the row was filled from, how many of its blocks were sent)
+        self._sent: dict[str, tuple[list[int], int]] = {}
+        self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+        self.num_entries_sent = 0  # cumulative: block ids sent to the device
+
+    def diffs(self, request_ids: Sequence[str], tables: Sequence[list[int]], live: dict[str, list[int]]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For this step's requests (their ids and block tables, in step order): their rows,
+        and the (row, column, block id) entries to write first. ``live``: every request that
+        holds a table now (rows of the others are reused)."""
+        rows = np.empty(len(request_ids), dtype=np.int64)
+        d_rows: list[int] = []
+        d_cols: list[int] = []
+        d_vals: list[int] = []
+        need = max((len(t) for t in tables), default=0)
+        if need > self.table.shape[1]:
+            self._widen(need)
+        for i, (rid, table) in enumerate(zip(request_ids, tables, strict=True)):
+            row = self._row.get(rid)
+            if row is None:
+                row = self._take_row(rid, live)
+            src, n = self._sent.get(rid, (None, 0))
+            if src is not table:
+                n = 0  # a new table (first step, or allocated again): send it whole
+            if len(table) > n:
+                d_rows.extend([row] * (len(table) - n))
+                d_cols.extend(range(n, len(table)))
+                d_vals.extend(table[n:])
+            self._sent[rid] = (table, len(table))
+            rows[i] = row
+        self.num_entries_sent += len(d_vals)
+        return (rows, np.array(d_rows, dtype=np.int64), np.array(d_cols, dtype=np.int64),
+                np.array(d_vals, dtype=np.int32))
+
+    def apply(self, rows: torch.Tensor, d_rows: torch.Tensor, d_cols: torch.Tensor, d_vals: torch.Tensor,
+              width: int) -> torch.Tensor:
+        """Write the diffs, then gather the step's ``[len(rows), width]`` block tables."""
+        if d_vals.numel():
+            self.table[d_rows, d_cols] = d_vals
+        return self.table[:, :max(width, 1)].index_select(0, rows)
+
+    def _take_row(self, rid: str, live: dict[str, list[int]]) -> int:
+        if not self._free_rows:  # rows of requests that no longer hold a table come back
+            for gone in [r for r in self._row if r not in live]:
+                self._free_rows.append(self._row.pop(gone))
+                self._sent.pop(gone, None)
+        if not self._free_rows:
+            self._grow_rows()
+        row = self._free_rows.pop()
+        self._row[rid] = row
+        return row
+
+    def _grow_rows(self) -> None:
+        old = self.table
+        self.table = torch.zeros((2 * old.shape[0], old.shape[1]), dtype=old.dtype, device=self.device)
+        self.table[: old.shape[0]] = old
+        self._free_rows = list(range(self.table.shape[0] - 1, old.shape[0] - 1, -1))
+
+    def _widen(self, num_cols: int) -> None:
+        old = self.table
+        self.table = torch.zeros((old.shape[0], max(num_cols, 2 * old.shape[1])), dtype=old.dtype,
+                                 device=self.device)
+        self.table[:, : old.shape[1]] = old
