@@ -2,8 +2,9 @@
 
 ``StepUploader.upload`` packs every array of a step into one host buffer (pinned on CUDA,
 so the copy is asynchronous) and issues a single non-blocking copy; the arrays come back as
-views of one device buffer. The host buffer is reused next step: safe because every step
-ends by reading its sampled ids, which waits for the device, copy included.
+views of one device buffer. Before the host buffer is written again, the previous copy is
+waited for (an event recorded after it: a step that samples nothing never waits for the
+device otherwise).
 
 ``DeviceBlockTables`` keeps each request's block table in a row of a device tensor between
 steps. A step sends only the block ids its requests gained since they were last sent (and
@@ -28,6 +29,7 @@ class StepUploader:
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._reserve(initial_bytes)
+        self._copied = None  # CUDA event recorded after the last copy
         self.num_copies = 0  # host-to-device copies issued (one per step)
         self.num_bytes = 0  # bytes they moved
 
@@ -47,12 +49,17 @@ class StepUploader:
         for a in arrays:
             offsets.append(end)
             end += -(-a.nbytes // _ALIGN) * _ALIGN
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the host buffer
         self._reserve(end)
         host = self._host.numpy()
         for a, off in zip(arrays, offsets, strict=True):
             host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         if self.device.type == "cuda":
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
             base = self._dev
         else:  # the host buffer is the device's: nothing to copy
             base = self._host
