@@ -47,18 +47,27 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 # Redis calls that decide whether a request is queued: a few quick tries, then the caller hears of it.
 _ATTEMPTS = 5
 
-# A client-chosen id is claimed and its entry queued in one atomic step: a claim without an
-# entry (Redis gone between the two) would make every retry wait for output that never comes.
-# The entry first, so a failing XADD leaves no claim. Retried after a lost reply, it answers 0:
-# the request is queued already. KEYS: idempotency key, requests stream. ARGV: its TTL, then
-# the entry's field/value pairs. 1: queued now; 0: before.
-_CLAIM_AND_QUEUE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+# A request is admitted and queued in one atomic step (``_ADMIT_AND_QUEUE``):
+# * the bound is exact: the requests stream's length (entries leave when their requests
+#   finish) and the scheduler's published queue length are read where the entry is added, so
+#   gateways racing each other (or one gateway's concurrent calls) never admit past it;
+# * a client-chosen id is claimed with its entry: a claim without an entry (Redis gone between
+#   the two) would make every retry wait for output that never comes. The entry first, so a
+#   failing XADD leaves no claim. A retry after a lost reply answers 0: queued already (and a
+#   request queued before is relayed even when the queue is full now).
+# KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
+# max queue, the claim's TTL, then the entry's field/value pairs.
+# {1}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
+_ADMIT_AND_QUEUE = """
+if #KEYS == 3 and redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
+local length = redis.call('XLEN', KEYS[1])
+local waiting = tonumber(redis.call('GET', KEYS[2]) or length)
+if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then return {-1, waiting, length} end
 local fields = {}
-for i = 2, #ARGV do fields[i - 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], '*', unpack(fields))
-redis.call('SET', KEYS[1], 1, 'EX', tonumber(ARGV[1]))
-return 1
+for i = 4, #ARGV do fields[i - 3] = ARGV[i] end
+redis.call('XADD', KEYS[1], '*', unpack(fields))
+if #KEYS == 3 then redis.call('SET', KEYS[3], 1, 'EX', tonumber(ARGV[3])) end
+return {1}
 """
 
 log = structlog.get_logger("gateway")
@@ -104,7 +113,7 @@ class GatewayCore:
         self.args = args
         self.limits = limits or Limits()
         self.metrics = GatewayMetrics()
-        self._claim_and_queue = redis.register_script(_CLAIM_AND_QUEUE)
+        self._admit_and_queue = redis.register_script(_ADMIT_AND_QUEUE)
         self._cancels: set[asyncio.Task] = set()
 
     def check(self, request: pb.GenerateRequest) -> list[int]:
@@ -119,21 +128,17 @@ class GatewayCore:
         relayed, not queued again). Raises ``Shed`` when the queue is full and
         ``QueueUnavailable`` when Redis does not answer (cancelling the ones already queued).
         """
-        try:
-            depth, length = await self._queue_depth()
-        except Exception as e:
-            raise QueueUnavailable("the request queue (Redis) is unreachable") from e
-        if depth >= self.args.max_queue or length >= self.args.max_stream_len:
-            raise Shed(f"queue is full ({depth} waiting); retry later", self.args.retry_after)
         queued: list[Queued] = []
         for request, prompt_ids in requests:
             try:
                 queued.append(await self._enqueue_one(request, prompt_ids, traceparent, client_ids))
-            except Exception as e:
+            except BaseException as e:
                 for q in queued:
                     if q.fresh:
                         self.cancel_soon(q.request_id)
-                raise QueueUnavailable("the request queue (Redis) is unreachable") from e
+                if isinstance(e, Exception) and not isinstance(e, Shed):
+                    raise QueueUnavailable("the request queue (Redis) is unreachable") from e
+                raise
         return queued
 
     async def _enqueue_one(self, request: pb.GenerateRequest, prompt_ids: list[int], traceparent: str,
@@ -154,32 +159,26 @@ class GatewayCore:
         )
         with enqueue_span(msg, self.keys.requests):  # sets msg.traceparent when tracing
             # Never trimmed (no MAXLEN): the stream is a work queue whose entries leave when their
-            # requests finish; trimming would drop requests no one has read. ``enqueue`` bounds it.
+            # requests finish; trimming would drop requests no one has read. ``_ADMIT_AND_QUEUE`` bounds it.
             fields = encode_request_entry(msg, int(time.time() * 1000))
+            keys = [self.keys.requests, self.keys.num_waiting]
             if client_id:
                 # The claim has the lifetime of the request's output stream (the final write
                 # shortens both): past it, a retry with this id is a new request.
-                args = [REQUEST_TTL_S, *(x for kv in fields.items() for x in kv)]
-                new = await retry(lambda: self._claim_and_queue(keys=[self.keys.idempotency(rid), self.keys.requests],
-                                                                args=args), what="enqueue", attempts=_ATTEMPTS)
-                if not new:
-                    return Queued(rid, len(prompt_ids), fresh=False)
-            else:
-                await retry(lambda: self.redis.xadd(self.keys.requests, fields), what="xadd", attempts=_ATTEMPTS)
+                keys.append(self.keys.idempotency(rid))
+            args = [self.args.max_stream_len, self.args.max_queue, REQUEST_TTL_S,
+                    *(x for kv in fields.items() for x in kv)]
+            answer = await retry(lambda: self._admit_and_queue(keys=keys, args=args), what="enqueue",
+                                 attempts=_ATTEMPTS)
+            if answer[0] == -1:
+                _, waiting, length = answer
+                raise Shed(f"queue is full ({waiting} waiting to be placed, {length} requests in the system); "
+                           "retry later", self.args.retry_after)
+            if answer[0] == 0:
+                return Queued(rid, len(prompt_ids), fresh=False)
         log.info("request.enqueued", request_id=rid, num_prompt_tokens=len(prompt_ids),
                  priority=request.priority, traceparent=msg.traceparent)
         return Queued(rid, len(prompt_ids), fresh=True)
-
-    async def _queue_depth(self) -> tuple[int, int]:
-        async def read():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.get(self.keys.num_waiting)
-            pipe.xlen(self.keys.requests)
-            return await pipe.execute()
-
-        waiting, length = await retry(read, what="queue_depth", attempts=_ATTEMPTS)
-        # No scheduler publishing its queue: everything in the stream is waiting.
-        return (int(waiting) if waiting is not None else length), length
 
     async def relay(self, queued: Queued) -> AsyncIterator[pb.GenerateResponse]:
         """The request's messages, in order, to the last one; closing it early (the caller

@@ -36,8 +36,9 @@ def reference(prompts: list[str], max_tokens: int, **engine_kwargs) -> list[list
 def generate_all(target: str, prompts: list[str], max_tokens: int, **kwargs) -> list[Completion]:
     """Every prompt at once (one thread each); ``Completion.add`` checks indices are contiguous."""
     with Client(target) as c, ThreadPoolExecutor(len(prompts)) as pool:
-        futs = [pool.submit(c.generate, p, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=120,
-                            **kwargs) for p in prompts]
+        kwargs = {"temperature": 0, **kwargs}
+        futs = [pool.submit(c.generate, p, max_tokens=max_tokens, ignore_eos=True, timeout=120, **kwargs)
+                for p in prompts]
         return [f.result() for f in futs]
 
 

@@ -24,8 +24,8 @@ from pagefleet.worker.sim_profile import (
 FAST = math.inf  # never sleep
 
 
-def expected(engine: SimEngine, prompt: list[int], n: int, seed: int | None = None) -> list[int]:
-    s = engine.executor.seed if seed is None else seed
+def expected(engine: SimEngine, prompt: list[int], n: int, seed: int | None = None, greedy: bool = False) -> list[int]:
+    s = 0 if greedy else engine.executor.seed if seed is None else seed
     return [sim_token_id(s, len(prompt) + i, engine.executor.vocabulary) for i in range(n)]
 
 
@@ -225,7 +225,7 @@ def test_eight_simulated_workers_in_one_process_serve_through_the_gateway(tmp_pa
         assert sorted(w.worker_id for w in state.workers) == [f"worker-0-{i}" for i in range(8)]
         assert len({w.address for w in state.workers}) == 8
         ps = [f"{i}: a simulated request" for i in range(24)]  # no shared prefix: spread by load
-        outs = generate_all(cluster.gateway_target, ps, 16, seed=1234)  # unseeded: the gateway draws one
+        outs = generate_all(cluster.gateway_target, ps, 16, temperature=0.7, seed=1234)
         spec = load_model_spec("tiny")
         vocab = sim_vocabulary(spec)
         for p, o in zip(ps, outs, strict=True):
@@ -291,3 +291,39 @@ def test_sim_fit_writes_a_profile_the_worker_loads(tmp_path):
     engine.generate([[70, 71]], SamplingParams(max_tokens=2, ignore_eos=True))
     with pytest.raises(SystemExit):
         sim_fit.main(["--from", str(src), "--out", str(out), "--system", "pagefleet static"])
+
+
+def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
+    """Four simulated workers under the real queue, placement and admission on one clock:
+    every request finishes with its tokens, and a shared prefix draws its group to one place."""
+    from pagefleet.bench.fleet_sim import FleetConfig, FleetSim, TraceRequest
+
+    prof = load_profile("llama-3-8b-h100")
+    system = list(range(40, 40 + 64))
+    trace = [TraceRequest(f"r{i}", [256, *system, 100 + i], 8, 0.01 * i) for i in range(20)]
+    sim = FleetSim(FleetConfig(num_workers=4, profile=prof, placement="prefix"))
+    out = sim.run(trace, until_s=30)
+    assert all(o.finish_reason == "length" and o.num_tokens == 8 for o in out.values())
+    assert all(0 < o.ttft_s < 1 and 0 < o.tpot_s < 0.05 for o in out.values())
+    served = [w.engine.stats().prefix_cache_hits_total for w in sim.workers]
+    assert sum(1 for h in served if h) == 1 and max(served) >= 19 * 64 - 64, served
+    ideal = FleetSim(FleetConfig(num_workers=4, profile=prof, ideal=True)).run(trace, until_s=30)
+    assert all(o.finish_reason == "length" for o in ideal.values())
+
+
+def test_the_study_finds_knees_and_writes_its_report(tmp_path):
+    from pagefleet.bench import study
+
+    pts = [{"rate": 10, "attainment": 1.0}, {"rate": 20, "attainment": 0.95}, {"rate": 30, "attainment": 0.5}]
+    assert study.knee(pts, 0.9) == pytest.approx(20 + 10 * 0.05 / 0.45)
+    assert study.knee(pts[:2], 0.9) == 20 and study.knee(pts[2:], 0.9) is None
+    out = tmp_path / "study.json"
+    assert study.main(["--workers", "2", "--duration", "2", "--drain", "4", "--rate-factors", "1", "--suites",
+                       "policy", "--sharegpt-rate", "10", "--json", str(out), "--plot-dir", str(tmp_path)]) == 0
+    report = json.loads(out.read_text())
+    curves = report["suites"]["policy"]
+    assert [c["name"] for c in curves] == ["fcfs", "priority", "deadline", "ideal (one pool)"]
+    for c in curves:
+        (p,) = c["points"]
+        assert p["rate"] == 10 and p["num_requests"] == 20 and 0 <= p["attainment"] <= 1
+    assert (tmp_path / "study-policy.png").exists()

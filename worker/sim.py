@@ -10,7 +10,9 @@ swap pool accounting) whose executor runs no model:
   and a step whose work took longer than its share sleeps not at all (simulated time then
   runs slower than ``time_scale`` asks);
 * its tokens are a pure function of the request's seed (the engine's ``seed`` for requests
-  without one) and the position the token takes: ``sim_token_id``, so a client can check
+  without one; 0 for greedy requests, whose tokens a real model draws from no seed, so a
+  greedy request's tokens are the same on every worker) and the position the token takes:
+  ``sim_token_id``, so a client can check
   every token, and preemption, recompute or a move to another worker never change them.
   Tokens come from ``sim_vocabulary`` (printable ASCII for the byte tokenizer; never an
   end-of-sequence id, so an output runs to its ``max_tokens`` unless a stop matches).
@@ -70,6 +72,13 @@ def sim_token_id(seed: int, position: int, vocabulary: list[int], attempt: int =
     """The token a simulated model puts at ``position`` (0-based over prompt + output)."""
     h = _mix64(_seed_key(seed) ^ (position & 0xFFFFFFFFFFFF) ^ (attempt << 48))
     return vocabulary[h % len(vocabulary)]
+
+
+def sim_seed(params, engine_seed: int) -> int:
+    """The seed a simulated request's tokens hash: 0 when greedy, else its own or the engine's."""
+    if params.temperature == 0:
+        return 0
+    return engine_seed if params.seed is None else params.seed
 
 
 def step_shape(out: SchedulerOutput) -> tuple[int, int]:
@@ -151,7 +160,7 @@ class SimExecutor(Executor):
         return sampled, SamplerOutput(tokens, logprobs)
 
     def _token(self, r: Request) -> int:
-        seed = self.seed if r.params.seed is None else r.params.seed
+        seed = sim_seed(r.params, self.seed)
         position = len(r.all_token_ids)
         t = sim_token_id(seed, position, self.vocabulary)
         attempt = 0  # min_tokens: a finish token is drawn again (as the sampler masks it)
@@ -195,7 +204,7 @@ class SimEngine(Engine):
         super().__init__(model, **engine_args)
 
     def _make_executor(self, spec: ModelSpec, *, device: str, dtype: str, max_model_len: int | None,
-                       seed: int) -> SimExecutor:
+                       seed: int, max_num_seqs: int, enforce_eager: bool, load_format: str) -> SimExecutor:
         return SimExecutor(self.profile, spec, max_model_len=max_model_len, seed=seed, time_scale=self.time_scale)
 
     def step(self):

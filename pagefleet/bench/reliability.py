@@ -276,13 +276,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--short", action="store_true", help="the CI form: small counts, a few minutes in all")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--log-dir", default=None, help="keep every process's log here (default: a temp dir)")
+    p.add_argument("--sim-time-scale", type=float, default=1.0,
+                   help="overload: simulated seconds per real second of its simulated workers (below 1: slower "
+                        "steps, so ten times their rate fits a small machine's CPU)")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagefleet-reliability-"))
-    s = Settings(short=args.short, log_dir=log_dir)
+    if not args.sim_time_scale > 0:
+        p.error(f"--sim-time-scale must be positive, got {args.sim_time_scale}")
+    s = Settings(short=args.short, log_dir=log_dir, sim_time_scale=args.sim_time_scale)
     rows = []
     for name in args.scenario or list(SCENARIOS):
         print(f"== {name}", flush=True)

@@ -94,12 +94,16 @@ class CancelStorm:
         self.ways: Counter = Counter()
         self.num_done = 0
         self.num_failed_cancels = 0
-        self._stop = False
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="cancels", daemon=True)
 
     def start(self) -> CancelStorm:
         self._thread.start()
         return self
+
+    def wait_fraction(self, fraction: float) -> None:
+        """Until ``fraction`` of the jobs have ended (or the storm stopped)."""
+        while self.num_done < fraction * len(self.jobs) and self._thread.is_alive():
+            time.sleep(0.05)
 
     def join(self, timeout_s: float) -> list[Outcome]:
         self._thread.join(timeout_s)
@@ -197,8 +201,7 @@ def run(s: Settings) -> Row:
         storm = CancelStorm(c.gateway_targets, scheduler_target, jobs).start()
         preemptions = 0
         for k in range(kills):
-            while storm.num_done < (k + 1) / (kills + 1) * len(jobs) and storm._thread.is_alive():
-                time.sleep(0.05)
+            storm.wait_fraction((k + 1) / (kills + 1))
             reports = c.reports()
             victim = max((w for w in reports if w in c.c.procs), key=lambda w: len(reports[w].request_ids))
             preemptions += reports[victim].num_preemptions

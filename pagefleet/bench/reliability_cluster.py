@@ -24,10 +24,12 @@ from pagefleet.launcher import ClusterConfig, LocalCluster
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """``short``: the CI form (small counts); ``log_dir``: one folder per scenario under it."""
+    """``short``: the CI form (small counts); ``log_dir``: one folder per scenario under it;
+    ``sim_time_scale``: the simulated workers' ``--time-scale`` where a scenario uses them."""
 
     short: bool
     log_dir: Path
+    sim_time_scale: float = 1.0
 
     def pick(self, short, full):
         return short if self.short else full

@@ -80,14 +80,25 @@ def make_jobs(n: int, tag: str, *, seed: int = 0, prompt_len: tuple[int, int] = 
     return jobs
 
 
-def reference_tokens(jobs: Sequence[Job], model: str = "tiny") -> dict[str, list[int]]:
-    """Each job's tokens from an in-process engine, all run together, nothing disturbed."""
+def reference_tokens(jobs: Sequence[Job], model: str = "tiny", sim_profile: str | None = None
+                     ) -> dict[str, list[int]]:
+    """Each job's tokens from an in-process engine, all run together, nothing disturbed
+    (``sim_profile``: a simulated engine's, for a cluster of ``--engine sim`` workers)."""
     from pagefleet.common.blocks import num_blocks_for
-    from pagefleet.worker.engine import Engine
 
     size = 16
     num_blocks = sum(num_blocks_for(len(j.prompt_token_ids) + j.max_tokens, size) for j in jobs)
-    engine = Engine(model, device="cpu", block_size=size, num_blocks=num_blocks, max_num_seqs=max(1, len(jobs)))
+    common = dict(block_size=size, num_blocks=num_blocks, max_num_seqs=max(1, len(jobs)))
+    if sim_profile is not None:
+        import math
+
+        from pagefleet.worker.sim import SimEngine
+
+        engine = SimEngine(sim_profile, model, time_scale=math.inf, **common)
+    else:
+        from pagefleet.worker.engine import Engine
+
+        engine = Engine(model, device="cpu", **common)
     outs = engine.generate([list(j.prompt_token_ids) for j in jobs], [j.sampling_params() for j in jobs])
     return {j.request_id: o.token_ids for j, o in zip(jobs, outs, strict=True)}
 

@@ -1,0 +1,198 @@
+"""The reliability suite's short form (``pagefleet bench reliability --short``), one test per
+scenario, real processes on loopback; and regression tests for what the suite found.
+
+Every scenario row must show 0 lost, 0 duplicated, 0 missing and 0 differing tokens and meet
+its own goals. The overload scenario's latency goals (p99 against the unloaded p99, refusals
+within 10 ms) are speed, which is measured, not asserted: the short form asserts what is
+certain (refusals carry RetryInfo, admitted requests are exact, nothing leaks); the full
+form's figures are in docs/RELIABILITY.md (``pagefleet bench reliability``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from argparse import Namespace
+
+import pytest
+import redis as sync_redis
+
+from pagefleet.bench.reliability import SCENARIOS
+from pagefleet.bench.reliability_cluster import Row, Settings
+from pagefleet.common.model_config import load_model_spec
+from pagefleet.common.redis import Keys, RedisServer, connect
+from pagefleet.protos import generation_pb2 as pb
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _exact(row: Row) -> None:
+    assert (row.lost, row.duplicated, row.missing, row.differing) == (0, 0, 0, 0), row
+    assert row.completed == row.sent > 0, row
+
+
+@pytest.mark.parametrize("name", ["worker-kill", "scheduler-kill", "gateway-kill", "redis-restart", "worker-freeze",
+                                  "scheduler-partition"])
+def test_faults_under_load_lose_duplicate_and_change_nothing(name, tmp_path):
+    row = SCENARIOS[name](Settings(short=True, log_dir=tmp_path))
+    _exact(row)
+    assert all(row.goals.values()), row
+
+
+def test_fuzz_only_refuses_and_then_serves(tmp_path):
+    row = SCENARIOS["fuzz"](Settings(short=True, log_dir=tmp_path))
+    _exact(row)
+    assert all(row.goals.values()), row
+    assert set(row.figures["answers"]) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "OK"}
+
+
+def test_cancels_at_random_moments_leak_no_blocks(tmp_path):
+    row = SCENARIOS["cancels"](Settings(short=True, log_dir=tmp_path))
+    _exact(row)
+    assert all(row.goals.values()), row
+    assert row.figures["held at the end"] == "nothing"
+
+
+def test_overload_refuses_with_retry_info_and_serves_the_admitted_exactly(tmp_path):
+    row = SCENARIOS["overload"](Settings(short=True, log_dir=tmp_path))
+    _exact(row)
+    assert row.figures["refused"] > 0 and row.figures["admitted"] > 0, row
+    for goal in ("every refusal carries RetryInfo", "nothing held at the end"):
+        assert row.goals[goal], row
+    assert "other errors" not in row.figures, row
+
+
+# -- regressions the suite found ---------------------------------------------------------------
+@pytest.fixture
+def redis_server():
+    with RedisServer() as r:
+        yield r
+
+
+def _gateway(redis, max_stream_len: int = 10):
+    from pagefleet.gateway.core import GatewayCore
+
+    args = Namespace(max_model_len=None, max_queue=1024, max_stream_len=max_stream_len, block_size=16,
+                     retry_after=1.0)
+    return GatewayCore(redis, Keys("t"), load_model_spec("tiny"), args)
+
+
+def _request(rid: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, prompt_token_ids=pb.TokenIds(ids=list(range(3, 200))))
+
+
+def test_admission_is_exact_under_concurrency_and_never_trims(redis_server):
+    """40 concurrent enqueues against a bound of 10 (two gateways racing, half with client
+    ids): exactly 10 are queued and 30 refused, none trimmed. The bound was checked before
+    the add, so concurrent calls went past it; and ``XADD MAXLEN ~`` had dropped whole stream
+    nodes of requests nobody had read yet (the overload scenario lost two admitted requests
+    so): entries leave only when their requests finish. A retry of a queued id is relayed
+    even when the queue is full."""
+    from pagefleet.gateway.core import Shed
+
+    async def go():
+        r = connect(redis_server.url)
+        cores = [_gateway(r, max_stream_len=10), _gateway(r, max_stream_len=10)]
+
+        async def one(i):
+            req = _request(f"id-{i}" if i % 2 else f"gw-{i}")
+            try:
+                q = await cores[i % 2]._enqueue_one(req, list(req.prompt_token_ids.ids), "", client_id=i % 2 == 1)
+                return q.request_id
+            except Shed:
+                return None
+
+        got = await asyncio.gather(*(one(i) for i in range(40)))
+        queued = [rid for rid in got if rid]
+        n = await r.xlen(cores[0].keys.requests)
+        again = next(q for q in queued if q.startswith("id-"))
+        retried = (await cores[1]._enqueue_one(_request(again), [5, 6], "", client_id=True)).fresh
+        await r.aclose()
+        return len(queued), n, retried
+
+    num_queued, n, retried = asyncio.run(go())
+    assert (num_queued, n) == (10, 10)
+    assert retried is False
+
+
+def test_a_client_id_is_claimed_only_with_its_entry(redis_server):
+    """Claim and entry are one atomic step: Redis gone after the gateway's first command left a
+    claim without an entry (every retry of that id then waited for output that never came).
+    A retry after a lost reply finds the request queued, once."""
+    import redis.exceptions as rx
+
+    async def go():
+        r = connect(redis_server.url)
+        core = _gateway(r)
+        keys = core.keys
+        real, calls = r.execute_command, []
+
+        async def first_then_away(*args, **kwargs):
+            calls.append(args[0])
+            if len(calls) > 1:
+                raise rx.ConnectionError("Redis went away")
+            return await real(*args, **kwargs)
+
+        r.execute_command = first_then_away
+        with pytest.raises(rx.ConnectionError):
+            await core._enqueue_one(_request("a"), [5, 6], "", client_id=True)
+        r.execute_command = real
+        state = (await r.exists(keys.idempotency("a")), await r.exists(keys.requests))
+        first = await core._enqueue_one(_request("b"), [5, 6], "", client_id=True)
+        again = await core._enqueue_one(_request("b"), [5, 6], "", client_id=True)
+        n = await r.xlen(keys.requests)
+        await r.aclose()
+        return state, first.fresh, again.fresh, n
+
+    (claimed, queued), first, again, n = asyncio.run(go())
+    assert claimed == queued  # both or neither
+    assert (first, again, n) == (True, False, 1)
+
+
+def test_a_lease_taken_after_retries_is_valid_from_the_attempt_that_took_it():
+    """A standby that took the lease after retrying through a Redis outage timed its lease from
+    before the outage, found it expired at once and exited (no scheduler at all)."""
+    import redis.exceptions as rx
+
+    from pagefleet.scheduler.server import Lease
+
+    class Flaky:
+        def __init__(self):
+            self.calls = 0
+
+        async def set(self, *a, **kw):
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(0.4)  # longer than 2/3 of the 0.3 s lease
+                raise rx.ConnectionError("Redis away")
+            return True
+
+        async def incr(self, key):
+            return 7
+
+        async def eval(self, *a):
+            return 1
+
+    async def go():
+        lease = Lease(Flaky(), Keys("t"), "me", lease_ms=300)
+        acquired = asyncio.Event()
+        task = asyncio.create_task(lease.hold(acquired))
+        await asyncio.wait_for(acquired.wait(), 5)
+        valid = lease.valid()
+        task.cancel()
+        return valid, lease.epoch
+
+    assert asyncio.run(go()) == (True, 7)
+
+
+def test_redis_server_restarts_on_its_append_only_file():
+    with RedisServer(appendonly=True) as r:
+        c = sync_redis.Redis(port=r.port)
+        c.xadd("s", {"k": "v"})
+        c.set("lease", "me", px=60_000)
+        port = r.port
+        t = time.monotonic()
+        r.restart()
+        assert r.port == port and time.monotonic() - t < 10
+        c = sync_redis.Redis(port=r.port)
+        assert c.xlen("s") == 1 and c.get("lease") == b"me" and c.pttl("lease") > 0
