@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("pagefleet.client", "main", "stream a generation from a running gateway"),
     "certs": ("pagefleet.common.certs", "main", "write a throwaway CA, certificates, an API key, a Redis password"),
     "run": ("pagefleet.demo", "main", "generate in-process (no cluster) and stream the tokens"),
-    "bench": ("pagefleet.bench", "main", "benchmarks: engine | kernels | preemption | reliability | scheduler | serve | sim-fit | study"),
+    "bench": ("pagefleet.bench", "main", "benchmarks: decode | engine | kernels | preemption | reliability | scheduler | serve | sim-fit | study"),
 }
 
 

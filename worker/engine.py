@@ -40,6 +40,9 @@ class Engine:
     prefill speed at start-up and picks swap or recompute per victim.
     ``enable_prefix_caching``: keep full blocks of computed tokens, keyed by their prefix,
     for later requests that start the same way (continuous batching only).
+    ``enforce_eager``: on a GPU, run decode steps eagerly instead of replaying the CUDA
+    graphs captured at start-up (``cuda_graphs``; a CPU always runs eagerly).
+    ``load_format="dummy"``: the checkpoint's shape with random weights (benchmarks).
 
     What runs the steps is an ``Executor`` (``executor.py``), made by ``_make_executor``:
     the model here, a step-time model in ``sim.SimEngine``.
@@ -64,11 +67,15 @@ class Engine:
         num_swap_blocks: int | None = 0,
         preemption: str = "auto",
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        load_format: str = "auto",
     ) -> None:
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
         if num_swap_blocks is not None and (not isinstance(num_swap_blocks, int) or num_swap_blocks < 0):
             raise ValueError(f"num_swap_blocks must be a non-negative integer or None, got {num_swap_blocks!r}")
         for name, value in (
@@ -82,7 +89,8 @@ class Engine:
         self.spec = load_model_spec(model)
         self.tokenizer, self.model_config = self.spec.tokenizer, self.spec.config
         self.executor = self._make_executor(self.spec, device=device, dtype=dtype, max_model_len=max_model_len,
-                                            seed=seed)
+                                            seed=seed, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+                                            load_format=load_format)
         self.device = self.executor.device
         self.max_model_len = self.executor.max_model_len
         self.block_size = block_size
@@ -121,9 +129,10 @@ class Engine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
 
     def _make_executor(self, spec: ModelSpec, *, device: str, dtype: str, max_model_len: int | None,
-                       seed: int) -> Executor:
+                       seed: int, max_num_seqs: int, enforce_eager: bool, load_format: str) -> Executor:
         """What runs the steps: the model of ``spec`` (a subclass may run something else)."""
-        return ModelExecutor(spec, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed)
+        return ModelExecutor(spec, device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, load_format=load_format)
 
     # -- the streaming API -------------------------------------------------------------
     def add_request(

@@ -90,15 +90,19 @@ def resolve_device(device: str) -> torch.device:
 
 class ModelExecutor(Executor):
     """A real model: its weights on ``device``, one KV tensor for every layer, the CPU swap
-    pool's tensor, and the runner that flattens a step into tensors and samples."""
+    pool's tensor, and the runner that flattens a step into tensors and samples. On a CUDA
+    device decode steps of up to ``max_num_seqs`` sequences replay CUDA graphs captured in
+    ``allocate`` (``cuda_graphs``) unless ``enforce_eager``."""
 
     def __init__(self, spec: ModelSpec, *, device: str, dtype: str, max_model_len: int | None,
-                 seed: int) -> None:
+                 seed: int, max_num_seqs: int = 256, enforce_eager: bool = False, load_format: str = "auto") -> None:
         self.device = resolve_device(device)
         self.spec = spec
         self.seed = seed
+        self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
         max_model_len = spec.max_model_len(max_model_len)
-        self.model = load_model(spec, self.device, dtype, max_positions=max_model_len)
+        self.model = load_model(spec, self.device, dtype, max_positions=max_model_len, load_format=load_format)
         if max_model_len > self.model.rope.cos.shape[0]:
             self.model.rope = type(self.model.rope)(spec.config, max_model_len).to(self.device)
         self.max_model_len = max_model_len
@@ -134,6 +138,14 @@ class ModelExecutor(Executor):
         if num_swap_blocks:
             self.swap_space = SwapSpace(self.kv_cache, num_swap_blocks)
         self.runner = ModelRunner(self.model, kv, self.kv_caches, self.device, self.max_model_len, self.seed)
+        if self.device.type == "cuda" and not self.enforce_eager:
+            self.runner.capture_graphs(self.max_num_seqs)
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes replayed from CUDA graphs (empty: every step runs eagerly)."""
+        graphs = self.runner.graphs if self.runner is not None else None
+        return sorted(graphs.graphs) if graphs is not None else []
 
     def calibrate(self, max_num_batched_tokens: int) -> CostModel:
         """Measure copy bandwidth and prefill throughput while the pools are still empty."""

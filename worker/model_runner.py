@@ -5,7 +5,8 @@ The step is flattened the same way for every kind of row: ``input_ids``,
 ``query_start_loc`` (one per sequence). Only each sequence's last row is sent
 through the LM head. A step's inputs reach the device in one packed non-blocking copy, the
 block tables as diffs against rows kept there (``step_inputs``); the one wait for the device
-in a step is reading the sampled ids.
+in a step is reading the sampled ids. A decode-only step replays a CUDA graph when the runner
+has them (``cuda_graphs``: on a GPU unless ``enforce_eager``); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from .batch_scheduler import SchedulerOutput
+from .cuda_graphs import DecodeGraphs
 from .kv_cache_manager import KVCacheManager
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .request import Request, RequestStatus
@@ -56,9 +58,20 @@ class ModelRunner:
         self.uploader = StepUploader(device)
         max_blocks = -(-max_model_len // kv.block_size)
         self.device_tables = DeviceBlockTables(256, max_blocks, device)
+        self.max_blocks_per_seq = max_blocks
+        self.graphs: DecodeGraphs | None = None  # see capture_graphs
+        self.last_step_graphed = False
+
+    def capture_graphs(self, max_num_seqs: int, *, capture: bool = True) -> DecodeGraphs:
+        """Capture the decode graphs for batches up to ``max_num_seqs`` (``capture=False``:
+        only their padded buffers, run eagerly; the CPU tests check padding so)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device, max_num_seqs,
+                                   self.max_blocks_per_seq, capture=capture)
+        return self.graphs
 
     def prepare(self, out: SchedulerOutput):
-        """The step's input tensors and the requests whose last row is sampled.
+        """The step's input tensors, the requests whose last row is sampled, the rows of the
+        logits they keep (static batching) and whether the step is decode-only.
 
         Per-request Python work is kept to list comprehensions; everything per token is
         numpy, so a step of 256 decoding sequences costs well under a millisecond here.
@@ -78,7 +91,8 @@ class ModelRunner:
         )
         c = np.array(counts, dtype=np.int64)
         s = np.array(starts, dtype=np.int64)
-        if pads is None and counts.count(1) == n:  # one token per request: mostly decoding
+        decode = pads is None and counts.count(1) == n  # one token per request: mostly decoding
+        if decode:
             q, qsl = c, np.arange(n + 1, dtype=np.int64)
             positions = s
             slots = block_tables[np.arange(n), s // bs].astype(np.int64) * bs + s % bs
@@ -131,7 +145,7 @@ class ModelRunner:
                 query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
             )
             return (torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
-                    torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)), sampled, keep)
+                    torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)), sampled, keep, decode)
         table_rows, d_rows, d_cols, d_vals = self.device_tables.diffs(
             [r.request_id for r in reqs], rows, tables)
         (input_ids_t, positions_t, slots_t, logits_t, seq_lens_t, qsl_t,
@@ -145,15 +159,20 @@ class ModelRunner:
             seq_lens=seq_lens_t,
             query_start_loc=qsl_t,
         )
-        return input_ids_t, positions_t, meta, logits_t, sampled, keep
+        return input_ids_t, positions_t, meta, logits_t, sampled, keep, decode
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
         """Run the step; the requests that sampled a token, and their tokens (with logprobs
         where asked), one per request."""
-        input_ids, positions, meta, logits_idx, sampled, keep = self.prepare(out)
+        input_ids, positions, meta, logits_idx, sampled, keep, decode = self.prepare(out)
         if self.profile:
             t0, c0 = time.perf_counter(), time.thread_time()
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        graphs = self.graphs
+        self.last_step_graphed = decode and graphs is not None and input_ids.shape[0] <= graphs.max_size
+        if self.last_step_graphed:
+            logits = graphs.run(input_ids, positions, meta, logits_idx)
+        else:
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         if self.profile:
             if logits.is_cuda:
                 torch.cuda.synchronize(logits.device)

@@ -89,6 +89,10 @@ def build_parser() -> EnvArgumentParser:
                    help="how the engine preempts when its pool runs out")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep full KV blocks for later requests with the same prefix")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run every step eagerly (no CUDA graphs for decode steps)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="auto: the checkpoint's weights; dummy: its shape with random weights (benchmarks)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let held requests finish on SIGTERM before handing them back")
     p.add_argument("--engine", default="model", choices=("model", "sim"),
@@ -268,7 +272,8 @@ def make_engine(args):
         return SimEngine(args.sim_profile, args.model, time_scale=args.time_scale, **common)
     from pagefleet.worker.engine import Engine
 
-    return Engine(args.model, device=args.device, dtype=args.dtype, **common)
+    return Engine(args.model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                  load_format=args.load_format, **common)
 
 
 def worker_ids(args) -> list[str]:
@@ -316,7 +321,8 @@ async def run_worker(w: Worker, args, port: int, health_port: int | None = None)
     register_task = asyncio.create_task(w.register())
     await set_serving(health, names, True)
     log.info("worker.ready", address=w.address, model=args.model, num_blocks=engine.kv.num_blocks,
-             block_size=engine.block_size, device=str(engine.device))
+             block_size=engine.block_size, device=str(engine.device),
+             cuda_graph_sizes=getattr(engine.executor, "graph_sizes", []))
     await w.stopped.wait()
     await set_serving(health, names, False)
     await retry(lambda: w.redis.hdel(w.keys.workers, w.worker_id), what="unregister", attempts=3)

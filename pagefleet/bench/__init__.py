@@ -6,6 +6,7 @@ import importlib
 import sys
 
 SUITES = {
+    "decode": "pagefleet.bench.decode",
     "engine": "pagefleet.bench.engine",
     "kernels": "pagefleet.bench.kernels",
     "preemption": "pagefleet.bench.preemption",

@@ -51,12 +51,25 @@ def resolve_dtype(dtype: str, device: torch.device, cfg_dtype: str | None) -> to
     return names[dtype]
 
 
-def load_model(spec: ModelSpec, device: torch.device, dtype: str, max_positions: int | None = None):
-    """The network of ``spec`` (``load_model_spec``), weights loaded, on ``device``."""
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_model(spec: ModelSpec, device: torch.device, dtype: str, max_positions: int | None = None,
+               load_format: str = "auto"):
+    """The network of ``spec`` (``load_model_spec``), weights loaded, on ``device``.
+
+    ``load_format="dummy"`` (as vLLM names it) reads no weights: the checkpoint's shape with
+    fixed-seed random weights made on the device, for benchmarks of large shapes (a directory
+    with only a ``config.json`` is enough).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
     cfg = spec.config
-    state = tiny_state_dict(cfg) if spec.path is None else _read_safetensors(spec.path)
     cfg_dtype = spec.dtype
     torch_dtype = resolve_dtype(dtype, device, cfg_dtype)
+    if load_format == "dummy":
+        return _dummy_model(cfg, device, torch_dtype, max_positions)
+    state = tiny_state_dict(cfg) if spec.path is None else _read_safetensors(spec.path)
     net = LlamaForCausalLM(cfg, max_positions=max_positions)
     state = {k.removeprefix("base_model."): v for k, v in state.items()}
     if "lm_head.weight" not in state:
@@ -73,6 +86,32 @@ def load_model(spec: ModelSpec, device: torch.device, dtype: str, max_positions:
     net.to(device=device, dtype=torch_dtype)
     # RoPE tables stay float32 for accuracy; they are cast per use.
     net.rope.float()
+    net.eval()
+    return net
+
+
+def _dummy_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None):
+    """Random weights made where they will run, in their dtype (an 8B model never passes
+    through host memory): N(0, 1/fan_in) matrices, unit norms, from a fixed seed."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = LlamaForCausalLM(cfg, max_positions=1)
+    finally:
+        torch.set_default_dtype(default)
+    g = torch.Generator(device=device).manual_seed(TINY_SEED)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if p.dim() == 1 and name.endswith("weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5, generator=g)
+    net.rope = type(net.rope)(cfg, max_positions or cfg.max_position_embeddings).to(device)  # float32
+    net.tie_weights()
+    net.fuse()
     net.eval()
     return net
 
