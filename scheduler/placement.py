@@ -15,6 +15,11 @@ candidates, and on each the blocks it would share with requests in flight there 
 off its cost (see workers.py). A worker whose block size is not the one the request's keys
 were computed with matches nothing. The index is a hint (prefix_index.py): a wrong guess
 costs a cache miss, never a wrong answer.
+
+Cost: the scheduler decides in rounds (``Placer.round``): the ready workers are put in a
+heap by spare room once per round, and each decision takes the best of them that fits plus
+the few workers the prefix index matched, instead of scanning every worker (O(log workers)
+a decision when the pools are alike; tests/test_placement.py checks it against the scan).
 """
 
 from __future__ import annotations

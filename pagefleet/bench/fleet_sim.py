@@ -117,6 +117,7 @@ class FleetSim:
         self.placer = Placer(PlacementConfig(cfg.placement), self.index)
         self.where: dict[str, _Worker] = {}
         self._deadlines: list[tuple[float, str]] = []
+        self._left = 0  # requests not over yet
 
     def _make_worker(self, i: int) -> _Worker:
         cfg, prof = self.cfg, self.cfg.profile
@@ -147,17 +148,14 @@ class FleetSim:
             for i, w in enumerate(self.workers):  # staggered, as real workers' timers are
                 self._at(self.cfg.report_interval_s * (i + 1) / len(self.workers), self._report_tick, w)
             self._at(self.cfg.tick_s, self._tick)
-        left = len(trace)
-        while self._events:
+        self._left = len(trace)
+        while self._events and self._left:
             t, _, fn, args = heapq.heappop(self._events)
             if t > until_s:
+                self.now = until_s
                 break
             self.now = t
             fn(*args)
-            if fn == self._finished:
-                left -= 1
-                if left == 0:
-                    break
         return self.outcomes
 
     # -- arrivals and the scheduler ------------------------------------------------------------
@@ -223,14 +221,12 @@ class FleetSim:
         self._dispatch()
         self._at(self.now + self.cfg.tick_s, self._tick)
 
-    def _end(self, rid: str, reason: str) -> None:
+    def _end(self, rid: str, reason: str, at: float | None = None) -> None:
+        """``rid`` is over for its client (the run stops when every request is)."""
         o = self.outcomes[rid]
         if not o.finish_reason:
-            o.finish_reason, o.finish_s = reason, self.now
-            self._at(self.now, self._finished)
-
-    def _finished(self) -> None:
-        """Counts a request as done (the run stops when all are)."""
+            o.finish_reason, o.finish_s = reason, self.now if at is None else at
+            self._left -= 1
 
     # -- the workers ---------------------------------------------------------------------------
     def _assign(self, w: _Worker, msg) -> None:
@@ -266,8 +262,7 @@ class FleetSim:
                     o.first_token_s = done_at
                 o.num_tokens += len(d.token_ids)
             if d.finish_reason and not o.finish_reason:
-                o.finish_reason, o.finish_s = d.finish_reason, done_at
-                self._at(done_at, self._finished)
+                self._end(d.request_id, d.finish_reason, done_at)
                 if not self.cfg.ideal:
                     self._at(done_at + self.cfg.hop_s, self._forget_and_dispatch, d.request_id)
         if not self.cfg.ideal:

@@ -33,6 +33,7 @@ Suites (``--suites``): ``policy`` (fcfs, priority, deadline; prefix placement; s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -119,13 +120,22 @@ def make_trace(curve: Curve, rate: float, args) -> list[TraceRequest]:
 
 
 # -- one point -----------------------------------------------------------------------------------
-def measure(outcomes: list[Outcome], rate: float, duration: float, args) -> dict:
-    """Goodput and latencies of one run (requests that never finished count as misses)."""
+def measure(outcomes: list[Outcome], rate: float, duration: float, args, end_s: float) -> dict:
+    """Goodput and latencies of one run that stopped at ``end_s``.
+
+    A request still running then (a long answer that arrived late) counts as within its SLOs
+    if it is on track: its first token came in time and its tokens so far came at least as
+    fast as the TPOT SLO (the load only falls after the arrivals end). One that never got a
+    token, or was cut off at its deadline, is a miss.
+    """
     n = len(outcomes)
 
     def good(o: Outcome) -> bool:
-        return (o.finish_reason in ("length", "stop") and o.ttft_s <= args.slo_ttft
-                and o.tpot_s is not None and o.tpot_s <= args.slo_tpot)
+        if o.finish_reason in ("length", "stop"):
+            return o.ttft_s <= args.slo_ttft and o.tpot_s is not None and o.tpot_s <= args.slo_tpot
+        if o.finish_reason or o.first_token_s is None or o.ttft_s > args.slo_ttft:
+            return False
+        return o.num_tokens < 2 or (end_s - o.first_token_s) / (o.num_tokens - 1) <= args.slo_tpot
 
     done = [o for o in outcomes if o.finish_reason in ("length", "stop")]
     ttft = np.array([o.ttft_s for o in done]) if done else np.array([np.nan])
@@ -139,6 +149,7 @@ def measure(outcomes: list[Outcome], rate: float, duration: float, args) -> dict
         "attainment": num_good / n if n else 0.0,
         "attainment_high_priority": sum(map(good, hi)) / len(hi) if hi else None,
         "finished": len(done) / n if n else 0.0,
+        "running_at_end": sum(1 for o in outcomes if not o.finish_reason) / n if n else 0.0,
         "cut_at_deadline": sum(1 for o in outcomes if o.finish_reason == "deadline") / n if n else 0.0,
         "ttft_p50_s": float(np.nanpercentile(ttft, 50)), "ttft_p99_s": float(np.nanpercentile(ttft, 99)),
         "tpot_p50_ms": float(np.nanpercentile(tpot, 50) * 1e3), "tpot_p99_ms": float(np.nanpercentile(tpot, 99) * 1e3),
@@ -153,7 +164,7 @@ def run_point(curve: Curve, rate: float, args, profile) -> dict:
     t0 = time.process_time()
     sim = FleetSim(cfg)
     outcomes = sim.run(trace, until_s=args.duration + args.drain)
-    point = measure(list(outcomes.values()), rate, args.duration, args)
+    point = measure(list(outcomes.values()), rate, args.duration, args, sim.now)
     point["cpu_s"] = time.process_time() - t0
     return point
 
@@ -209,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.suites.split(","):
         curves = []
         for c in SUITES[name]:
-            c = Curve(c.name, c.trace, c.policy, c.placement, args.burstiness if c.burstiness != 1.0 else 1.0,
-                      c.priorities, c.ideal)
+            if c.burstiness != 1.0:
+                c = dataclasses.replace(c, burstiness=args.burstiness)
             points = []
             for f in factors:
                 pt = run_point(c, base[c.trace] * f, args, profile)
