@@ -356,6 +356,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: fit memory)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, run every worker step eagerly (no CUDA graphs for decode steps)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="auto: the checkpoint's weights; dummy: its shape with random weights (benchmarks)")
     p.add_argument("--engine", default="model", choices=("model", "sim"),
                    help="sim: simulated workers (no model; see `pagefleet worker --help`)")
     p.add_argument("--sim-profile", default="llama-3-8b-h100", help="--engine sim: the step-time profile")
@@ -418,6 +420,8 @@ def main(argv: list[str]) -> int:
     worker_args = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     if args.enforce_eager:
         worker_args.append("--enforce-eager")
+    if args.load_format != "auto":
+        worker_args += ["--load-format", args.load_format]
     if args.engine == "sim":
         worker_args += ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale)]
     per_process = args.workers_per_process or (64 if args.engine == "sim" else 1)

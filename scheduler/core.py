@@ -62,6 +62,14 @@ log = structlog.get_logger("scheduler")
 
 # Placements decided (and fenced in one round trip) before their Assigns are sent.
 _ROUND = 256
+# Rounds whose fences and Assigns may be in flight at once: placement decides the next round
+# while the workers of the previous ones answer (a round would otherwise wait for its slowest
+# worker before the next is decided).
+_ROUNDS_IN_FLIGHT = 8
+# Requests whose final write the scheduler has seen, remembered this long (at most this many):
+# a worker's report can reach the scheduler after the finish it predates (a gRPC stream and a
+# Redis stream do not keep one order), and listing such a request is no orphan.
+_DONE_MEMORY = 65536
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 PREEMPT_MODES = {
     "auto": cluster_pb2.PREEMPT_MODE_AUTO,
@@ -126,6 +134,7 @@ class ClusterScheduler:
         self.index = PrefixIndex(config.prefix_index_size)
         self.placer = Placer(config.placement, self.index)
         self.known: dict[str, Pending] = {}  # every unfinished request: queued or placed
+        self._done_recently: dict[str, None] = {}  # insertion-ordered: the oldest go first (_DONE_MEMORY)
         self.where: dict[str, str] = {}  # request_id -> worker_id
         self._seq = itertools.count()
         self._wake = asyncio.Event()
@@ -136,6 +145,8 @@ class ClusterScheduler:
         self._published_at = 0.0
         self._tasks: list[asyncio.Task] = []
         self._cancel_calls: set[asyncio.Task] = set()  # best-effort Cancel calls in flight
+        self._rounds: set[asyncio.Task] = set()  # rounds being fenced and sent (_dispatch)
+        self._round_slots = asyncio.Semaphore(_ROUNDS_IN_FLIGHT)
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         self.metrics.bind(self)
 
@@ -159,7 +170,7 @@ class ClusterScheduler:
             await self.close()
 
     async def close(self) -> None:
-        for t in (*self._tasks, *self._cancel_calls):
+        for t in (*self._tasks, *self._cancel_calls, *self._rounds):
             t.cancel()
         for w in self.workers.values():
             if w.channel is not None:
@@ -377,6 +388,9 @@ class ClusterScheduler:
                         del self.where[rid]
                         log.warning("request.vanished", request_id=rid, worker_id=w.worker_id)
                         await self._requeue(pl.pending)
+                # A finished request a stale report still lists is no orphan (and were it one,
+                # its done flag refuses the worker's next write, which drops it).
+                orphans = [rid for rid in orphans if rid not in self._done_recently]
                 if orphans and not self._adopting:
                     await self._withdraw_orphans(w, orphans)
                 # Placement only gains from a report that shows room (the tick wakes it anyway).
@@ -391,6 +405,9 @@ class ClusterScheduler:
 
     def _forget(self, rid: str) -> None:
         """``rid`` is finished (its final write is in Redis): drop every trace of it."""
+        self._done_recently[rid] = None
+        if len(self._done_recently) > _DONE_MEMORY:
+            del self._done_recently[next(iter(self._done_recently))]
         self.known.pop(rid, None)
         self.queue.remove(rid)
         self.index.release(rid)
@@ -464,16 +481,21 @@ class ClusterScheduler:
     # -- placing --------------------------------------------------------------------------------
     async def _dispatch(self) -> None:
         """Place the queue's heads in rounds: decide up to ``_ROUND`` placements (pure CPU,
-        each recorded on its worker at once so the next decision sees it), fence them in one
-        Redis round trip, send their Assigns at once; then the next round. A head that fits
-        nowhere is placed by preempting lower-priority sequences, or waits (head of line)."""
+        each recorded on its worker at once so the next decision sees it), then fence them in
+        one Redis round trip and send their Assigns at once, in the background: up to
+        ``_ROUNDS_IN_FLIGHT`` rounds are fenced and sent while the next is decided. A head that
+        fits nowhere is placed by preempting lower-priority sequences, or waits (head of line)."""
         while True:
             await self._wake.wait()
             self._wake.clear()
+            self._reap_rounds()
             while True:
                 claimed, blocked, found = self._decide()
                 if claimed:
-                    await self._assign_claimed(claimed)
+                    await self._round_slots.acquire()
+                    task = asyncio.create_task(self._send_round(claimed))
+                    self._rounds.add(task)
+                    task.add_done_callback(self._round_done)
                 elif blocked is not None and found is not None:
                     # Assign first, then preempt: the request is already waiting on the worker
                     # when the victims' blocks come free, so it (the higher priority) takes
@@ -484,6 +506,24 @@ class ClusterScheduler:
                         await self._preempt(w, victims, blocked)
                 else:
                     break  # empty, or head of line: it waits until a report shows room
+                self._reap_rounds()
+
+    async def _send_round(self, claimed: list[tuple[Pending, Placement]]) -> None:
+        try:
+            await self._assign_claimed(claimed)
+        finally:
+            self._round_slots.release()
+
+    def _round_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._wake.set()  # the dispatcher reaps it and raises (e.g. StaleScheduler)
+
+    def _reap_rounds(self) -> None:
+        """Forget the rounds that ended; raise what one of them raised."""
+        for task in [t for t in self._rounds if t.done()]:
+            self._rounds.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
 
     def _decide(self) -> tuple[list[tuple[Pending, Placement]], Pending | None, tuple | None]:
         """Claim placements for the queue's heads while they fit, at most ``_ROUND``; also the

@@ -92,9 +92,13 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(self.device)  # warm-up off the capture's stream, as PyTorch advises
         for size in reversed(self.sizes):
-            for _ in range(2):
-                self._forward(size)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
