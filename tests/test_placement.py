@@ -264,8 +264,13 @@ class FakeWorkerStub:
 
     def __init__(self) -> None:
         self.assigned: list[str] = []
+        self.cancelled: list[str] = []
         self.epochs: dict[str, int] = {}
         self.reports: asyncio.Queue = asyncio.Queue()
+
+    async def Cancel(self, request, timeout=None, metadata=None):
+        self.cancelled.append(request.request_id)
+        return cluster_pb2.WorkerCancelResponse()
 
     async def Assign(self, request, timeout=None, metadata=None):
         self.assigned.append(request.request_id)
@@ -337,6 +342,12 @@ def test_the_scheduler_learns_from_reports_holds_placements_and_forgets_the_dead
                 break
         assert core.index.match(cached) == {} and not core.where
         core.index.check_integrity()
+        # A report older than those final writes (a gRPC stream and the done stream keep no
+        # common order) still lists r0: no orphan. A request never placed there is one.
+        stubs["b"].reports.put_nowait(report("b", free=250, num_blocks=256, request_ids=["r0", "zz"],
+                                             blocks_per_request={"r0": 3, "zz": 3}))
+        await settle()
+        assert stubs["b"].cancelled == ["zz"]
 
         # a placed request's keys are held on its worker until that worker dies.
         p = pending("r3", SYSTEM)
@@ -484,3 +495,34 @@ def test_a_round_decides_as_a_scan_of_every_worker_would(policy, seed):
             twin._last_worker_id = placer._last_worker_id
             got.worker.place(p, HEADROOM, got.num_shared_blocks)
             idx.hold(got.worker.worker_id, p.request_id, p.assign.block_hashes)
+
+
+def test_a_round_sent_in_the_background_still_stops_a_stale_scheduler():
+    """Rounds are fenced and sent in the background; a fence refused for a newer scheduler's
+    epoch must still end the dispatcher (and with it the scheduler) with StaleScheduler."""
+    from pagefleet.common.redis import Keys, RedisServer, connect
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig, StaleScheduler
+
+    async def run(url: str) -> None:
+        redis = connect(url)
+        await redis.set(Keys("t").scheduler_epoch, 2)  # a newer scheduler took over
+        core = ClusterScheduler(redis, Keys("t"), SchedulerConfig(headroom_tokens=HEADROOM), epoch=1)
+        core._adopting = False
+        stub = FakeWorkerStub()
+        core.workers["a"] = WorkerEntry("a", "a-addr", stub=stub)
+        watch = asyncio.create_task(core._watch(core.workers["a"]))
+        stub.reports.put_nowait(report("a", free=256, num_blocks=256))
+        await settle()
+        p = pending("r0", SYSTEM)
+        core.known[p.request_id] = p
+        core.queue.push(p)
+        dispatch = asyncio.create_task(core._dispatch())
+        core._wake.set()
+        with pytest.raises(StaleScheduler):
+            await asyncio.wait_for(dispatch, 5)
+        assert stub.assigned == []
+        watch.cancel()
+        await redis.aclose()
+
+    with RedisServer() as server:
+        asyncio.run(run(server.url))
