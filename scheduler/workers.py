@@ -24,8 +24,9 @@ until the next report such requests take more than they are owed, and the worker
 admission holds them back; ``s`` is an estimate, as every number here between reports.)
 
 Score (larger wins): **the fraction of the worker's pool still free after placing the
-request, minus a small penalty per running sequence** - spread by memory, break ties
-towards the less busy worker.
+request, minus 0.01 per request placed there** (counted as each is placed, not as reports
+tell) - spread by memory and by requests, so that no worker takes a run of placements between
+two of its reports.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ class WorkerEntry:
     # From the latest report, read once per report rather than once per decision.
     _num_reported_free: int = field(default=0, init=False, repr=False)  # free minus swapped
     _limits: tuple[int, int, int] = field(default=(0, 0, 1), init=False, repr=False)  # model len, seqs, blocks
-    _num_running: int = field(default=0, init=False, repr=False)
     _priorities: Counter[int] = field(default_factory=Counter, init=False, repr=False)  # of placed requests
 
     def __post_init__(self) -> None:
@@ -89,7 +89,6 @@ class WorkerEntry:
         self.report = r
         self._num_reported_free = r.num_free_blocks - r.num_swapped_blocks
         self._limits = (r.max_model_len, r.max_num_seqs, max(1, r.num_blocks))
-        self._num_running = r.num_running
 
     # -- the numbers admission uses ---------------------------------------------------
     @property
@@ -155,12 +154,15 @@ class WorkerEntry:
     def spare(self) -> float:
         """``score_after(0)``: what the score of every request here shares; with one pool size
         for all, workers in this order are in the order of their scores for any request."""
-        return (self._num_reported_free - self.num_owed_blocks_total) / self._limits[2] - 0.01 * self._num_running
+        return (self._num_reported_free - self.num_owed_blocks_total) / self._limits[2] - 0.01 * len(self.placed)
 
     def score_after(self, num_blocks_taken: int) -> float:
-        """The fraction of the pool left after taking ``num_blocks_taken``, less 0.01 a running sequence."""
+        """The fraction of the pool left after taking ``num_blocks_taken``, less 0.01 a request
+        placed here (counted as each is placed: a worker's running count only changes with its
+        reports, and ranking by it sent every placement between two reports to the one worker
+        whose last report showed the fewest, ten and more in a row)."""
         left = self._num_reported_free - self.num_owed_blocks_total - num_blocks_taken
-        return left / self._limits[2] - 0.01 * self._num_running
+        return left / self._limits[2] - 0.01 * len(self.placed)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def place(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0, *,

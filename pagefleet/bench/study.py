@@ -138,7 +138,11 @@ def measure(outcomes: list[Outcome], rate: float, duration: float, args, end_s: 
         return o.num_tokens < 2 or (end_s - o.first_token_s) / (o.num_tokens - 1) <= args.slo_tpot
 
     done = [o for o in outcomes if o.finish_reason in ("length", "stop")]
-    ttft = np.array([o.ttft_s for o in done]) if done else np.array([np.nan])
+    # TTFT over every request, finished or not (one still waiting for its first token counts
+    # as infinite): over finished ones only, a run whose late arrivals cannot finish in time
+    # would show the early, fast ones.
+    ttft = np.array([o.ttft_s if o.first_token_s is not None else np.inf for o in outcomes]) if outcomes \
+        else np.array([np.nan])
     tpot = np.array([o.tpot_s for o in done if o.tpot_s is not None]) if done else np.array([np.nan])
     hi = [o for o in outcomes if o.priority > 0]
     num_good = sum(map(good, outcomes))
