@@ -155,7 +155,8 @@ def measure(outcomes: list[Outcome], rate: float, duration: float, args, end_s: 
         "finished": len(done) / n if n else 0.0,
         "running_at_end": sum(1 for o in outcomes if not o.finish_reason) / n if n else 0.0,
         "cut_at_deadline": sum(1 for o in outcomes if o.finish_reason == "deadline") / n if n else 0.0,
-        "ttft_p50_s": float(np.nanpercentile(ttft, 50)), "ttft_p99_s": float(np.nanpercentile(ttft, 99)),
+        "ttft_p50_s": float(np.nanpercentile(ttft, 50, method="higher")),
+        "ttft_p99_s": float(np.nanpercentile(ttft, 99, method="higher")),  # inf: over 1 % got no token
         "tpot_p50_ms": float(np.nanpercentile(tpot, 50) * 1e3), "tpot_p99_ms": float(np.nanpercentile(tpot, 99) * 1e3),
         "output_tokens_per_s": sum(o.num_tokens for o in done) / duration,
     }
