@@ -62,6 +62,15 @@ def test_overload_refuses_with_retry_info_and_serves_the_admitted_exactly(tmp_pa
     assert "other errors" not in row.figures, row
 
 
+def test_a_bad_sim_time_scale_is_refused_by_name(capsys):
+    from pagefleet.bench.reliability import main
+
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit) as e:
+            main(["--scenario", "overload", "--sim-time-scale", bad])
+        assert e.value.code == 2 and "--sim-time-scale must be positive" in capsys.readouterr().err
+
+
 # -- regressions the suite found ---------------------------------------------------------------
 @pytest.fixture
 def redis_server():

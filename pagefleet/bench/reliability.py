@@ -283,10 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagefleet-reliability-"))
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if not args.sim_time_scale > 0:
-        p.error(f"--sim-time-scale must be positive, got {args.sim_time_scale}")
+        parser.error(f"--sim-time-scale must be positive, got {args.sim_time_scale}")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagefleet-reliability-"))
     s = Settings(short=args.short, log_dir=log_dir, sim_time_scale=args.sim_time_scale)
     rows = []
     for name in args.scenario or list(SCENARIOS):
