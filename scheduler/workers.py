@@ -154,7 +154,7 @@ class WorkerEntry:
     def spare(self) -> float:
         """``score_after(0)``: what the score of every request here shares; with one pool size
         for all, workers in this order are in the order of their scores for any request."""
-        return (self._num_reported_free - self.num_owed_blocks_total) / self._limits[2] - 0.01 * len(self.placed)
+        return self.score_after(0)
 
     def score_after(self, num_blocks_taken: int) -> float:
         """The fraction of the pool left after taking ``num_blocks_taken``, less 0.01 a request

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pagefleet.bench.reliability_cluster import wait_for  # noqa: F401  (the tests' bounded wait)
 from pagefleet.client import Client, Completion
 from pagefleet.launcher import ClusterConfig, LocalCluster
 
@@ -40,17 +39,6 @@ def generate_all(target: str, prompts: list[str], max_tokens: int, **kwargs) -> 
         futs = [pool.submit(c.generate, p, max_tokens=max_tokens, ignore_eos=True, timeout=120, **kwargs)
                 for p in prompts]
         return [f.result() for f in futs]
-
-
-def wait_for(cond: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(every_s)
 
 
 def log_events(log_dir: Path, name: str) -> list[dict]:

@@ -67,6 +67,11 @@ class Executor(abc.ABC):
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
         """Run ``out``: its copies, then its forward pass; the requests that sampled and their tokens."""
 
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes replayed from CUDA graphs (empty: every step runs eagerly)."""
+        return []
+
     def check_fits(self, num_blocks: int, block_size: int) -> int:
         """``num_blocks`` if one ``max_model_len`` sequence fits in it, else ``ValueError``."""
         need = num_blocks_for(self.max_model_len, block_size)
@@ -143,7 +148,6 @@ class ModelExecutor(Executor):
 
     @property
     def graph_sizes(self) -> list[int]:
-        """The decode batch sizes replayed from CUDA graphs (empty: every step runs eagerly)."""
         graphs = self.runner.graphs if self.runner is not None else None
         return sorted(graphs.graphs) if graphs is not None else []
 
