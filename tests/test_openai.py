@@ -15,19 +15,16 @@ import json
 import subprocess
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import grpc
 import openai
 import pytest
 import redis as sync_redis
 from cluster_fixtures import start_cluster, wait_for, worker_reports
 from conftest import make_checkpoint
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from test_metrics import scrape
-from test_tracing import Receiver
+from test_tracing import serving_receiver
 
 from pagefleet.client import Client
 from pagefleet.common.chat_template import (
@@ -269,13 +266,8 @@ def test_closing_relays_cancels_what_has_not_finished():
 # -- a cluster ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def receiver():
-    rx = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rx, server)
-    rx.port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield rx
-    server.stop(0)
+    with serving_receiver(2) as rx:
+        yield rx
 
 
 @pytest.fixture(scope="module")

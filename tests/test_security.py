@@ -29,7 +29,7 @@ import redis as sync_redis
 from cluster_fixtures import log_events, start_cluster, wait_for, worker_reports
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from test_tracing import Receiver
+from test_tracing import serving_receiver
 
 from pagefleet.client import Client
 from pagefleet.common.api_keys import ApiKeys, Unauthenticated, key_id, parse_keys
@@ -177,17 +177,8 @@ def strangers(material, tmp_path_factory) -> dict[str, CertFiles]:
 
 @pytest.fixture(scope="module")
 def receiver():
-    from concurrent import futures
-
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-
-    rx = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rx, server)
-    rx.port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield rx
-    server.stop(0)
+    with serving_receiver(2) as rx:
+        yield rx
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ and that each component's metrics moved.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -46,16 +47,24 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
             return list(self.spans)
 
 
+@contextlib.contextmanager
+def serving_receiver(num_threads: int = 4):
+    """A ``Receiver`` behind an OTLP gRPC server on a free loopback port (``rx.port``)."""
+    rx = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(num_threads))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rx, server)
+    rx.port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield rx
+    finally:
+        server.stop(0)
+
+
 @pytest.fixture(scope="module")
 def receiver():
-    rx = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rx, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    rx.port = port
-    yield rx
-    server.stop(0)
+    with serving_receiver(4) as rx:
+        yield rx
 
 
 @pytest.fixture(scope="module")
