@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .scheduler import int_list
+
 SHAPES = {
     # meta-llama/Llama-3.2-1B and Meta-Llama-3-8B config.json (the fields the model reads)
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -45,10 +47,6 @@ def write_shape(name: str, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     return directory
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 def measure(model: str, *, batch: int, context: int, steps: int, enforce_eager: bool, device: str,
@@ -91,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="llama-3.2-1b,llama-3-8b",
                    help=f"comma-separated: {', '.join(SHAPES)} (random bf16 weights)")
     p.add_argument("--model", default=None, help="a checkpoint directory instead of --shape")
-    p.add_argument("--batch", type=_ints, default=[1, 16, 64], help="comma-separated batch sizes")
-    p.add_argument("--context", type=_ints, default=[512, 2048], help="comma-separated prompt lengths")
+    p.add_argument("--batch", type=int_list, default=[1, 16, 64], help="comma-separated batch sizes")
+    p.add_argument("--context", type=int_list, default=[512, 2048], help="comma-separated prompt lengths")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per point")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default="bench-results/decode.json")

@@ -355,15 +355,16 @@ def placement_core(num_workers: int, num_queued: int, *, rate: float = 5000.0, l
 
 
 # -- the command -------------------------------------------------------------------------------
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """A comma-separated option's integers (``--workers 16,64``)."""
     return [int(x) for x in text.split(",") if x]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagefleet bench scheduler", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=_ints, default=list(DEFAULT_WORKERS), help="comma-separated worker counts")
-    p.add_argument("--queued", type=_ints, default=list(DEFAULT_QUEUED), help="comma-separated queue depths")
+    p.add_argument("--workers", type=int_list, default=list(DEFAULT_WORKERS), help="comma-separated worker counts")
+    p.add_argument("--queued", type=int_list, default=list(DEFAULT_QUEUED), help="comma-separated queue depths")
     p.add_argument("--workers-per-process", type=int, default=64, help="simulated workers per worker process")
     p.add_argument("--sim-profile", default="llama-3-8b-h100", help="the workers' step-time profile")
     p.add_argument("--time-scale", type=float, default=0.05,
