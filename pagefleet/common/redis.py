@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from array import array
@@ -133,6 +134,25 @@ def _transient() -> tuple[type[BaseException], ...]:
     return (rx.ConnectionError, rx.TimeoutError, ConnectionError, OSError)
 
 
+async def cancellable(aw: Awaitable[T]) -> T:
+    """``await aw``, except that a cancel of the caller always raises ``CancelledError`` here.
+
+    redis-py sends every command through ``asyncio.wait_for``, and Python 3.11's ``wait_for``
+    drops a cancel that lands as the send completes (fixed in 3.12): the command goes on, and
+    a relay whose client went away kept reading to the request's end, so the request was
+    never cancelled. On 3.11 the command runs in a task of its own, shielded: the caller's
+    cancel raises at once and cancels that task (whatever the task does with it).
+    """
+    if sys.version_info >= (3, 12):
+        return await aw
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
+
 async def retry(
     fn: Callable[[], Awaitable[T]],
     *,
@@ -149,7 +169,7 @@ async def retry(
     delay, n = base_s, 0
     while True:
         try:
-            return await fn()
+            return await cancellable(fn())
         except _transient() as e:
             n += 1
             if attempts is not None and n >= attempts:
