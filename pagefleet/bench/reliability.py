@@ -28,6 +28,7 @@ form's figures are in docs/RELIABILITY.md. Exit status 1 when any row misses a g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import signal
@@ -171,6 +172,9 @@ def worker_freeze(s: Settings) -> Row:
             finally:
                 c.signal(victim, signal.SIGCONT)
         row = _finish(name, c, load, reference, started, {"freezes": freezes})
+        # A thawed worker's first writes can come after the load is through: give them 10 s.
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: all(c.events(v, "outputs.refused") for v in victims), 10, "the thawed workers' writes")
         refused = [len(c.events(v, "outputs.refused")) for v in victims]
         row.figures["writes refused after thawing"] = refused
         row.goals["every thawed worker was fenced off"] = all(refused)
