@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagefleet.protos import generation_pb2 as generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x0cpagefleet.v1\x1a\x10generation.proto\"\xb1\x02\n\rAssignRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ntry_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pagefleet.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\t \x03(\x0c\x12\x17\n\x0fhash_block_size\x18\n \x01(\r\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x17\n\x0fscheduler_epoch\x18\x0c \x01(\x04\";\n\x0e\x41ssignResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x17\n\x0fstale_scheduler\x18\x02 \x01(\x08\"C\n\x12\x41ssignBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.pagefleet.v1.AssignRequest\"F\n\x13\x41ssignBatchResponse\x12/\n\tresponses\x18\x01 \x03(\x0b\x32\x1c.pagefleet.v1.AssignResponse\"@\n\x13WorkerCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnotify_client\x18\x02 \x01(\x08\"%\n\x14WorkerCancelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"M\n\x0ePreemptRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x04mode\x18\x02 \x01(\x0e\x32\x19.pagefleet.v1.PreemptMode\"r\n\x0fPreemptResponse\x12-\n\x07outcome\x18\x01 \x01(\x0e\x32\x1c.pagefleet.v1.PreemptOutcome\x12\x18\n\x10num_freed_blocks\x18\x02 \x01(\rJ\x04\x08\x03\x10\x04R\x10output_token_ids\"&\n\x10OccupancyRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x02\"\xb5\x05\n\x0fOccupancyReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x06 \x01(\r\x12\x1c\n\x14num_free_swap_blocks\x18\x07 \x01(\r\x12\x1a\n\x12num_swapped_blocks\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12O\n\x12\x62locks_per_request\x18\x0c \x03(\x0b\x32\x33.pagefleet.v1.OccupancyReport.BlocksPerRequestEntry\x12\x13\n\x0brequest_ids\x18\r \x03(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x0e \x03(\t\x12\x14\n\x0cmax_num_seqs\x18\x0f \x01(\r\x12\x15\n\rmax_model_len\x18\x10 \x01(\r\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x17\n\x0fnum_preemptions\x18\x12 \x01(\x04\x12\x1b\n\x13stored_block_hashes\x18\x13 \x03(\x0c\x12\x1c\n\x14\x65victed_block_hashes\x18\x14 \x03(\x0c\x12\x1a\n\x12\x62lock_hashes_reset\x18\x15 \x01(\x08\x12\"\n\x1aprefix_cache_queries_total\x18\x16 \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x17 \x01(\x04\x1a\x37\n\x15\x42locksPerRequestEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x02\"%\n\rDrainResponse\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\"\x11\n\x0fGetStateRequest\"\xa4\x01\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12-\n\x06report\x18\x03 \x01(\x0b\x32\x1d.pagefleet.v1.OccupancyReport\x12\x17\n\x0fnum_owed_blocks\x18\x04 \x01(\r\x12\x13\n\x0brequest_ids\x18\x05 \x03(\t\x12\x14\n\x0cnum_assigned\x18\x06 \x01(\x04\"\xdc\x01\n\x0eSchedulerState\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x08\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.pagefleet.v1.WorkerState\x12\x1b\n\x13waiting_request_ids\x18\x03 \x03(\t\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x04\x12\x16\n\x0enum_reassigned\x18\x05 \x01(\x04\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x11\n\tplacement\x18\x07 \x01(\t\x12\x1d\n\x15num_prefix_index_keys\x18\x08 \x01(\x04*u\n\x0bPreemptMode\x12\x1c\n\x18PREEMPT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11PREEMPT_MODE_AUTO\x10\x01\x12\x15\n\x11PREEMPT_MODE_SWAP\x10\x02\x12\x1a\n\x16PREEMPT_MODE_RECOMPUTE\x10\x03*\xaa\x01\n\x0ePreemptOutcome\x12\x1f\n\x1bPREEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14PREEMPT_OUTCOME_KEPT\x10\x01\x12\x1d\n\x19PREEMPT_OUTCOME_NOT_FOUND\x10\x03\x12\x1b\n\x17PREEMPT_OUTCOME_REFUSED\x10\x04\"\x04\x08\x02\x10\x02*\x1bPREEMPT_OUTCOME_HANDED_BACK2\xd0\x03\n\x06Worker\x12\x43\n\x06\x41ssign\x12\x1b.pagefleet.v1.AssignRequest\x1a\x1c.pagefleet.v1.AssignResponse\x12R\n\x0b\x41ssignBatch\x12 .pagefleet.v1.AssignBatchRequest\x1a!.pagefleet.v1.AssignBatchResponse\x12O\n\x06\x43\x61ncel\x12!.pagefleet.v1.WorkerCancelRequest\x1a\".pagefleet.v1.WorkerCancelResponse\x12\x46\n\x07Preempt\x12\x1c.pagefleet.v1.PreemptRequest\x1a\x1d.pagefleet.v1.PreemptResponse\x12R\n\x0fStreamOccupancy\x12\x1e.pagefleet.v1.OccupancyRequest\x1a\x1d.pagefleet.v1.OccupancyReport0\x01\x12@\n\x05\x44rain\x12\x1a.pagefleet.v1.DrainRequest\x1a\x1b.pagefleet.v1.DrainResponse2T\n\tScheduler\x12G\n\x08GetState\x12\x1d.pagefleet.v1.GetStateRequest\x1a\x1c.pagefleet.v1.SchedulerStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x0cpagefleet.v1\x1a\x10generation.proto\"\xb1\x02\n\rAssignRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ntry_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pagefleet.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\t \x03(\x0c\x12\x17\n\x0fhash_block_size\x18\n \x01(\r\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x17\n\x0fscheduler_epoch\x18\x0c \x01(\x04\";\n\x0e\x41ssignResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x17\n\x0fstale_scheduler\x18\x02 \x01(\x08\"C\n\x12\x41ssignBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.pagefleet.v1.AssignRequest\"F\n\x13\x41ssignBatchResponse\x12/\n\tresponses\x18\x01 \x03(\x0b\x32\x1c.pagefleet.v1.AssignResponse\"@\n\x13WorkerCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnotify_client\x18\x02 \x01(\x08\"%\n\x14WorkerCancelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"M\n\x0ePreemptRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x04mode\x18\x02 \x01(\x0e\x32\x19.pagefleet.v1.PreemptMode\"r\n\x0fPreemptResponse\x12-\n\x07outcome\x18\x01 \x01(\x0e\x32\x1c.pagefleet.v1.PreemptOutcome\x12\x18\n\x10num_freed_blocks\x18\x02 \x01(\rJ\x04\x08\x03\x10\x04R\x10output_token_ids\"6\n\x10OccupancyRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x02\x12\x0e\n\x06\x64\x65ltas\x18\x02 \x01(\x08\"\xeb\x05\n\x0fOccupancyReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x06 \x01(\r\x12\x1c\n\x14num_free_swap_blocks\x18\x07 \x01(\r\x12\x1a\n\x12num_swapped_blocks\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x13\n\x0bnum_swapped\x18\x0b \x01(\r\x12O\n\x12\x62locks_per_request\x18\x0c \x03(\x0b\x32\x33.pagefleet.v1.OccupancyReport.BlocksPerRequestEntry\x12\x13\n\x0brequest_ids\x18\r \x03(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x0e \x03(\t\x12\x14\n\x0cmax_num_seqs\x18\x0f \x01(\r\x12\x15\n\rmax_model_len\x18\x10 \x01(\r\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\x12\x17\n\x0fnum_preemptions\x18\x12 \x01(\x04\x12\x1b\n\x13stored_block_hashes\x18\x13 \x03(\x0c\x12\x1c\n\x14\x65victed_block_hashes\x18\x14 \x03(\x0c\x12\x1a\n\x12\x62lock_hashes_reset\x18\x15 \x01(\x08\x12\"\n\x1aprefix_cache_queries_total\x18\x16 \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x17 \x01(\x04\x12\x16\n\x0eholdings_delta\x18\x18 \x01(\x08\x12\x1c\n\x14released_request_ids\x18\x19 \x03(\t\x1a\x37\n\x15\x42locksPerRequestEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x02\"%\n\rDrainResponse\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\"\x11\n\x0fGetStateRequest\"\xa4\x01\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12-\n\x06report\x18\x03 \x01(\x0b\x32\x1d.pagefleet.v1.OccupancyReport\x12\x17\n\x0fnum_owed_blocks\x18\x04 \x01(\r\x12\x13\n\x0brequest_ids\x18\x05 \x03(\t\x12\x14\n\x0cnum_assigned\x18\x06 \x01(\x04\"\xdc\x01\n\x0eSchedulerState\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x08\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.pagefleet.v1.WorkerState\x12\x1b\n\x13waiting_request_ids\x18\x03 \x03(\t\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x04\x12\x16\n\x0enum_reassigned\x18\x05 \x01(\x04\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x11\n\tplacement\x18\x07 \x01(\t\x12\x1d\n\x15num_prefix_index_keys\x18\x08 \x01(\x04*u\n\x0bPreemptMode\x12\x1c\n\x18PREEMPT_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11PREEMPT_MODE_AUTO\x10\x01\x12\x15\n\x11PREEMPT_MODE_SWAP\x10\x02\x12\x1a\n\x16PREEMPT_MODE_RECOMPUTE\x10\x03*\xaa\x01\n\x0ePreemptOutcome\x12\x1f\n\x1bPREEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14PREEMPT_OUTCOME_KEPT\x10\x01\x12\x1d\n\x19PREEMPT_OUTCOME_NOT_FOUND\x10\x03\x12\x1b\n\x17PREEMPT_OUTCOME_REFUSED\x10\x04\"\x04\x08\x02\x10\x02*\x1bPREEMPT_OUTCOME_HANDED_BACK2\xd0\x03\n\x06Worker\x12\x43\n\x06\x41ssign\x12\x1b.pagefleet.v1.AssignRequest\x1a\x1c.pagefleet.v1.AssignResponse\x12R\n\x0b\x41ssignBatch\x12 .pagefleet.v1.AssignBatchRequest\x1a!.pagefleet.v1.AssignBatchResponse\x12O\n\x06\x43\x61ncel\x12!.pagefleet.v1.WorkerCancelRequest\x1a\".pagefleet.v1.WorkerCancelResponse\x12\x46\n\x07Preempt\x12\x1c.pagefleet.v1.PreemptRequest\x1a\x1d.pagefleet.v1.PreemptResponse\x12R\n\x0fStreamOccupancy\x12\x1e.pagefleet.v1.OccupancyRequest\x1a\x1d.pagefleet.v1.OccupancyReport0\x01\x12@\n\x05\x44rain\x12\x1a.pagefleet.v1.DrainRequest\x1a\x1b.pagefleet.v1.DrainResponse2T\n\tScheduler\x12G\n\x08GetState\x12\x1d.pagefleet.v1.GetStateRequest\x1a\x1c.pagefleet.v1.SchedulerStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OCCUPANCYREPORT_BLOCKSPERREQUESTENTRY']._loaded_options = None
   _globals['_OCCUPANCYREPORT_BLOCKSPERREQUESTENTRY']._serialized_options = b'8\001'
-  _globals['_PREEMPTMODE']._serialized_start=2078
-  _globals['_PREEMPTMODE']._serialized_end=2195
-  _globals['_PREEMPTOUTCOME']._serialized_start=2198
-  _globals['_PREEMPTOUTCOME']._serialized_end=2368
+  _globals['_PREEMPTMODE']._serialized_start=2148
+  _globals['_PREEMPTMODE']._serialized_end=2265
+  _globals['_PREEMPTOUTCOME']._serialized_start=2268
+  _globals['_PREEMPTOUTCOME']._serialized_end=2438
   _globals['_ASSIGNREQUEST']._serialized_start=50
   _globals['_ASSIGNREQUEST']._serialized_end=355
   _globals['_ASSIGNRESPONSE']._serialized_start=357
@@ -55,23 +55,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREEMPTRESPONSE']._serialized_start=743
   _globals['_PREEMPTRESPONSE']._serialized_end=857
   _globals['_OCCUPANCYREQUEST']._serialized_start=859
-  _globals['_OCCUPANCYREQUEST']._serialized_end=897
-  _globals['_OCCUPANCYREPORT']._serialized_start=900
-  _globals['_OCCUPANCYREPORT']._serialized_end=1593
-  _globals['_OCCUPANCYREPORT_BLOCKSPERREQUESTENTRY']._serialized_start=1538
-  _globals['_OCCUPANCYREPORT_BLOCKSPERREQUESTENTRY']._serialized_end=1593
-  _globals['_DRAINREQUEST']._serialized_start=1595
-  _globals['_DRAINREQUEST']._serialized_end=1628
-  _globals['_DRAINRESPONSE']._serialized_start=1630
-  _globals['_DRAINRESPONSE']._serialized_end=1667
-  _globals['_GETSTATEREQUEST']._serialized_start=1669
-  _globals['_GETSTATEREQUEST']._serialized_end=1686
-  _globals['_WORKERSTATE']._serialized_start=1689
-  _globals['_WORKERSTATE']._serialized_end=1853
-  _globals['_SCHEDULERSTATE']._serialized_start=1856
-  _globals['_SCHEDULERSTATE']._serialized_end=2076
-  _globals['_WORKER']._serialized_start=2371
-  _globals['_WORKER']._serialized_end=2835
-  _globals['_SCHEDULER']._serialized_start=2837
-  _globals['_SCHEDULER']._serialized_end=2921
+  _globals['_OCCUPANCYREQUEST']._serialized_end=913
+  _globals['_OCCUPANCYREPORT']._serialized_start=916
+  _globals['_OCCUPANCYREPORT']._serialized_end=1663
+  _globals['_OCCUPANCYREPORT_BLOCKSPERREQUESTENTRY']._serialized_start=1608
+  _globals['_OCCUPANCYREPORT_BLOCKSPERREQUESTENTRY']._serialized_end=1663
+  _globals['_DRAINREQUEST']._serialized_start=1665
+  _globals['_DRAINREQUEST']._serialized_end=1698
+  _globals['_DRAINRESPONSE']._serialized_start=1700
+  _globals['_DRAINRESPONSE']._serialized_end=1737
+  _globals['_GETSTATEREQUEST']._serialized_start=1739
+  _globals['_GETSTATEREQUEST']._serialized_end=1756
+  _globals['_WORKERSTATE']._serialized_start=1759
+  _globals['_WORKERSTATE']._serialized_end=1923
+  _globals['_SCHEDULERSTATE']._serialized_start=1926
+  _globals['_SCHEDULERSTATE']._serialized_end=2146
+  _globals['_WORKER']._serialized_start=2441
+  _globals['_WORKER']._serialized_end=2905
+  _globals['_SCHEDULER']._serialized_start=2907
+  _globals['_SCHEDULER']._serialized_end=2991
 # @@protoc_insertion_point(module_scope)

@@ -109,13 +109,15 @@ class PreemptResponse(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PreemptOutcome, str]] = ..., num_freed_blocks: _Optional[int] = ...) -> None: ...
 
 class OccupancyRequest(_message.Message):
-    __slots__ = ("interval_s",)
+    __slots__ = ("interval_s", "deltas")
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
     interval_s: float
-    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+    deltas: bool
+    def __init__(self, interval_s: _Optional[float] = ..., deltas: _Optional[bool] = ...) -> None: ...
 
 class OccupancyReport(_message.Message):
-    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions", "stored_block_hashes", "evicted_block_hashes", "block_hashes_reset", "prefix_cache_queries_total", "prefix_cache_hits_total")
+    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions", "stored_block_hashes", "evicted_block_hashes", "block_hashes_reset", "prefix_cache_queries_total", "prefix_cache_hits_total", "holdings_delta", "released_request_ids")
     class BlocksPerRequestEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,8 @@ class OccupancyReport(_message.Message):
     BLOCK_HASHES_RESET_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOLDINGS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     num_blocks: int
@@ -169,7 +173,9 @@ class OccupancyReport(_message.Message):
     block_hashes_reset: bool
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[bytes]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hashes_reset: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ...) -> None: ...
+    holdings_delta: bool
+    released_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[bytes]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hashes_reset: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., holdings_delta: _Optional[bool] = ..., released_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)

@@ -194,7 +194,7 @@ class ClusterScheduler:
             await asyncio.sleep(0.05)
             if self.workers and all(w.report is not None for w in self.workers.values()):
                 break
-        holders = {rid: w for w in self.workers.values() if w.report for rid in w.report.request_ids}
+        holders = {rid: w for w in self.workers.values() for rid in w.held}
         start = "0"
         while True:
             resp = await retry(lambda s=start: self.redis.xreadgroup(
@@ -206,6 +206,11 @@ class ClusterScheduler:
                 await self._on_entry(entry_id, fields, holders)
             start = entries[-1][0]
         self._adopting = False
+        # Reports named orphans while we adopted (a delta names each once): withdraw them now.
+        for w in list(self.workers.values()):
+            orphans = [rid for rid in w.orphans() if rid not in self._done_recently]
+            if orphans:
+                await self._withdraw_orphans(w, orphans)
         log.info("scheduler.adopted", num_placed=len(self.where), num_waiting=len(self.queue),
                  workers=sorted(self.workers))
         self._wake.set()
@@ -373,7 +378,7 @@ class ClusterScheduler:
 
     async def _watch(self, w: WorkerEntry) -> None:
         try:
-            async for report in w.stub.StreamOccupancy(cluster_pb2.OccupancyRequest()):
+            async for report in w.stub.StreamOccupancy(cluster_pb2.OccupancyRequest(deltas=True)):
                 if not w.alive:
                     return
                 room = w.num_available_blocks if w.report is not None else None

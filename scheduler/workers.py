@@ -78,6 +78,8 @@ class WorkerEntry:
     _num_reported_free: int = field(default=0, init=False, repr=False)  # free minus swapped
     _limits: tuple[int, int, int] = field(default=(0, 0, 1), init=False, repr=False)  # model len, seqs, blocks
     _priorities: Counter[int] = field(default_factory=Counter, init=False, repr=False)  # of placed requests
+    # Every request the worker holds -> its device blocks, kept from its reports (whole or deltas).
+    held: dict[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.report is not None:
@@ -89,6 +91,18 @@ class WorkerEntry:
         self.report = r
         self._num_reported_free = r.num_free_blocks - r.num_swapped_blocks
         self._limits = (r.max_model_len, r.max_num_seqs, max(1, r.num_blocks))
+        blocks = r.blocks_per_request
+        if not r.holdings_delta:
+            self.held = {rid: blocks.get(rid, 0) for rid in r.request_ids}
+            return
+        held = self.held
+        for rid in r.released_request_ids:
+            held.pop(rid, None)
+        for rid in r.request_ids:
+            held[rid] = 0
+        for rid, n in blocks.items():
+            if rid in held:
+                held[rid] = n
 
     # -- the numbers admission uses ---------------------------------------------------
     @property
@@ -105,7 +119,7 @@ class WorkerEntry:
             return 0
         if not pl.reflected:
             return pl.num_reserved_blocks - pl.num_shared_blocks
-        num_device_blocks = self.report.blocks_per_request.get(rid, 0) if self.report else 0
+        num_device_blocks = self.held.get(rid, 0)
         # None after it had some: swapped out (counted as swapped blocks) or queued again
         # inside the worker; either way not growing now.
         return max(0, pl.num_reserved_blocks - num_device_blocks) if num_device_blocks else 0
@@ -167,11 +181,12 @@ class WorkerEntry:
     # -- bookkeeping ---------------------------------------------------------------------
     def place(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0, *,
               reflected: bool = False) -> Placed:
-        """``reflected``: a report already shows it here (a takeover adopting it)."""
+        """``reflected``: a report already shows it here (a takeover adopting it); so does
+        holding device blocks for it in the latest report (a delta names it no more)."""
         rid = p.request_id
         self.unplace(rid)
         pl = self.placed[rid] = Placed(p, self.blocks_needed(p, headroom_tokens), num_shared_blocks,
-                                       reflected=reflected)
+                                       reflected=reflected or self.held.get(rid, 0) > 0)
         self.num_owed_blocks_total += self.num_owed_blocks(rid, pl)
         self._priorities[p.priority] += 1
         self.num_assigned += 1
@@ -208,36 +223,85 @@ class WorkerEntry:
         their output (or forgets them if it is complete). ``orphans``: requests the worker
         holds that were not placed there. Requests reported finished stay placed, owed
         nothing, until the caller sees their final write in Redis.
+
+        A whole report is checked against every placed request; a delta
+        (``holdings_delta``) against the requests it names, so its cost is what changed,
+        and its orphans are the requests it names as newly held.
         """
-        self._take(report)
         self.last_report_at = time.monotonic()
-        for rid in report.finished_request_ids:
-            pl = self.placed.get(rid)
-            if pl is not None:
-                pl.finished = True
-        reported_ids = set(report.request_ids)
-        blocks = report.blocks_per_request
+        if report.holdings_delta:
+            return self._apply_delta(report)
+        self._take(report)
+        self._mark_finished(report.finished_request_ids)
+        held = self.held
         vanished = []
         owed = 0
         for rid, pl in self.placed.items():
             if pl.finished:
                 continue
-            if rid in reported_ids:
-                if blocks.get(rid, 0) > 0:
+            num_blocks = held.get(rid)
+            if num_blocks is not None:
+                if num_blocks > 0:
                     pl.reflected = True
             elif pl.reflected:
                 vanished.append(rid)
                 continue
             owed += self.num_owed_blocks(rid, pl)
         self.num_owed_blocks_total = owed
-        orphans = [rid for rid in reported_ids if rid not in self.placed]
-        return vanished, orphans
+        return vanished, self.orphans()
+
+    def _apply_delta(self, report: cluster_pb2.OccupancyReport) -> tuple[list[str], list[str]]:
+        placed = self.placed
+        named = {rid for ids in (report.finished_request_ids, report.released_request_ids, report.request_ids,
+                                 report.blocks_per_request) for rid in ids if rid in placed}
+        owed_before = sum(self.num_owed_blocks(rid, placed[rid]) for rid in named)
+        self._take(report)
+        self._mark_finished(report.finished_request_ids)
+        held = self.held
+        vanished = []
+        for rid in named:
+            pl = placed[rid]
+            if pl.finished:
+                continue
+            num_blocks = held.get(rid)
+            if num_blocks is None:
+                if pl.reflected:
+                    vanished.append(rid)
+            elif num_blocks > 0:
+                pl.reflected = True
+        self.num_owed_blocks_total += sum(self.num_owed_blocks(rid, placed[rid]) for rid in named) - owed_before
+        return vanished, [rid for rid in report.request_ids if rid not in placed]
+
+    def _mark_finished(self, request_ids) -> None:
+        for rid in request_ids:
+            pl = self.placed.get(rid)
+            if pl is not None:
+                pl.finished = True
+
+    def orphans(self) -> list[str]:
+        """Requests the worker holds that were not placed there."""
+        return [rid for rid in self.held if rid not in self.placed]
+
+    def full_report(self) -> cluster_pb2.OccupancyReport | None:
+        """The latest report with every request held (a delta filled in from ``held``)."""
+        r = self.report
+        if r is None or not r.holdings_delta:
+            return r
+        full = cluster_pb2.OccupancyReport()
+        full.CopyFrom(r)
+        full.holdings_delta = False
+        del full.request_ids[:]
+        del full.released_request_ids[:]
+        full.blocks_per_request.clear()
+        full.request_ids.extend(self.held)
+        full.blocks_per_request.update({rid: n for rid, n in self.held.items() if n > 0})
+        return full
 
     def to_proto(self) -> cluster_pb2.WorkerState:
         return cluster_pb2.WorkerState(
             worker_id=self.worker_id,
             address=self.address,
-            report=self.report,
+            report=self.full_report(),
             num_owed_blocks=self.num_owed_blocks_total,
             request_ids=list(self.placed),
             num_assigned=self.num_assigned,
@@ -263,7 +327,7 @@ def pick_victims(
         candidates = sorted(
             (pl for pl in w.placed.values()
              if pl.pending.priority < p.priority and now - pl.preempted_at > cooldown_s
-             and w.report.blocks_per_request.get(pl.pending.request_id, 0) > 0),
+             and w.held.get(pl.pending.request_id, 0) > 0),
             key=lambda pl: (pl.pending.priority, -pl.placed_at),
         )
         chosen: list[Placed] = []
@@ -272,7 +336,7 @@ def pick_victims(
                 break
             chosen.append(pl)
             rid = pl.pending.request_id
-            avail += w.report.blocks_per_request.get(rid, 0) + w.num_owed_blocks(rid, pl)
+            avail += w.held.get(rid, 0) + w.num_owed_blocks(rid, pl)
         if avail >= need and chosen and (best is None or len(chosen) < len(best[1])):
             best = (w, chosen)
     return best

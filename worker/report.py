@@ -19,9 +19,13 @@ def occupancy_report(
     stored_block_hashes: list[bytes] = (),
     evicted_block_hashes: list[bytes] = (),
     block_hashes_reset: bool = False,
+    holdings: Holdings | None = None,
 ) -> cluster_pb2.OccupancyReport:
     """``stats`` and what this stream has not reported yet: the requests finished and the
-    prefix cache's keys stored and evicted since its previous report (see ``kv_events``)."""
+    prefix cache's keys stored and evicted since its previous report (see ``kv_events``).
+    ``holdings``: the stream asked for deltas; the requests held are what changed since."""
+    held = holdings.take(stats) if holdings is not None else {
+        "request_ids": stats.request_ids, "blocks_per_request": stats.blocks_per_request}
     return cluster_pb2.OccupancyReport(
         worker_id=worker_id,
         seq=seq,
@@ -34,8 +38,7 @@ def occupancy_report(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
         num_swapped=stats.num_swapped,
-        blocks_per_request=stats.blocks_per_request,
-        request_ids=stats.request_ids,
+        **held,
         finished_request_ids=finished_request_ids,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
@@ -47,3 +50,34 @@ def occupancy_report(
         prefix_cache_queries_total=stats.prefix_cache_queries_total,
         prefix_cache_hits_total=stats.prefix_cache_hits_total,
     )
+
+
+class Holdings:
+    """What one report stream last sent of the requests a worker holds, so that each report
+    carries only what changed (``OccupancyRequest.deltas``): a report of a worker holding 256
+    requests, a few of them new, then costs the few. The first report, and every
+    ``full_every``-th, has everything (``holdings_delta`` false): a reader that went wrong
+    is put right, and orphans are listed again."""
+
+    __slots__ = ("full_every", "num_reports", "sent")
+
+    def __init__(self, full_every: int = 100) -> None:
+        self.full_every = full_every
+        self.num_reports = 0
+        self.sent: dict[str, int] = {}  # request id -> its device blocks, as last sent
+
+    def take(self, stats: EngineStats) -> dict:
+        """The report's fields for ``stats``' holdings (and remember them as sent)."""
+        blocks = stats.blocks_per_request
+        now = {rid: blocks.get(rid, 0) for rid in stats.request_ids}
+        sent, self.sent = self.sent, now
+        first = self.num_reports % self.full_every == 0
+        self.num_reports += 1
+        if first:
+            return {"request_ids": stats.request_ids, "blocks_per_request": blocks}
+        return {
+            "holdings_delta": True,
+            "request_ids": [rid for rid in now if rid not in sent],
+            "blocks_per_request": {rid: n for rid, n in now.items() if sent.get(rid, 0) != n},
+            "released_request_ids": [rid for rid in sent if rid not in now],
+        }

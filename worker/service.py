@@ -53,7 +53,7 @@ from .engine_loop import EngineLoop
 from .kv_events import KVEventStream
 from .observe import WorkerObserver
 from .redis_io import OutputWriter
-from .report import occupancy_report
+from .report import Holdings, occupancy_report
 
 SERVICE = "pagefleet.v1.Worker"
 REPORT_INTERVAL_S = 0.1
@@ -157,10 +157,11 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         # and the prefix cache's keys: all of them first, then what changes.
         finished = self.w.loop.subscribe()
         kv_events = self.w.loop.kv_events.subscribe()
+        holdings = Holdings() if request.deltas else None
         try:
             # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
             while not self.w.stopped.is_set():
-                yield self.w.report(finished, kv_events)
+                yield self.w.report(finished, kv_events, holdings)
                 self.w.changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.w.changed.wait(), interval)
@@ -206,9 +207,11 @@ class Worker:
         self.drain_timeout = args.drain_timeout
         self.address = ""
 
-    def report(self, finished: collections.deque[str], kv_events: KVEventStream) -> cluster_pb2.OccupancyReport:
+    def report(self, finished: collections.deque[str], kv_events: KVEventStream,
+               holdings: Holdings | None = None) -> cluster_pb2.OccupancyReport:
         """The latest snapshot, with the requests that finished and the prefix cache's keys
-        stored and evicted since the stream's previous report."""
+        stored and evicted since the stream's previous report (``holdings``: the requests
+        held, as changes since then)."""
         s = self.loop.snapshot
         ids = [finished.popleft() for _ in range(len(finished))]
         stored, evicted, reset = kv_events.take()
@@ -217,7 +220,7 @@ class Worker:
             s, worker_id=self.worker_id, seq=self.report_seq, finished_request_ids=ids,
             max_num_seqs=self.args.max_num_seqs, max_model_len=self.engine.max_model_len,
             draining=self.draining, stored_block_hashes=stored, evicted_block_hashes=evicted,
-            block_hashes_reset=reset,
+            block_hashes_reset=reset, holdings=holdings,
         )
 
     def begin_drain(self, timeout_s: float | None = None) -> None:

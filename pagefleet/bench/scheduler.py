@@ -46,6 +46,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 DEFAULT_WORKERS = (16, 64, 256)
 DEFAULT_QUEUED = (1000, 10_000, 50_000)
@@ -267,8 +268,8 @@ def placement_core(num_workers: int, num_queued: int, *, rate: float = 5000.0, l
                    report_hz: float = 10.0, prompt_len: int = 32, max_tokens: int = 2, seed: int = 0) -> dict:
     """The scheduler's own work at ``rate`` placements/s, without its processes: the global
     queue, rounds of placement (``Placer.round``), claims on the worker table, the prefix
-    index, and every worker's report at ``report_hz`` (real ``OccupancyReport``s, applied as
-    the scheduler applies them). Requests leave ``lifetime_s`` after placement. Only the
+    index, and every worker's report at ``report_hz`` (real ``OccupancyReport``s, deltas as the
+    scheduler asks for, applied as it applies them). Requests leave ``lifetime_s`` after placement. Only the
     scheduler's calls are timed (``time.thread_time``); building the reports is not.
     """
     from pagefleet.common.blocks import block_hashes
@@ -277,18 +278,21 @@ def placement_core(num_workers: int, num_queued: int, *, rate: float = 5000.0, l
     from pagefleet.scheduler.prefix_index import PrefixIndex
     from pagefleet.scheduler.queue import GlobalQueue, Pending
     from pagefleet.scheduler.workers import WorkerEntry
+    from pagefleet.worker.report import Holdings
 
     rng = random.Random(seed)
     num_blocks = 4096
 
     def report(w: WorkerEntry) -> cluster_pb2.OccupancyReport:
         held = {rid: 3 for rid in w.placed}
+        stats = SimpleNamespace(request_ids=list(held), blocks_per_request=held)
         return cluster_pb2.OccupancyReport(
             worker_id=w.worker_id, num_blocks=num_blocks, num_free_blocks=num_blocks - 3 * len(held),
             block_size=16, max_num_seqs=256, max_model_len=8192, num_running=len(held),
-            blocks_per_request=held, request_ids=list(held))
+            **holdings[w.worker_id].take(stats))
 
     workers = [WorkerEntry(f"w{i:03d}", "sim") for i in range(num_workers)]
+    holdings = {w.worker_id: Holdings() for w in workers}  # the scheduler asks for delta reports
     for w in workers:
         w.apply_report(report(w))
     queue, index = GlobalQueue("fcfs"), PrefixIndex()
