@@ -195,16 +195,8 @@ class ClusterScheduler:
             if self.workers and all(w.report is not None for w in self.workers.values()):
                 break
         holders = {rid: w for w in self.workers.values() for rid in w.held}
-        start = "0"
-        while True:
-            resp = await retry(lambda s=start: self.redis.xreadgroup(
-                GROUP, CONSUMER, {self.keys.requests: s}, count=512), what="xreadgroup_pending")
-            entries = resp[0][1] if resp else []
-            if not entries:
-                break
-            for entry_id, fields in entries:
-                await self._on_entry(entry_id, fields, holders)
-            start = entries[-1][0]
+        async for entry_id, fields in self._pending_entries():
+            await self._on_entry(entry_id, fields, holders)
         self._adopting = False
         # Reports named orphans while we adopted (a delta names each once): withdraw them now.
         for w in list(self.workers.values()):
@@ -217,13 +209,44 @@ class ClusterScheduler:
 
     # -- intake ------------------------------------------------------------------------------
     async def _intake(self) -> None:
+        errors = []
         while True:
             resp = await retry(lambda: self.redis.xreadgroup(
-                GROUP, CONSUMER, {self.keys.requests: ">"}, count=256, block=1000), what="xreadgroup")
+                GROUP, CONSUMER, {self.keys.requests: ">"}, count=256, block=1000), what="xreadgroup",
+                on_error=errors.append)
             for _, entries in resp or ():
                 for entry_id, fields in entries:
                     await self._on_entry(entry_id, fields, None)
+            if errors:  # a read Redis answered (and persisted) may have lost its reply with the connection
+                errors.clear()
+                await self._reread_pending()
             self._wake.set()
+
+    async def _pending_entries(self):
+        """Our pending entries (delivered to us, not acknowledged), oldest first."""
+        start = "0"
+        while True:
+            resp = await retry(lambda s=start: self.redis.xreadgroup(
+                GROUP, CONSUMER, {self.keys.requests: s}, count=512), what="xreadgroup_pending")
+            entries = resp[0][1] if resp else []
+            if not entries:
+                return
+            for entry in entries:
+                yield entry
+            start = entries[-1][0]
+
+    async def _reread_pending(self) -> None:
+        """Entries an ``XREADGROUP >`` delivered in a reply that never arrived (Redis went away
+        mid-call) wait in our pending list, where ``>`` never shows them again: take in the
+        ones not known yet. Every request in the system is pending, so this is for errors only."""
+        n = 0
+        async for entry_id, fields in self._pending_entries():
+            if fields.get(b"kind") == b"generate" and fields.get(b"rid", b"").decode() in self.known:
+                continue
+            n += 1
+            await self._on_entry(entry_id, fields, None)
+        if n:
+            log.warning("intake.recovered_pending", num_entries=n)
 
     async def _on_entry(self, entry_id, fields: dict, holders: dict[str, WorkerEntry] | None) -> None:
         """One entry of the requests stream; ``holders`` (takeover only): request id -> the

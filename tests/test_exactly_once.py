@@ -123,3 +123,33 @@ def test_cancels_at_random_moments_leak_no_blocks(cluster):
 
         list(pool.map(one, range(24)))
     wait_for(lambda: _idle(cluster), 30, "every worker to end with its blocks free")
+
+
+def test_an_entry_whose_delivery_reply_was_lost_is_still_placed(cluster):
+    """``XREADGROUP >`` delivered an entry and Redis kept it pending, but the reply never
+    arrived (Redis went away mid-call): ``>`` never shows it again. Once its connection
+    breaks, the scheduler takes it in from its pending list."""
+    import redis as sync_redis
+
+    from pagefleet.common.redis import GROUP, Keys
+
+    requests_key = Keys(cluster.cfg.namespace).requests
+    pid = cluster.procs["scheduler"].pid
+    r = sync_redis.Redis.from_url(cluster.redis_url)
+    try:
+        with Client(cluster.gateway_target) as c, ThreadPoolExecutor(1) as pool:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                fut = pool.submit(c.generate, "a reply lost", max_tokens=5, temperature=0, ignore_eos=True,
+                                  request_id="lost-reply", timeout=60)
+                # The scheduler's consumer is handed the entry here, as by the reply that was lost.
+                wait_for(lambda: r.xreadgroup(GROUP, "scheduler", {requests_key: ">"}, count=10), 10,
+                         "the gateway to queue the request")
+                r.client_kill_filter(_type="normal", skipme=True)  # every connection breaks, as in a restart
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            out = fut.result(timeout=30)
+    finally:
+        r.close()
+    assert len(out.token_ids) == 5
+    assert any(e.get("event") == "intake.recovered_pending" for e in log_events(cluster.cfg.log_dir, "scheduler"))

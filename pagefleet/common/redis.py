@@ -160,17 +160,21 @@ async def retry(
     attempts: int | None = None,
     base_s: float = 0.05,
     max_s: float = 2.0,
+    on_error: Callable[[BaseException], None] | None = None,
 ) -> T:
     """Run ``fn`` until it succeeds; back off exponentially on connection errors.
 
     ``attempts=None`` retries forever (the caller's task can still be cancelled);
-    otherwise the last error is raised - never a silent drop.
+    otherwise the last error is raised - never a silent drop. ``on_error``: told of each
+    connection error (a reply may have been lost with it).
     """
     delay, n = base_s, 0
     while True:
         try:
             return await cancellable(fn())
         except _transient() as e:
+            if on_error is not None:
+                on_error(e)
             n += 1
             if attempts is not None and n >= attempts:
                 raise
