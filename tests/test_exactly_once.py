@@ -140,12 +140,14 @@ def test_an_entry_whose_delivery_reply_was_lost_is_still_placed(cluster):
         with Client(cluster.gateway_target) as c, ThreadPoolExecutor(1) as pool:
             os.kill(pid, signal.SIGSTOP)
             try:
+                # Every connection breaks, as in a restart; first, so that no read of the
+                # stopped scheduler is still waiting in Redis to be handed the entry.
+                r.client_kill_filter(_type="normal", skipme=True)
                 fut = pool.submit(c.generate, "a reply lost", max_tokens=5, temperature=0, ignore_eos=True,
                                   request_id="lost-reply", timeout=60)
                 # The scheduler's consumer is handed the entry here, as by the reply that was lost.
-                wait_for(lambda: r.xreadgroup(GROUP, "scheduler", {requests_key: ">"}, count=10), 10,
+                wait_for(lambda: r.xreadgroup(GROUP, "scheduler", {requests_key: ">"}, count=10), 5,
                          "the gateway to queue the request")
-                r.client_kill_filter(_type="normal", skipme=True)  # every connection breaks, as in a restart
             finally:
                 os.kill(pid, signal.SIGCONT)
             out = fut.result(timeout=30)

@@ -150,7 +150,13 @@ async def cancellable(aw: Awaitable[T]) -> T:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         task.cancel()
+        task.add_done_callback(_retrieved)  # its error (a broken connection, say) is nobody's now
         raise
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def retry(
