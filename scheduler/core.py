@@ -242,11 +242,13 @@ class ClusterScheduler:
     async def _reread_pending(self) -> None:
         """Entries an ``XREADGROUP >`` delivered in a reply that never arrived (Redis went away
         mid-call) wait in our pending list, where ``>`` never shows them again: take in the
-        ones not known yet. Every request in the system is pending, so this is for errors only."""
+        ones not known yet (one that finished meanwhile would only be fenced off: ``epoch == 0``).
+        Every request in the system is pending, so this is for errors only."""
         n = 0
         async for entry_id, fields in self._pending_entries():
-            if fields.get(b"kind") == b"generate" and fields.get(b"rid", b"").decode() in self.known:
-                continue
+            rid = fields.get(b"rid", b"").decode()
+            if fields.get(b"kind") == b"generate" and (rid in self.known or rid in self._done_recently):
+                continue  # taken in already, or finished with its ack still on its way
             n += 1
             await self._on_entry(entry_id, fields, None)
         if n:
