@@ -71,9 +71,9 @@ class Holdings:
         blocks = stats.blocks_per_request
         now = {rid: blocks.get(rid, 0) for rid in stats.request_ids}
         sent, self.sent = self.sent, now
-        first = self.num_reports % self.full_every == 0
+        whole = self.num_reports % self.full_every == 0
         self.num_reports += 1
-        if first:
+        if whole:
             return {"request_ids": stats.request_ids, "blocks_per_request": blocks}
         return {
             "holdings_delta": True,
