@@ -204,9 +204,7 @@ class ClusterScheduler:
         self._adopting = False
         # Reports named orphans while we adopted (a delta names each once): withdraw them now.
         for w in list(self.workers.values()):
-            orphans = [rid for rid in w.orphans() if rid not in self._done_recently]
-            if orphans:
-                await self._withdraw_orphans(w, orphans)
+            await self._withdraw_orphans(w, w.orphans())
         log.info("scheduler.adopted", num_placed=len(self.where), num_waiting=len(self.queue),
                  workers=sorted(self.workers))
         self._wake.set()
@@ -422,9 +420,6 @@ class ClusterScheduler:
                         del self.where[rid]
                         log.warning("request.vanished", request_id=rid, worker_id=w.worker_id)
                         await self._requeue(pl.pending)
-                # A finished request a stale report still lists is no orphan (and were it one,
-                # its done flag refuses the worker's next write, which drops it).
-                orphans = [rid for rid in orphans if rid not in self._done_recently]
                 if orphans and not self._adopting:
                     await self._withdraw_orphans(w, orphans)
                 # Placement only gains from a report that shows room (the tick wakes it anyway).
@@ -463,8 +458,12 @@ class ClusterScheduler:
             self._wake.set()
 
     async def _withdraw_orphans(self, w: WorkerEntry, orphans: list[str]) -> None:
-        """A worker runs requests it was not given (it came back after being declared dead)."""
+        """A worker runs requests it was not given (it came back after being declared dead).
+        A finished request a stale report still lists is no orphan (and were it one, its done
+        flag refuses the worker's next write, which drops it)."""
         for rid in orphans:
+            if rid in self._done_recently:
+                continue
             log.warning("worker.orphan_withdrawn", worker_id=w.worker_id, request_id=rid)
             await self._tell_cancel(w, rid)
 

@@ -229,37 +229,20 @@ class WorkerEntry:
         and its orphans are the requests it names as newly held.
         """
         self.last_report_at = time.monotonic()
-        if report.holdings_delta:
-            return self._apply_delta(report)
+        placed, delta = self.placed, report.holdings_delta
+        # What the checked requests are owed is taken out here and put back once they are updated.
+        if delta:
+            checked = {rid for ids in (report.finished_request_ids, report.released_request_ids,
+                                       report.request_ids, report.blocks_per_request) for rid in ids if rid in placed}
+            self.num_owed_blocks_total -= sum(self.num_owed_blocks(rid, placed[rid]) for rid in checked)
+        else:
+            checked = list(placed)
+            self.num_owed_blocks_total = 0  # recounted whole
         self._take(report)
         self._mark_finished(report.finished_request_ids)
         held = self.held
         vanished = []
-        owed = 0
-        for rid, pl in self.placed.items():
-            if pl.finished:
-                continue
-            num_blocks = held.get(rid)
-            if num_blocks is not None:
-                if num_blocks > 0:
-                    pl.reflected = True
-            elif pl.reflected:
-                vanished.append(rid)
-                continue
-            owed += self.num_owed_blocks(rid, pl)
-        self.num_owed_blocks_total = owed
-        return vanished, self.orphans()
-
-    def _apply_delta(self, report: cluster_pb2.OccupancyReport) -> tuple[list[str], list[str]]:
-        placed = self.placed
-        named = {rid for ids in (report.finished_request_ids, report.released_request_ids, report.request_ids,
-                                 report.blocks_per_request) for rid in ids if rid in placed}
-        owed_before = sum(self.num_owed_blocks(rid, placed[rid]) for rid in named)
-        self._take(report)
-        self._mark_finished(report.finished_request_ids)
-        held = self.held
-        vanished = []
-        for rid in named:
+        for rid in checked:
             pl = placed[rid]
             if pl.finished:
                 continue
@@ -269,8 +252,9 @@ class WorkerEntry:
                     vanished.append(rid)
             elif num_blocks > 0:
                 pl.reflected = True
-        self.num_owed_blocks_total += sum(self.num_owed_blocks(rid, placed[rid]) for rid in named) - owed_before
-        return vanished, [rid for rid in report.request_ids if rid not in placed]
+        # (A vanished request is owed nothing: reflected, and no blocks held.)
+        self.num_owed_blocks_total += sum(self.num_owed_blocks(rid, placed[rid]) for rid in checked)
+        return vanished, [rid for rid in report.request_ids if rid not in placed] if delta else self.orphans()
 
     def _mark_finished(self, request_ids) -> None:
         for rid in request_ids:
