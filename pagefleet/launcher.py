@@ -78,6 +78,9 @@ class ClusterConfig:
     # keys on the gateway, mutual TLS between scheduler and workers, a password on the Redis
     # started here. None: everything in plaintext and open, as without ``up --secure``.
     material: ClusterMaterial | None = None
+    # The interpreter of every process (None: this one); e.g. a venv with another checkout,
+    # for benchmarks that compare two trees on one machine.
+    python: str | None = None
 
 
 class LocalCluster:
@@ -193,7 +196,7 @@ class LocalCluster:
                   *self._secure_flags(args[0])]
         if metrics_port is not None:
             common += ["--metrics-port", str(metrics_port)]
-        proc = subprocess.Popen([sys.executable, "-m", "pagefleet", *args, *common], env=env,
+        proc = subprocess.Popen([self.cfg.python or sys.executable, "-m", "pagefleet", *args, *common], env=env,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
         if out is not None:
             out.close()

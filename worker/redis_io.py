@@ -57,6 +57,7 @@ class OutputWriter:
         on_refused: Callable[[str], None] = lambda rid: None,
         on_failed: Callable[[str, str], None] = lambda rid, error: None,
         max_backlog: int = MAX_BACKLOG,
+        on_written: Callable[[], None] = lambda: None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -64,6 +65,7 @@ class OutputWriter:
         self.on_refused = on_refused
         self.on_failed = on_failed
         self.max_backlog = max_backlog
+        self.on_written = on_written  # told of every round trip (a metric)
         self._queue: asyncio.Queue[list[Emit]] = asyncio.Queue()
         self._backlog = 0  # messages queued or being written
         self._idle = asyncio.Event()
@@ -103,6 +105,7 @@ class OutputWriter:
                 for rid in {e.request_id for e in batch}:
                     self.on_failed(rid, "the worker could not write this request's output")
             self.num_round_trips += 1
+            self.on_written()
             self._backlog -= len(batch)
             if self._backlog < self.max_backlog:
                 self.has_room.set()

@@ -184,12 +184,13 @@ class Worker:
         self.keys = Keys(args.namespace)
         self.worker_id = worker_id or args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.redis = redis if redis is not None else connect(args.redis_url, args.redis_password_file)
+        self.metrics = WorkerMetrics()
         self.writer = OutputWriter(
             self.redis, self.keys,
             on_refused=lambda rid: self.loop.call(lambda: self.loop.drop(rid)),
             on_failed=lambda rid, error: self.loop.call(lambda: self.loop.fail(rid, error)),
+            on_written=self.metrics.output_writes.inc,
         )
-        self.metrics = WorkerMetrics()
         self.aio = asyncio.get_running_loop()
         self.changed = asyncio.Event()
         self.loop = EngineLoop(

@@ -128,6 +128,9 @@ class WorkerMetrics:
         )
         self.prompt_tokens = Counter("pagefleet:prompt_tokens", "Prompt tokens received.", registry=r)
         self.generation_tokens = Counter("pagefleet:generation_tokens", "Tokens generated.", registry=r)
+        self.output_writes = Counter(
+            "pagefleet:worker_output_writes", "Round trips that wrote steps' output to Redis.", registry=r
+        )
         self.request_success = Counter(
             "pagefleet:request_success", "Requests finished, by finish reason.", ["finished_reason"], registry=r
         )

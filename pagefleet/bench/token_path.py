@@ -1,0 +1,335 @@
+"""``pagefleet bench token-path``: what one output token costs the cluster between GPU and client.
+
+It starts a local cluster on simulated workers (``--engine sim``: no model time is counted;
+``--workers`` of them in one process by default, stepping at ``--time-scale``), drives
+``--requests`` streams of ``--max-tokens`` tokens, ``--concurrency`` at a time, over gRPC or
+the OpenAI HTTP door (``--backend``), from a client in its own process (``token_client``),
+and prints, per output token:
+
+* Redis commands (``INFO commandstats``: EVALSHA and every command a script calls), in all
+  and by command; Redis CPU (``INFO cpu``);
+* CPU of the gateway, scheduler and worker processes (``/proc``);
+* delivered tokens/s, TTFT and ITL p50/p99 (the client's clocks), how many streams came back
+  whole (``token_client``), and the workers' steps per output write;
+* Redis memory per request, in flight (sampled while the run holds its most requests) and
+  kept after all finished (what stays for a retry's replay until its TTL).
+
+``--modes stream,fixed``: ``stream`` is the run above; ``fixed`` the same with 1-token
+outputs, whose figures per request are the fixed cost of a request. In the same run, **the
+floor**: a trivial grpcio servicer (``--backend grpc``) or uvicorn SSE endpoint (``openai``)
+streaming canned messages of the same size to the same client (``floor.py``); its CPU per
+message is what a relay is compared with.
+
+``--python PATH`` runs the cluster's processes with another interpreter (a venv where an
+older checkout is installed), so one machine measures before and after side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+TARGETS = {"redis_commands_per_token": 0.25, "redis_cpu_us_per_token": 2.0,
+           "gateway_cpu_vs_floor": 1.25, "worker_cpu_us_per_token": 8.0, "fixed_cpu_us_per_request": 300.0}
+
+
+# -- reading processes and Redis ----------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` and its children that it waited for (``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and every live descendant (a gateway's ``--processes`` children included)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        todo.extend(int(c) for c in children)
+    return out
+
+
+def tree_cpu(pid: int) -> float:
+    total = 0.0
+    for p in tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def redis_cpu(r) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text: ``name{labels}`` -> value (None when the URL does not answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+# -- one load -------------------------------------------------------------------------------------
+def drive(cfg: dict, tmp: Path) -> dict:
+    """Run the client process on ``cfg``; its JSON result."""
+    cfg = dict(cfg, out=str(tmp / f"client-{cfg['run']}.json"))
+    subprocess.run([sys.executable, "-m", "pagefleet.bench.token_client", json.dumps(cfg)], check=True)
+    return json.loads(Path(cfg["out"]).read_text())
+
+
+def summarize(streams: list[dict]) -> dict:
+    ttft = [s["ttft_s"] for s in streams if s["ttft_s"] is not None]
+    itl = [x for s in streams for x in s["itl_s"]]
+    errors: dict[str, int] = {}
+    for s in streams:
+        if not s["ok"]:
+            key = s["error"].split(":")[0][:60]
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "num_streams": len(streams),
+        "num_whole": sum(s["ok"] for s in streams),
+        "errors": errors,
+        "num_tokens": sum(s["num_tokens"] for s in streams),
+        "num_messages": sum(s["num_messages"] for s in streams),
+        "ttft_p50_ms": _ms(_pct(ttft, 0.5)), "ttft_p99_ms": _ms(_pct(ttft, 0.99)),
+        "itl_p50_ms": _ms(_pct(itl, 0.5)), "itl_p99_ms": _ms(_pct(itl, 0.99)),
+    }
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1e3
+
+
+# -- the cluster ----------------------------------------------------------------------------------
+def start_cluster(args, tmp: Path):
+    from pagefleet.launcher import ClusterConfig, LocalCluster
+
+    worker_args = ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale),
+                   "--max-num-seqs", str(args.max_num_seqs), "--num-swap-blocks", "0"]
+    gateway_args = []
+    if args.gateway_processes > 1:
+        gateway_args += ["--processes", str(args.gateway_processes)]
+    if args.stream_interval > 1:
+        gateway_args += ["--stream-interval", str(args.stream_interval)]
+    cfg = ClusterConfig(port=0, http_port=0 if args.backend == "openai" else None, num_workers=args.workers,
+                        worker_args=worker_args, gateway_args=gateway_args,
+                        scheduler_args=["--dead-after", "10", "--lease-ms", "15000"],
+                        log_dir=str(tmp), log_level="warning", metrics_port=0,
+                        workers_per_process=args.workers_per_process, python=args.python,
+                        env={"OMP_NUM_THREADS": "1"})
+    return LocalCluster(cfg).start(timeout_s=180)
+
+
+def measure_cluster(args, tmp: Path, mode: str) -> dict:
+    import redis as redis_lib
+
+    from pagefleet.common.redis import Keys
+
+    max_tokens = args.max_tokens if mode == "stream" else 1
+    cluster = start_cluster(args, tmp)
+    try:
+        r = redis_lib.Redis.from_url(cluster.redis_url)
+        keys = Keys(cluster.cfg.namespace)
+        target = cluster.http_url if args.backend == "openai" else cluster.gateway_target
+        base = {"backend": args.backend, "target": target, "connections": args.connections,
+                "prompt_len": args.prompt_len, "timeout_s": args.timeout, "model": "tiny"}
+        drive(dict(base, run=f"warm-{mode}", num_requests=min(64, args.requests), concurrency=min(64, args.concurrency),
+                   max_tokens=min(16, max_tokens)), tmp)
+        time.sleep(1.0)
+        procs = {"gateway": [cluster.procs["gateway"].pid], "scheduler": [cluster.procs["scheduler"].pid],
+                 "workers": [p.pid for n, p in cluster.procs.items() if n.startswith("worker")]}
+        wurl = cluster.metrics_url("worker-0")
+        w0 = scrape(wurl)
+        mem0 = int(r.info("memory")["used_memory"])
+        r.config_resetstat()
+        cpu0 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
+        rcpu0 = redis_cpu(r)
+        cfg = dict(base, run=mode, num_requests=args.requests, concurrency=args.concurrency, max_tokens=max_tokens)
+        client = subprocess.Popen([sys.executable, "-m", "pagefleet.bench.token_client",
+                                   json.dumps(dict(cfg, out=str(tmp / f"client-{mode}.json")))])
+        in_flight = []  # (bytes over the baseline, requests in the system) while the run is full
+        while client.poll() is None:
+            time.sleep(0.5)
+            n = int(r.xlen(keys.requests))
+            if n >= args.concurrency // 2:
+                in_flight.append((int(r.info("memory")["used_memory"]) - mem0, n))
+        if client.returncode:
+            raise RuntimeError(f"the client failed ({client.returncode})")
+        cpu1 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
+        rcpu1 = redis_cpu(r)
+        stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+        w1 = scrape(wurl)
+        mem_kept = int(r.info("memory")["used_memory"]) - mem0
+        out = json.loads((tmp / f"client-{mode}.json").read_text())
+    finally:
+        cluster.stop()
+    s = summarize(out["streams"])
+    per = s["num_tokens"] if mode == "stream" else s["num_streams"]
+    calls = sum(stats.values())
+    steps = _delta(w0, w1, "pagefleet:iteration_tokens_total_count")
+    writes = _delta(w0, w1, "pagefleet:worker_output_writes_total")
+    return {
+        "mode": mode, "backend": args.backend, "label": args.label, "max_tokens": max_tokens,
+        **s,
+        "wall_s": out["wall_s"],
+        "tokens_per_s": s["num_tokens"] / out["wall_s"],
+        "per": "token" if mode == "stream" else "request",
+        "redis_commands": calls / per,
+        "redis_commands_by_name": {k: v / per for k, v in sorted(stats.items(), key=lambda kv: -kv[1])},
+        "redis_cpu_us": (rcpu1 - rcpu0) / per * 1e6,
+        "cpu_us": {k: (cpu1[k] - cpu0[k]) / per * 1e6 for k in procs},
+        "steps_per_write": steps / writes if steps and writes else None,
+        "redis_bytes_per_request_in_flight": max((b / n for b, n in in_flight), default=None),
+        "redis_bytes_per_request_kept": mem_kept / s["num_streams"],
+    }
+
+
+def _delta(a: dict, b: dict, name: str) -> float | None:
+    if name not in b:
+        return None
+    return b[name] - a.get(name, 0.0)
+
+
+def measure_floor(args, tmp: Path) -> dict:
+    from pagefleet.common.service import free_port
+
+    port = free_port()
+    kind = "grpc" if args.backend == "grpc" else "sse"
+    server = subprocess.Popen([sys.executable, "-m", "pagefleet.bench.floor", kind, str(port)],
+                              stdout=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        server.stdout.readline()
+        target = f"127.0.0.1:{port}" if kind == "grpc" else f"http://127.0.0.1:{port}"
+        base = {"backend": args.backend, "target": target, "connections": args.connections,
+                "prompt_len": args.prompt_len, "timeout_s": args.timeout, "model": "tiny"}
+        deadline = time.monotonic() + 30
+        while True:  # the server answers once it is up
+            try:
+                drive(dict(base, run="floor-warm", num_requests=8, concurrency=8, max_tokens=4), tmp)
+                break
+            except subprocess.CalledProcessError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        cpu0 = tree_cpu(server.pid)
+        out = drive(dict(base, run="floor", num_requests=args.requests, concurrency=args.concurrency,
+                         max_tokens=args.max_tokens), tmp)
+        cpu = tree_cpu(server.pid) - cpu0
+    finally:
+        server.terminate()
+        server.wait(10)
+    s = summarize(out["streams"])
+    return {"mode": "floor", "backend": args.backend, "server": kind, **s, "wall_s": out["wall_s"],
+            "cpu_us_per_message": cpu / max(1, s["num_messages"]) * 1e6}
+
+
+# -- the command ----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagefleet bench token-path", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=16, help="simulated workers")
+    p.add_argument("--workers-per-process", type=int, default=None, help="default: all in one process")
+    p.add_argument("--time-scale", type=float, default=1.0, help="the workers' simulated seconds per real second")
+    p.add_argument("--sim-profile", default="llama-3-8b-h100")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per worker")
+    p.add_argument("--requests", type=int, default=1024, help="streams in a run (N)")
+    p.add_argument("--max-tokens", type=int, default=256, help="output tokens of every stream (T)")
+    p.add_argument("--concurrency", type=int, default=256, help="streams open at once (C)")
+    p.add_argument("--connections", type=int, default=8, help="gRPC channels the client spreads streams over")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
+    p.add_argument("--modes", default="stream,fixed", help="comma-separated: stream, fixed (1-token outputs)")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor")
+    p.add_argument("--gateway-processes", type=int, default=1, help="the gateway's --processes")
+    p.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
+    p.add_argument("--python", default=None, help="interpreter of the cluster's processes (default: this one)")
+    p.add_argument("--label", default="", help="a name for this tree in the results (e.g. before, after)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may take")
+    p.add_argument("--json", default="bench-results/token-path.json", help="where to write the results")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.workers_per_process = args.workers_per_process or args.workers
+    modes = [m for m in args.modes.split(",") if m]
+    if bad := [m for m in modes if m not in ("stream", "fixed")]:
+        print(f"--modes: unknown {bad} (stream, fixed)", file=sys.stderr)
+        return 2
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pagefleet-token-path-") as d:
+        tmp = Path(d)
+        if not args.no_floor:
+            results.append(measure_floor(args, tmp))
+            print(row(results[-1]), flush=True)
+        for mode in modes:
+            results.append(measure_cluster(args, tmp, mode))
+            print(row(results[-1]), flush=True)
+    floor = next((x for x in results if x["mode"] == "floor"), None)
+    for x in results:
+        if floor and x["mode"] == "stream":
+            x["gateway_cpu_vs_floor"] = x["cpu_us"]["gateway"] / floor["cpu_us_per_message"]
+    report = {
+        "benchmark": "token-path", "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "load_average_1m": os.getloadavg()[0],
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "targets": TARGETS, "results": results,
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"JSON: {out}", file=sys.stderr)
+    return 0
+
+
+def row(x: dict) -> str:
+    def f(v, fmt=".1f"):
+        return "-" if v is None else format(v, fmt)
+
+    head = (f"{x.get('label') or '':>8} {x['mode']:>6} {x['backend']:>6}: {x['num_whole']}/{x['num_streams']} whole, "
+            f"TTFT p50/p99 {f(x['ttft_p50_ms'])}/{f(x['ttft_p99_ms'])} ms, ITL p50/p99 "
+            f"{f(x['itl_p50_ms'], '.2f')}/{f(x['itl_p99_ms'], '.2f')} ms")
+    if x["mode"] == "floor":
+        return f"{head}; floor server {x['cpu_us_per_message']:.1f} us CPU/message"
+    cpu = x["cpu_us"]
+    return (f"{head}; {x['tokens_per_s']:.0f} tok/s; per {x['per']}: Redis {x['redis_commands']:.2f} commands "
+            f"{x['redis_cpu_us']:.1f} us, gateway {cpu['gateway']:.1f} us, scheduler {cpu['scheduler']:.1f} us, "
+            f"workers {cpu['workers']:.1f} us; steps/write {f(x['steps_per_write'], '.2f')}; Redis bytes/request "
+            f"in flight {f(x['redis_bytes_per_request_in_flight'], '.0f')} kept {x['redis_bytes_per_request_kept']:.0f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
