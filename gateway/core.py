@@ -37,7 +37,7 @@ from pagefleet.protos import generation_pb2 as pb
 
 from .limits import Limits
 from .observe import enqueue_span
-from .relay import relay
+from .relay import StepReader, relay, relay_steps
 from .validate import check
 
 # The error text of a request finished for its deadline (the scheduler writes it): the gRPC
@@ -115,6 +115,8 @@ class GatewayCore:
         self.metrics = GatewayMetrics()
         self._admit_and_queue = redis.register_script(_ADMIT_AND_QUEUE)
         self._cancels: set[asyncio.Task] = set()
+        self.reader = StepReader(redis, keys)  # one read of every worker's steps for all relays
+        self.stream_interval = max(1, getattr(args, "stream_interval", 1) or 1)
 
     def check(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids; ``BadField`` naming what is wrong."""
@@ -168,8 +170,18 @@ class GatewayCore:
                 keys.append(self.keys.idempotency(rid))
             args = [self.args.max_stream_len, self.args.max_queue, REQUEST_TTL_S,
                     *(x for kv in fields.items() for x in kv)]
-            answer = await retry(lambda: self._admit_and_queue(keys=keys, args=args), what="enqueue",
-                                 attempts=_ATTEMPTS)
+            # Its relay is open before it is queued: its first tokens can come right after.
+            opened = rid not in self.reader.relays
+            self.reader.open(rid)
+            try:
+                answer = await retry(lambda: self._admit_and_queue(keys=keys, args=args), what="enqueue",
+                                     attempts=_ATTEMPTS)
+            except BaseException:
+                if opened:
+                    self.reader.close(rid)
+                raise
+            if answer[0] != 1 and opened:  # not queued now: nothing of ours relays it from the steps
+                self.reader.close(rid)
             if answer[0] == -1:
                 _, waiting, length = answer
                 raise Shed(f"queue is full ({waiting} waiting to be placed, {length} requests in the system); "
@@ -184,11 +196,19 @@ class GatewayCore:
         """The request's messages, in order, to the last one; closing it early (the caller
         went away) queues a cancel so the worker frees the request's blocks."""
         finished = False
+        rid = queued.request_id
+        step_relay = self.reader.relays.get(rid) if queued.fresh else None
+        if step_relay is not None:
+            messages = relay_steps(self.redis, self.keys, step_relay, queued.num_prompt_tokens, self.stream_interval)
+        else:  # queued before (a retry): replayed from its own output stream
+            messages = relay(self.redis, self.keys, rid, queued.num_prompt_tokens)
         try:
-            async for msg in relay(self.redis, self.keys, queued.request_id, queued.num_prompt_tokens):
+            async for msg in messages:
                 finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 yield msg
         finally:
+            if step_relay is not None:
+                self.reader.close(rid)
             if not finished:
                 log.info("request.client_gone", request_id=queued.request_id)
                 self.cancel_soon(queued.request_id)
@@ -198,7 +218,9 @@ class GatewayCore:
         return Relays(self, queued)
 
     def cancel_soon(self, request_id: str) -> None:
-        """Queue a cancel entry in the background (the caller may be gone already)."""
+        """Queue a cancel entry in the background (the caller may be gone already); nothing
+        relays the request from here on."""
+        self.reader.close(request_id)
         task = asyncio.ensure_future(self._send_cancel(request_id))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)

@@ -1,7 +1,22 @@
-"""Relay a request's output stream (``<ns>:out:<id>``) to the client, in index order.
+"""Relay a request's output to the client, in index order, from one read for all requests.
 
-Messages are placed by the index of their first token: a message whose tokens were
-already relayed is dropped (a request resumed elsewhere, or a write retried, may repeat
+Where tokens come from: every accepted message of a worker's write is both in the request's
+own output stream (``<ns>:out:<id>``, the durable record) and in the worker's steps stream
+(``<ns>:steps:<worker>``, one entry per write for all its requests). A gateway process reads
+the steps streams of every worker with **one** blocking ``XREAD`` (``StepReader``) and hands
+each message to the relay of its request, if this process holds one; so the Redis
+connections and commands of the reads do not grow with the requests relayed.
+
+Bounds: a relay buffers at most ``MAX_BUFFERED`` messages its client has not taken. Past
+that (a client that does not read) it is detached: the reader stops feeding it, and it
+goes on from the request's own output stream at its client's pace, so the backlog stays in
+Redis, never in the gateway. Its client takes whatever waits at once: a client that falls
+behind gets several steps in one message. The same stream is read when a relay sees nothing
+for ``SILENCE_S`` seconds while that stream holds more (a steps entry it could not see: a
+gap, or one trimmed before it was read), and for a retry of a request queued before.
+
+Messages are placed by the index of their first token (``Reorder``): a message whose tokens
+were already relayed is dropped (a request resumed elsewhere, or a write retried, may repeat
 them), and one that starts past the next index waits until the gap is filled (the old
 worker's last writes can land after the new worker's first). So the client sees every
 token exactly once, in order. A message's logprobs (one per token) are cut with its tokens.
@@ -9,11 +24,18 @@ token exactly once, in order. A message's logprobs (one per token) are cut with 
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from collections.abc import AsyncIterator
 
+import structlog
+
 from pagefleet.common.logprobs import TokenLogprobs
-from pagefleet.common.redis import Keys, OutEntry, retry
+from pagefleet.common.redis import SCHEDULER_STEPS, Keys, OutEntry, retry
+from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
+
+log = structlog.get_logger("gateway.relay")
 
 FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -22,6 +44,13 @@ FINISH = {
     "error": pb.FINISH_REASON_ERROR,
 }
 BLOCK_MS = 5000
+# Messages a relay holds for its client before it reads from Redis at the client's pace.
+MAX_BUFFERED = 1024
+# A relay that gets nothing for this long looks at its request's own output stream.
+SILENCE_S = 5.0
+# How often the reader looks for workers (new steps streams), and how far back it reads a new one.
+REFRESH_S = 1.0
+LOOKBACK_MS = 10_000
 
 
 class Reorder:
@@ -60,11 +89,13 @@ class Reorder:
                 return ready
 
 
-async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int) -> AsyncIterator[pb.GenerateResponse]:
-    """Yield the request's messages until (and including) its last one."""
+async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int,
+                order: Reorder | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    """Yield the request's messages from its own output stream until (and including) its
+    last one; ``order``: what was relayed already (those tokens are not repeated)."""
     key = keys.out(request_id)
     last_id = "0-0"
-    order = Reorder()
+    order = order or Reorder()
     while True:
         resp = await retry(lambda s=last_id: redis.xread({key: s}, count=256, block=BLOCK_MS), what="xread")
         for _, entries in resp or ():
@@ -93,3 +124,181 @@ def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
         )
         for e in entries
     ]
+
+
+class StepRelay:
+    """One request's messages as the reader hands them over (``StepReader.open``)."""
+
+    __slots__ = ("request_id", "buffer", "detached", "_wake")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.buffer: collections.deque = collections.deque()
+        self.detached = False  # past MAX_BUFFERED: read from the request's output stream instead
+        self._wake: asyncio.Future | None = None
+
+    def feed(self, o) -> None:
+        if self.detached:
+            return
+        self.buffer.append(o)
+        if len(self.buffer) > MAX_BUFFERED:
+            self.detached = True
+            self.buffer.clear()
+        w = self._wake
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until something was fed (or the relay detached); False after ``timeout_s`` of nothing."""
+        if self.buffer or self.detached:
+            return True
+        self._wake = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(self._wake, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._wake = None
+
+
+class StepReader:
+    """One blocking read of every worker's steps stream for all the relays of this process.
+
+    Started with the first relay. Every ``REFRESH_S`` it looks up the workers (one ``HKEYS``,
+    and Redis's clock) and starts reading a new worker's stream ``LOOKBACK_MS`` before now, so
+    a worker found late loses nothing a relay could want.
+    """
+
+    def __init__(self, redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.relays: dict[str, StepRelay] = {}
+        self._cursors: dict[str, str] = {}  # steps stream -> last id read
+        self._task: asyncio.Task | None = None
+        self._refreshed_at = 0.0
+        self.num_reads = 0
+
+    def open(self, request_id: str) -> StepRelay:
+        """The relay of ``request_id`` (opened before its request is queued, so nothing is missed)."""
+        r = self.relays.get(request_id)
+        if r is None:
+            r = self.relays[request_id] = StepRelay(request_id)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        return r
+
+    def close(self, request_id: str) -> None:
+        self.relays.pop(request_id, None)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _refresh(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._refreshed_at < REFRESH_S:
+            return
+        self._refreshed_at = loop.time()
+
+        async def look():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hkeys(self.keys.workers)
+            pipe.time()
+            return await pipe.execute()
+
+        workers, (now_s, now_us) = await retry(look, what="steps_refresh")
+        start = f"{max(0, now_s * 1000 + now_us // 1000 - LOOKBACK_MS)}-0"
+        for wid in (SCHEDULER_STEPS, *(w.decode() for w in workers)):
+            self._cursors.setdefault(self.keys.steps(wid), start)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._refresh()
+                resp = await retry(lambda: self.redis.xread(dict(self._cursors), count=1024,
+                                                            block=int(REFRESH_S * 1000)), what="xread_steps")
+                self.num_reads += 1
+                for key, entries in resp or ():
+                    key = key.decode() if isinstance(key, bytes) else key
+                    for entry_id, fields in entries:
+                        self._cursors[key] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                        self._dispatch(fields.get(b"o", b""))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not stop every relay: they fall back to their own streams
+                log.exception("steps.read_failed")
+                await asyncio.sleep(0.1)
+
+    def _dispatch(self, raw: bytes) -> None:
+        relays = self.relays
+        for o in cluster_pb2.StepOutputs.FromString(raw).outputs:
+            r = relays.get(o.request_id)
+            if r is not None:
+                r.feed(o)
+
+
+def _entry(o) -> OutEntry:
+    """A steps-stream message as an output-stream message (logprobs kept as protobuf)."""
+    return OutEntry(o.index, list(o.token_ids), o.text, o.finish_reason, o.error, list(o.logprobs) or None)
+
+
+async def relay_steps(redis, keys: Keys, r: StepRelay, num_prompt_tokens: int,
+                      stream_interval: int = 1) -> AsyncIterator[pb.GenerateResponse]:
+    """Yield ``r``'s request's messages until (and including) its last one: what the reader
+    fed it, merged into one message while its client was away; from the request's own output
+    stream once detached or when it saw nothing for ``SILENCE_S`` while that stream holds more.
+    ``stream_interval``: hold tokens back until that many are waiting (or the request ends)."""
+    order = Reorder()
+    held: list[OutEntry] = []  # ready, held back for stream_interval
+    while True:
+        fed = await r.wait(SILENCE_S)
+        ready: list[OutEntry] = []
+        while r.buffer:
+            ready.extend(order.add(_entry(r.buffer.popleft())))
+        held.extend(ready)
+        behind = r.detached or (not fed and await _stream_ahead(redis, keys, r.request_id, order.next_index))
+        if held and (behind or held[-1].finish_reason or _num_tokens(held) >= stream_interval):
+            msg = _merged(r.request_id, held)
+            held = []
+            if msg.finish_reason:
+                msg.usage.prompt_tokens = num_prompt_tokens
+                msg.usage.completion_tokens = order.next_index
+                yield msg
+                return
+            yield msg
+        if behind:
+            log.info("relay.from_stream", request_id=r.request_id, detached=r.detached, next_index=order.next_index)
+            async for msg in relay(redis, keys, r.request_id, num_prompt_tokens, order):
+                yield msg
+            return
+
+
+def _num_tokens(ms: list[OutEntry]) -> int:
+    return sum(len(m.token_ids) for m in ms)
+
+
+async def _stream_ahead(redis, keys: Keys, request_id: str, next_index: int) -> bool:
+    """Whether the request's own output stream holds a message this relay has not relayed."""
+    last = await retry(lambda: redis.xrevrange(keys.out(request_id), count=1), what="xrevrange")
+    if not last:
+        return False
+    e = OutEntry.decode(last[0][1])
+    return e.index + len(e.token_ids) > next_index or bool(e.finish_reason)
+
+
+def _merged(request_id: str, ms: list[OutEntry]) -> pb.GenerateResponse:
+    """Consecutive messages as one response (the last one's finish reason, if any)."""
+    m0 = ms[0]
+    msg = pb.GenerateResponse(request_id=request_id, index=m0.index)
+    for m in ms:
+        msg.token_ids.extend(m.token_ids)
+        msg.text += m.text
+        if m.logprobs:
+            msg.logprobs.extend(m.logprobs)
+    last = ms[-1]
+    if last.finish_reason:
+        msg.finish_reason = FINISH.get(last.finish_reason, pb.FINISH_REASON_ERROR)
+        msg.error = last.error
+    return msg

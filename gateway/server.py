@@ -70,6 +70,9 @@ def build_parser() -> EnvArgumentParser:
                    help="most requests in the system (the requests stream's length): past it new ones are "
                         "refused like past --max-queue (the stream is never trimmed: that would drop requests)")
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds a refused client is told to wait")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="send a stream's tokens N at a time (its last message whenever it ends); a client "
+                        "that falls behind gets what waits in one message whatever N is")
     guard.add_flags(p)
     add_common_flags(p)
     return p
@@ -196,6 +199,7 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
     if health_port is not None:
         await health_port.stop(grace=0.5)
     await server.stop(grace=2.0)
+    await core.reader.stop()
     await redis.aclose()
     log.info("gateway.stopped")
     return 0
@@ -206,6 +210,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.block_size < 1:
         parser.error(f"--block-size must be at least 1, got {args.block_size}")
+    if args.stream_interval < 1:
+        parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:
         parser.error(f"--http-port must be between 0 and 65535, got {args.http_port}")
     if args.http_port is not None and args.http_port and args.http_port == args.port:

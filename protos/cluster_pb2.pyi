@@ -228,3 +228,27 @@ class SchedulerState(_message.Message):
     placement: str
     num_prefix_index_keys: int
     def __init__(self, active: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., waiting_request_ids: _Optional[_Iterable[str]] = ..., num_preemptions: _Optional[int] = ..., num_reassigned: _Optional[int] = ..., policy: _Optional[str] = ..., placement: _Optional[str] = ..., num_prefix_index_keys: _Optional[int] = ...) -> None: ...
+
+class StepOutput(_message.Message):
+    __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "error", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    error: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class StepOutputs(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[StepOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[StepOutput, _Mapping]]] = ...) -> None: ...

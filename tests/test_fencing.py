@@ -89,3 +89,43 @@ def test_scripts_survive_a_flushed_script_cache(redis_url):
         await r.aclose()
 
     run(go())
+
+
+def test_a_write_puts_its_accepted_messages_in_the_writers_steps_stream(redis_url):
+    from pagefleet.protos import cluster_pb2
+
+    async def go():
+        r, keys, _ = await _setup(redis_url, "t14")
+        f = Fencing(r, keys, "w1")
+        ea = await f.assign("a", 7, "w1")
+        eb = await f.assign("b", 7, "w1")
+        await f.assign("b", 7, "w2")  # b moved: w1's message for it is refused
+        ok = await f.write([Write("a", ea, OutEntry(0, [5, 6], "xy")), Write("b", eb, OutEntry(0, [9]))])
+        assert ok == [True, False]
+        entries = await r.xrange(keys.steps("w1"))
+        assert len(entries) == 1  # one entry per write, whatever the number of requests
+        outs = cluster_pb2.StepOutputs.FromString(entries[0][1][b"o"]).outputs
+        assert [(o.request_id, o.index, list(o.token_ids), o.text) for o in outs] == [("a", 0, [5, 6], "xy")]
+        # A write whose messages are all refused adds no entry.
+        assert await f.write([Write("b", eb, OutEntry(1, [3]))]) == [False]
+        assert await r.xlen(keys.steps("w1")) == 1
+        await r.aclose()
+
+    run(go())
+
+
+def test_ttls_are_set_where_asked_not_by_every_write(redis_url):
+    async def go():
+        r, keys, _ = await _setup(redis_url, "t15")
+        f = Fencing(r, keys, "w1")
+        e = await f.assign("a", 7, "w1")
+        await f.write([Write("a", e, OutEntry(0, [1]), refresh_ttl=True)])
+        assert await r.ttl(keys.out("a")) > 0
+        await r.persist(keys.out("a"))
+        await f.write([Write("a", e, OutEntry(1, [2]), refresh_ttl=False)])
+        assert await r.ttl(keys.out("a")) == -1  # untouched
+        await f.write([Write("a", e, OutEntry(2, [3]), refresh_ttl=True)])
+        assert await r.ttl(keys.out("a")) > 0
+        await r.aclose()
+
+    run(go())

@@ -575,7 +575,7 @@ def test_a_request_is_one_trace_from_the_http_span(cluster, client, receiver):
     assert attrs["gen_ai.request.model"].string_value == MODEL
     assert attrs["gen_ai.usage.output_tokens"].int_value == 6
     assert attrs["pagefleet.request_id"].string_value == "http-traced"
-    sends = [s for s in found if s.name == "send pf:requests"]
+    sends = [s for s in found if s.name == "send pf:{s0}:requests"]
     assert len(sends) == 2 and all(s.parent_span_id == server.span_id for s in sends)
 
 

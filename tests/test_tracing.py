@@ -109,7 +109,7 @@ def test_each_request_is_one_trace_across_three_processes(traced_cluster, receiv
         for service, span in receiver.snapshot():
             by_trace[_hex(span.trace_id)].append((service, span))
         # Each process exports on its own schedule: wait until every part of each trace is in.
-        names = ("pagefleet.v1.Generation/Generate", "send pf:requests", "queue_wait", "assign",
+        names = ("pagefleet.v1.Generation/Generate", "send pf:{s0}:requests", "queue_wait", "assign",
                  "worker.request", "decode")
         complete = {t: s for t, s in by_trace.items()
                     if all(any(sp.name == n for _, sp in s) for n in names)}
@@ -123,7 +123,7 @@ def test_each_request_is_one_trace_across_three_processes(traced_cluster, receiv
         for service, span in spans:
             by_name[span.name].append((service, span))
         (gen_service, gen), = by_name["pagefleet.v1.Generation/Generate"]
-        (send_service, send), = by_name["send pf:requests"]
+        (send_service, send), = by_name["send pf:{s0}:requests"]
         (q_service, queue), = by_name["queue_wait"]
         (a_service, assign), = by_name["assign"]
         (w_service, work), = by_name["worker.request"]

@@ -41,6 +41,9 @@ _PREEMPT_MODES = {
 }
 
 
+# A request's TTLs in Redis are set by its first message on this worker and every this many after.
+TTL_REFRESH_MESSAGES = 512
+
 # Finished request ids one occupancy stream may fall behind by before the oldest are dropped
 # (the scheduler then learns of those from the request ids its reports no longer carry).
 MAX_UNREPORTED_FINISHED = 100_000
@@ -58,6 +61,7 @@ class EngineLoop:
         # request id -> (its entry in the Redis requests stream, acknowledged with its last
         # write; the epoch its writes are fenced with)
         self.assignments: dict[str, tuple[str, int]] = {}
+        self._num_messages: dict[str, int] = {}  # request id -> messages since it was assigned here
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._paused = False
@@ -152,15 +156,20 @@ class EngineLoop:
     def _message(self, d) -> Emit | None:
         if not d.token_ids and not d.text and not d.finish_reason:
             return None
+        rid = d.request_id
         if d.finish_reason:
-            entry_id, epoch = self.assignments.pop(d.request_id, ("", 0))
-            self._finished(d.request_id)
+            entry_id, epoch = self.assignments.pop(rid, ("", 0))
+            n = self._num_messages.pop(rid, 0)
+            self._finished(rid)
         else:
-            entry_id, epoch = "", self.assignments.get(d.request_id, ("", 0))[1]
+            entry_id, epoch = "", self.assignments.get(rid, ("", 0))[1]
+            n = self._num_messages.get(rid, 0)
+            self._num_messages[rid] = n + 1
         entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason or "", logprobs=d.logprobs)
-        return Emit(d.request_id, entry, entry_id or None, epoch)
+        return Emit(rid, entry, entry_id or None, epoch, refresh_ttl=n % TTL_REFRESH_MESSAGES == 0)
 
     def _finished(self, request_id: str) -> None:
+        self._num_messages.pop(request_id, None)
         for q in self._subscribers:
             q.append(request_id)
 

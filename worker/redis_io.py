@@ -1,8 +1,10 @@
 """The worker's writes to Redis: every step's new tokens for all requests in one round trip.
 
 The engine thread hands each step's messages to ``OutputWriter.put`` (on the event loop);
-one task writes them in order. When it falls behind, the steps waiting are coalesced into
-one pipeline. Every message goes through the fenced write (``pagefleet.common.fencing``):
+one task writes them in order, one script call a step for all its requests (and one entry
+in this worker's steps stream, which the gateways relay from). When it falls behind, the
+steps waiting are coalesced into one call. Every message goes through the fenced write
+(``pagefleet.common.fencing``):
 it lands only while this worker's epoch is still the request's, and a request's last
 message, its acknowledgement and its "done" record are one atomic step. A request whose
 write is refused (it was moved or cancelled) is handed to ``on_refused`` at once so the
@@ -43,9 +45,10 @@ class Emit:
     entry: OutEntry
     entry_id: str | None = None
     epoch: int = 0
+    refresh_ttl: bool = True  # (re)set the request's TTLs with this message
 
     def write(self) -> Write:
-        return Write(self.request_id, self.epoch, self.entry, self.entry_id or "")
+        return Write(self.request_id, self.epoch, self.entry, self.entry_id or "", self.refresh_ttl)
 
 
 class OutputWriter:
@@ -54,6 +57,7 @@ class OutputWriter:
         redis,
         keys: Keys,
         *,
+        writer_id: str,
         on_refused: Callable[[str], None] = lambda rid: None,
         on_failed: Callable[[str, str], None] = lambda rid, error: None,
         max_backlog: int = MAX_BACKLOG,
@@ -61,7 +65,7 @@ class OutputWriter:
     ) -> None:
         self.redis = redis
         self.keys = keys
-        self.fencing = Fencing(redis, keys)
+        self.fencing = Fencing(redis, keys, writer_id)
         self.on_refused = on_refused
         self.on_failed = on_failed
         self.max_backlog = max_backlog

@@ -186,7 +186,7 @@ class Worker:
         self.redis = redis if redis is not None else connect(args.redis_url, args.redis_password_file)
         self.metrics = WorkerMetrics()
         self.writer = OutputWriter(
-            self.redis, self.keys,
+            self.redis, self.keys, writer_id=self.worker_id,
             on_refused=lambda rid: self.loop.call(lambda: self.loop.drop(rid)),
             on_failed=lambda rid, error: self.loop.call(lambda: self.loop.fail(rid, error)),
             on_written=self.metrics.output_writes.inc,

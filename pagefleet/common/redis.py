@@ -1,15 +1,22 @@
 """Redis: the keys, the entry formats, reconnecting with backoff, and a local redis-server.
 
-Keys (all under one namespace, ``pf`` by default):
+Keys: every key of a shard carries the shard's Redis Cluster hash tag (``pf:{s0}:...``; the
+namespace ``pf`` and the shard ``s0`` by default), so every script touches one slot:
 
-* ``<ns>:requests`` - stream of request entries (consumer group ``scheduler``); a
+* ``<ns>:{<shard>}:requests`` - stream of request entries (consumer group ``scheduler``); a
   generate entry is deleted when its request finishes, so its length is the number of
   requests in the system.
-* ``<ns>:out:<request_id>`` - stream of one request's output, read by index; expires.
-* ``<ns>:req:<request_id>`` - idempotency key of a client-chosen request id.
-* ``<ns>:workers`` - hash worker_id -> JSON {address, ts}; workers refresh it.
-* ``<ns>:scheduler:lease`` - the active scheduler's lease.
-* ``<ns>:scheduler:num_waiting`` - the global queue's length, as the scheduler last saw it.
+* ``...:out:<request_id>`` - stream of one request's output, read by index; expires. The
+  durable record: a resumed request continues after it, a retry replays it.
+* ``...:steps:<worker_id>`` - stream of one worker's steps: every accepted message of a step
+  in one entry (``StepOutputs``), written in the same script as the ``out`` entries; what a
+  gateway relays from (one blocking read for all its requests). Trimmed by age.
+* ``...:own:<request_id>`` - hash ``epoch``/``worker``/``done``: who may write (``fencing``).
+* ``...:done`` - stream of finished requests (``fencing``).
+* ``...:req:<request_id>`` - idempotency key of a client-chosen request id.
+* ``...:workers`` - hash worker_id -> JSON {address, ts}; workers refresh it.
+* ``...:scheduler:lease``, ``...:scheduler:epoch`` - the active scheduler's lease and epoch.
+* ``...:scheduler:num_waiting`` - the global queue's length, as the scheduler last saw it.
 """
 
 from __future__ import annotations
@@ -40,43 +47,58 @@ log = structlog.get_logger("redis")
 
 @dataclass(frozen=True, slots=True)
 class Keys:
+    """Every key of one shard; ``prefix`` (``<ns>:{<shard>}``) carries the shard's hash tag."""
+
     ns: str = "pf"
+    shard: str = "s0"
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.ns}:{{{self.shard}}}"
 
     @property
     def requests(self) -> str:
-        return f"{self.ns}:requests"
+        return f"{self.prefix}:requests"
 
     def out(self, request_id: str) -> str:
-        return f"{self.ns}:out:{request_id}"
+        return f"{self.prefix}:out:{request_id}"
+
+    def steps(self, writer_id: str) -> str:
+        """One worker's (or the scheduler's, ``SCHEDULER_STEPS``) stream of steps."""
+        return f"{self.prefix}:steps:{writer_id}"
 
     def idempotency(self, request_id: str) -> str:
-        return f"{self.ns}:req:{request_id}"
+        return f"{self.prefix}:req:{request_id}"
 
     def owner(self, request_id: str) -> str:
         """Hash ``epoch``/``worker``/``done``: who may write the request's output (``fencing``)."""
-        return f"{self.ns}:own:{request_id}"
+        return f"{self.prefix}:own:{request_id}"
 
     @property
     def done(self) -> str:
         """Stream of finished requests, appended by their final write (``fencing``)."""
-        return f"{self.ns}:done"
+        return f"{self.prefix}:done"
 
     @property
     def scheduler_epoch(self) -> str:
         """The active scheduler's epoch: incremented by each scheduler that takes the lease."""
-        return f"{self.ns}:scheduler:epoch"
+        return f"{self.prefix}:scheduler:epoch"
 
     @property
     def workers(self) -> str:
-        return f"{self.ns}:workers"
+        return f"{self.prefix}:workers"
 
     @property
     def lease(self) -> str:
-        return f"{self.ns}:scheduler:lease"
+        return f"{self.prefix}:scheduler:lease"
 
     @property
     def num_waiting(self) -> str:
-        return f"{self.ns}:scheduler:num_waiting"
+        return f"{self.prefix}:scheduler:num_waiting"
+
+
+# The steps stream the scheduler writes its own final messages to (cancels, deadlines).
+SCHEDULER_STEPS = "~scheduler"
 
 
 def connect(url: str, password_file: str | None = None):

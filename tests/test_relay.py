@@ -1,0 +1,147 @@
+"""The gateway's relays against a real Redis: one read of the workers' steps streams feeds
+every relay; a relay whose client does not read is bounded and goes on from Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagefleet.common.fencing import Fencing, Write
+from pagefleet.common.redis import GROUP, Keys, OutEntry, RedisServer, connect
+from pagefleet.gateway import relay as relay_mod
+from pagefleet.gateway.relay import StepReader, relay_steps
+from pagefleet.protos import generation_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+async def _cluster(url: str, ns: str, workers=("w1", "w2")):
+    r = connect(url)
+    keys = Keys(ns)
+    await r.set(keys.scheduler_epoch, 1)
+    await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+    for w in workers:
+        await r.hset(keys.workers, w, "{}")
+    return r, keys
+
+
+async def _write_all(f: Fencing, rid: str, epoch: int, n: int, per_write: int = 1, delay_s: float = 0.0):
+    i = 0
+    while i < n:
+        k = min(per_write, n - i)
+        finish = "length" if i + k == n else ""
+        await f.write([Write(rid, epoch, OutEntry(i, list(range(i, i + k)), "x" * k, finish))])
+        i += k
+        if delay_s:
+            await asyncio.sleep(delay_s)
+
+
+def _check_whole(msgs: list[pb.GenerateResponse], n: int) -> None:
+    tokens = [t for m in msgs for t in m.token_ids]
+    assert tokens == list(range(n))
+    index = 0
+    for m in msgs:
+        assert m.index == index
+        index += len(m.token_ids)
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.completion_tokens == n
+
+
+def test_one_read_feeds_the_relays_of_requests_on_several_workers(redis_url):
+    async def go():
+        r, keys = await _cluster(redis_url, "r1")
+        reader = StepReader(r, keys)
+        writers = {w: Fencing(r, keys, w) for w in ("w1", "w2")}
+        relays = {rid: reader.open(rid) for rid in ("a", "b", "c")}
+        await asyncio.sleep(0.05)
+        epochs = {rid: await writers["w1"].assign(rid, 1, w) for rid, w in (("a", "w1"), ("b", "w2"), ("c", "w1"))}
+
+        async def collect(rid):
+            return [m async for m in relay_steps(r, keys, relays[rid], 3)]
+
+        tasks = [asyncio.ensure_future(collect(rid)) for rid in relays]
+        await asyncio.gather(_write_all(writers["w1"], "a", epochs["a"], 20),
+                             _write_all(writers["w2"], "b", epochs["b"], 30, per_write=3),
+                             _write_all(writers["w1"], "c", epochs["c"], 5))
+        got = dict(zip(relays, await asyncio.wait_for(asyncio.gather(*tasks), 30), strict=True))
+        _check_whole(got["a"], 20)
+        _check_whole(got["b"], 30)
+        _check_whole(got["c"], 5)
+        before = reader.num_reads
+        assert before < 60  # one read for many messages of many requests, not a read per message each
+        await reader.stop()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_relay_whose_client_does_not_read_is_bounded_and_loses_nothing(redis_url, monkeypatch):
+    monkeypatch.setattr(relay_mod, "MAX_BUFFERED", 8)
+
+    async def go():
+        r, keys = await _cluster(redis_url, "r2")
+        reader = StepReader(r, keys)
+        f = Fencing(r, keys, "w1")
+        rel = reader.open("a")
+        await asyncio.sleep(0.05)
+        epoch = await f.assign("a", 1, "w1")
+        await _write_all(f, "a", epoch, 100)  # the client reads nothing meanwhile
+        await asyncio.sleep(0.3)
+        assert rel.detached and len(rel.buffer) == 0  # the backlog stays in Redis
+        msgs = [m async for m in relay_steps(r, keys, rel, 3)]
+        _check_whole(msgs, 100)
+        await reader.stop()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_client_that_falls_behind_gets_coalesced_messages_and_stream_interval_holds_tokens(redis_url):
+    async def go():
+        r, keys = await _cluster(redis_url, "r3")
+        reader = StepReader(r, keys)
+        f = Fencing(r, keys, "w1")
+        slow, spaced = reader.open("a"), reader.open("b")
+        await asyncio.sleep(0.05)
+        ea, eb = await f.assign("a", 1, "w1"), await f.assign("b", 1, "w1")
+        await _write_all(f, "a", ea, 40)
+        await asyncio.sleep(0.2)
+        msgs = [m async for m in relay_steps(r, keys, slow, 3)]
+        _check_whole(msgs, 40)
+        assert len(msgs) < 40  # what waited came in one message
+        writes = asyncio.ensure_future(_write_all(f, "b", eb, 10, delay_s=0.01))
+        msgs = [m async for m in relay_steps(r, keys, spaced, 3, stream_interval=4)]
+        await writes
+        _check_whole(msgs, 10)
+        assert all(len(m.token_ids) >= 4 for m in msgs[:-1])
+        await reader.stop()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_relay_that_missed_steps_reads_its_requests_own_stream(redis_url, monkeypatch):
+    monkeypatch.setattr(relay_mod, "SILENCE_S", 0.3)
+
+    async def go():
+        r, keys = await _cluster(redis_url, "r4", workers=())  # the reader knows no worker
+        reader = StepReader(r, keys)
+        f = Fencing(r, keys, "w9")
+        rel = reader.open("a")
+        epoch = await f.assign("a", 1, "w9")
+        await _write_all(f, "a", epoch, 12)
+        msgs = await asyncio.wait_for(_collect(relay_steps(r, keys, rel, 3)), 10)
+        _check_whole(msgs, 12)
+        await reader.stop()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+async def _collect(gen):
+    return [m async for m in gen]
