@@ -202,6 +202,7 @@ class HttpServer:
         self.config = uvicorn.Config(app, host=args.host, port=args.http_port, log_config=None, access_log=False,
                                      lifespan="off", ws="none", timeout_graceful_shutdown=2, **files)
         self.server = _Server(self.config)
+        self.reuse_port = bool(getattr(args, "reuse_port", False))
         self.port = 0
         self._task: asyncio.Task | None = None
 
@@ -209,6 +210,8 @@ class HttpServer:
         host = self.config.host
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.reuse_port:  # one of several gateway processes on this port (--processes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, self.config.port))
         except OSError:

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 from collections.abc import AsyncIterator
 
 import structlog
 
-from pagefleet.common.logprobs import TokenLogprobs
+from pagefleet.common.fencing import entry_of, read_record
 from pagefleet.common.redis import SCHEDULER_STEPS, Keys, OutEntry, retry
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
@@ -60,8 +61,16 @@ class Reorder:
         self.next_index = 0
         self._pending: dict[int, OutEntry] = {}
 
+    @property
+    def has_gap(self) -> bool:
+        """Messages wait for ones before them that have not come."""
+        return bool(self._pending)
+
     def add(self, e: OutEntry) -> list[OutEntry]:
         """The messages now ready, in order; the last one may carry the finish reason."""
+        if e.index == self.next_index and not self._pending and not e.finish_reason:  # the common case
+            self.next_index += len(e.token_ids)
+            return [e] if e.token_ids or e.text else []
         end = e.index + len(e.token_ids)
         if e.finish_reason in ("abort", "error") and not e.token_ids and e.index >= self.next_index:
             self._pending.clear()  # the end: nothing more will be generated
@@ -91,39 +100,53 @@ class Reorder:
 
 async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int,
                 order: Reorder | None = None) -> AsyncIterator[pb.GenerateResponse]:
-    """Yield the request's messages from its own output stream until (and including) its
-    last one; ``order``: what was relayed already (those tokens are not repeated)."""
-    key = keys.out(request_id)
-    last_id = "0-0"
+    """Yield the request's messages from Redis, read for this request alone, until (and
+    including) its last one: its own record (what it had when resumed; everything, once it
+    finished), then its current worker's steps stream from its assignment on, at the pace
+    the caller takes them. ``order``: what was relayed already (not repeated). The path of a
+    retry, and of a relay whose client fell behind."""
     order = order or Reorder()
+    worker, key, cursor = None, None, "0-0"
     while True:
-        resp = await retry(lambda s=last_id: redis.xread({key: s}, count=256, block=BLOCK_MS), what="xread")
+        ready = [m for e in await read_record(redis, keys, request_id) for m in order.add(e)]
+        if ready:
+            msg = _finished(_merged(request_id, ready), order, num_prompt_tokens)
+            yield msg
+            if msg.finish_reason:
+                return
+        owner = await retry(lambda: redis.hmget(keys.owner(request_id), "worker", "t"), what="hmget_own")
+        if owner[0] != worker:  # (re)assigned: read its new worker from the assignment on
+            worker = owner[0]
+            key = None
+            if worker and worker.decode() not in ("", "scheduler"):
+                raw = await retry(lambda w=worker: redis.get(keys.steps_of(w.decode())), what="get_steps_of")
+                key = raw.decode() if raw else None
+            cursor = f"{max(0, int(owner[1] or 0) - 1)}-0"  # XREAD reads past it: the first entry included
+        if key is None:
+            await asyncio.sleep(0.2)  # waiting to be placed
+            continue
+        resp = await retry(lambda k=key, c=cursor: redis.xread({k: c}, count=256, block=BLOCK_MS), what="xread")
+        ready = []
         for _, entries in resp or ():
             for entry_id, fields in entries:
-                last_id = entry_id
-                for m in order.add(OutEntry.decode(fields)):
-                    msg = pb.GenerateResponse(request_id=request_id, token_ids=m.token_ids, text=m.text,
-                                              index=m.index, logprobs=logprobs_to_proto(m.logprobs or ()))
-                    if m.finish_reason:
-                        msg.finish_reason = FINISH.get(m.finish_reason, pb.FINISH_REASON_ERROR)
-                        msg.error = m.error
-                        msg.usage.prompt_tokens = num_prompt_tokens
-                        msg.usage.completion_tokens = order.next_index
-                        yield msg
-                        return
-                    yield msg
+                cursor = entry_id
+                raw = fields.get(b"o")
+                if raw:
+                    ready += [m for o in cluster_pb2.StepOutputs.FromString(raw).outputs
+                              if o.request_id == request_id for m in order.add(entry_of(o))]
+        if ready:  # what this read found, in one message
+            msg = _finished(_merged(request_id, ready), order, num_prompt_tokens)
+            yield msg
+            if msg.finish_reason:
+                return
 
 
-def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
-    """``TokenLogprobs`` (one per token) as the response's messages."""
-    return [
-        pb.TokenLogprobs(
-            logprob=e.logprob,
-            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v)
-                          for t, v in zip(e.top_token_ids, e.top_logprobs, strict=True)],
-        )
-        for e in entries
-    ]
+def _finished(msg: pb.GenerateResponse, order: Reorder, num_prompt_tokens: int) -> pb.GenerateResponse:
+    if msg.finish_reason:
+        msg.usage.prompt_tokens = num_prompt_tokens
+        msg.usage.completion_tokens = order.next_index
+    return msg
+
 
 
 class StepRelay:
@@ -146,20 +169,26 @@ class StepRelay:
             self.buffer.clear()
         w = self._wake
         if w is not None and not w.done():
-            w.set_result(None)
+            w.set_result(True)
 
     async def wait(self, timeout_s: float) -> bool:
         """Until something was fed (or the relay detached); False after ``timeout_s`` of nothing."""
         if self.buffer or self.detached:
             return True
-        self._wake = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        wake = self._wake = loop.create_future()
+        timer = loop.call_later(timeout_s, _expire, wake)
         try:
-            await asyncio.wait_for(self._wake, timeout_s)
-            return True
-        except TimeoutError:
-            return False
+            await wake
+            return bool(wake.result()) or bool(self.buffer) or self.detached
         finally:
+            timer.cancel()
             self._wake = None
+
+
+def _expire(wake: asyncio.Future) -> None:
+    if not wake.done():
+        wake.set_result(False)
 
 
 class StepReader:
@@ -204,14 +233,22 @@ class StepReader:
 
         async def look():
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hkeys(self.keys.workers)
+            pipe.hgetall(self.keys.workers)
             pipe.time()
             return await pipe.execute()
 
-        workers, (now_s, now_us) = await retry(look, what="steps_refresh")
+        rows, (now_s, now_us) = await retry(look, what="steps_refresh")
         start = f"{max(0, now_s * 1000 + now_us // 1000 - LOOKBACK_MS)}-0"
-        for wid in (SCHEDULER_STEPS, *(w.decode() for w in workers)):
-            self._cursors.setdefault(self.keys.steps(wid), start)
+        streams = {self.keys.steps(SCHEDULER_STEPS)}
+        for wid, raw in rows.items():
+            try:
+                streams.add(json.loads(raw).get("steps") or self.keys.steps(wid.decode()))
+            except (ValueError, AttributeError):
+                continue
+        for key in streams:
+            self._cursors.setdefault(key, start)
+        for key in [k for k in self._cursors if k not in streams]:  # gone: its worker left, or was fenced
+            del self._cursors[key]
 
     async def _run(self) -> None:
         while True:
@@ -239,11 +276,6 @@ class StepReader:
                 r.feed(o)
 
 
-def _entry(o) -> OutEntry:
-    """A steps-stream message as an output-stream message (logprobs kept as protobuf)."""
-    return OutEntry(o.index, list(o.token_ids), o.text, o.finish_reason, o.error, list(o.logprobs) or None)
-
-
 async def relay_steps(redis, keys: Keys, r: StepRelay, num_prompt_tokens: int,
                       stream_interval: int = 1) -> AsyncIterator[pb.GenerateResponse]:
     """Yield ``r``'s request's messages until (and including) its last one: what the reader
@@ -256,18 +288,15 @@ async def relay_steps(redis, keys: Keys, r: StepRelay, num_prompt_tokens: int,
         fed = await r.wait(SILENCE_S)
         ready: list[OutEntry] = []
         while r.buffer:
-            ready.extend(order.add(_entry(r.buffer.popleft())))
+            ready.extend(order.add(entry_of(r.buffer.popleft())))
         held.extend(ready)
-        behind = r.detached or (not fed and await _stream_ahead(redis, keys, r.request_id, order.next_index))
+        behind = r.detached or (not fed and await _stream_ahead(redis, keys, r.request_id, order))
         if held and (behind or held[-1].finish_reason or _num_tokens(held) >= stream_interval):
-            msg = _merged(r.request_id, held)
+            msg = _finished(_merged(r.request_id, held), order, num_prompt_tokens)
             held = []
-            if msg.finish_reason:
-                msg.usage.prompt_tokens = num_prompt_tokens
-                msg.usage.completion_tokens = order.next_index
-                yield msg
-                return
             yield msg
+            if msg.finish_reason:
+                return
         if behind:
             log.info("relay.from_stream", request_id=r.request_id, detached=r.detached, next_index=order.next_index)
             async for msg in relay(redis, keys, r.request_id, num_prompt_tokens, order):
@@ -279,13 +308,11 @@ def _num_tokens(ms: list[OutEntry]) -> int:
     return sum(len(m.token_ids) for m in ms)
 
 
-async def _stream_ahead(redis, keys: Keys, request_id: str, next_index: int) -> bool:
-    """Whether the request's own output stream holds a message this relay has not relayed."""
-    last = await retry(lambda: redis.xrevrange(keys.out(request_id), count=1), what="xrevrange")
-    if not last:
-        return False
-    e = OutEntry.decode(last[0][1])
-    return e.index + len(e.token_ids) > next_index or bool(e.finish_reason)
+async def _stream_ahead(redis, keys: Keys, request_id: str, order: Reorder) -> bool:
+    """Whether this relay missed something: a gap it has waited on, or a finish it never saw."""
+    if order.has_gap:
+        return True
+    return await retry(lambda: redis.hget(keys.owner(request_id), "done"), what="hget_done") == b"1"
 
 
 def _merged(request_id: str, ms: list[OutEntry]) -> pb.GenerateResponse:

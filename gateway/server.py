@@ -73,6 +73,11 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="send a stream's tokens N at a time (its last message whenever it ends); a client "
                         "that falls behind gets what waits in one message whatever N is")
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="run N gateway processes sharing --port and --http-port (SO_REUSEPORT); /metrics "
+                        "sums them (gateway/processes.py)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind the ports with SO_REUSEPORT, sharing them with other processes (set by --processes)")
     guard.add_flags(p)
     add_common_flags(p)
     return p
@@ -212,6 +217,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--block-size must be at least 1, got {args.block_size}")
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
+    if args.processes < 1:
+        parser.error(f"--processes must be at least 1, got {args.processes}")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:
         parser.error(f"--http-port must be between 0 and 65535, got {args.http_port}")
     if args.http_port is not None and args.http_port and args.http_port == args.port:
@@ -221,4 +228,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         parser.error(str(e))
     setup_logging("gateway", args)
+    if args.processes > 1:
+        from .processes import supervise
+
+        return supervise(args, argv)
     return asyncio.run(serve(args, doors))

@@ -371,6 +371,10 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--policy", default="fcfs", help="scheduler queue policy: fcfs | priority | deadline")
     p.add_argument("--placement", default="prefix", choices=PLACEMENTS,
                    help="scheduler placement policy (see `pagefleet scheduler --help`)")
+    p.add_argument("--gateway-processes", type=int, default=1, metavar="N",
+                   help="gateway processes sharing the gateway's ports (`pagefleet gateway --processes`)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="the gateway sends a stream's tokens N at a time (`pagefleet gateway --stream-interval`)")
     p.add_argument("--demo", default=None, metavar="PROMPT",
                    help="stream one greedy generation of PROMPT once ready, then stop everything")
     p.add_argument("--demo-tokens", type=int, default=48, help="tokens the demo generates")
@@ -431,6 +435,12 @@ def main(argv: list[str]) -> int:
     # The demo shows the stream, not every component's info logs (--log-level still wins).
     quiet = args.demo is not None and "--log-level" not in argv and "PAGEFLEET_LOG_LEVEL" not in os.environ
     gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    if args.gateway_processes < 1 or args.stream_interval < 1:
+        parser.error("--gateway-processes and --stream-interval must be at least 1")
+    if args.gateway_processes > 1:
+        gateway_args += ["--processes", str(args.gateway_processes)]
+    if args.stream_interval > 1:
+        gateway_args += ["--stream-interval", str(args.stream_interval)]
     material = _secure_material(args.host) if args.secure else None
     cfg = ClusterConfig(port=args.port, host=args.host, http_port=args.http_port, num_workers=args.workers,
                         model=args.model, device=args.device, redis_url=args.redis_url, worker_args=worker_args,

@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from pagefleet.common.fencing import Fencing, Write
+from pagefleet.common.fencing import Fencing, Write, take_over
 from pagefleet.common.metrics import SchedulerMetrics
-from pagefleet.common.redis import GROUP, Keys, OutEntry, read_emitted, retry
+from pagefleet.common.redis import GROUP, Keys, OutEntry, retry
 from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
@@ -293,14 +293,15 @@ class ClusterScheduler:
             raise StaleScheduler(f"scheduler epoch {self.epoch} is no longer the current one")
         return epoch
 
-    async def _requeue(self, p: Pending) -> None:
+    async def _requeue(self, p: Pending, worker_dead: bool = False) -> None:
         """Queue ``p`` again to resume after the tokens it emitted: fenced first, so the
-        output read is final (nobody before can add to it)."""
+        output read is final (nobody before can add to it); ``worker_dead``: its worker was
+        declared dead (its steps stream is fenced: it can add nothing more)."""
         if await self._fence(p.request_id, "") == 0:
             self._forget(p.request_id)
             await self._ack(p.entry_id)
             return
-        emitted, finish = await read_emitted(self.redis, self.keys, p.request_id)
+        emitted, finish = await take_over(self.redis, self.keys, p.request_id, fence=True if worker_dead else None)
         if finish:
             self._forget(p.request_id)
             await self._ack(p.entry_id)
@@ -485,7 +486,7 @@ class ClusterScheduler:
                 del self.where[rid]
                 self.num_reassigned += 1
                 self.metrics.reassignments.inc()
-                await self._requeue(pl.pending)
+                await self._requeue(pl.pending, worker_dead=True)
         with contextlib.suppress(Exception):
             await w.channel.close(grace=0)
         self._wake.set()

@@ -1,4 +1,5 @@
-"""Fenced ownership in a real Redis: stale epochs cannot write, a finish is one atomic step."""
+"""Fenced ownership in a real Redis: a step is one write for all its requests, a fenced worker
+cannot write again, a finish is one atomic step, and a resume reads exactly what was written."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import asyncio
 
 import pytest
 
-from pagefleet.common.fencing import DONE_TTL_S, Fencing, Write
-from pagefleet.common.redis import GROUP, Keys, OutEntry, RedisServer, connect, read_emitted
+from pagefleet.common.fencing import DONE_TTL_S, Fenced, Fencing, Write, read_record, take_over
+from pagefleet.common.redis import GROUP, Keys, OutEntry, RedisServer, connect
+from pagefleet.protos import cluster_pb2
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +27,29 @@ async def _setup(url: str, ns: str):
     keys = Keys(ns)
     await r.set(keys.scheduler_epoch, 7)
     await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-    return r, keys, Fencing(r, keys)
+    return r, keys
 
 
-def test_only_the_current_epoch_writes(redis_url):
+async def _worker(r, keys, wid: str) -> Fencing:
+    f = Fencing(r, keys, wid)
+    await f.publish_stream()
+    return f
+
+
+def test_a_step_is_one_entry_in_the_workers_stream_whatever_its_requests(redis_url):
     async def go():
-        r, keys, f = await _setup(redis_url, "t1")
-        e1 = await f.assign("a", 7, "w1")
-        e2 = await f.assign("a", 7, "w2")  # re-assigned: w1 is fenced off
-        assert (e1, e2) == (1, 2)
-        ok = await f.write([Write("a", e1, OutEntry(0, [5, 6])), Write("a", e2, OutEntry(0, [9]))])
-        assert ok == [False, True]
-        assert await f.owns("a", e2) and not await f.owns("a", e1)
-        tokens, _ = await read_emitted(r, keys, "a")
-        assert tokens == [9]
+        r, keys = await _setup(redis_url, "t1")
+        f = await _worker(r, keys, "w1")
+        ea, eb = await f.assign("a", 7, "w1"), await f.assign("b", 7, "w1")
+        await r.config_resetstat()
+        ok = await f.write([Write("a", ea, OutEntry(0, [5, 6], "xy")), Write("b", eb, OutEntry(0, [9], "z"))])
+        assert ok == [True, True]
+        stats = await r.info("commandstats")
+        assert stats["cmdstat_xadd"]["calls"] == 1 and "cmdstat_evalsha" not in stats
+        entries = await r.xrange(f.steps_key)
+        outs = cluster_pb2.StepOutputs.FromString(entries[0][1][b"o"]).outputs
+        assert [(o.request_id, o.index, list(o.token_ids), o.text) for o in outs] == [
+            ("a", 0, [5, 6], "xy"), ("b", 0, [9], "z")]
         await r.aclose()
 
     run(go())
@@ -46,7 +57,8 @@ def test_only_the_current_epoch_writes(redis_url):
 
 def test_a_stale_scheduler_cannot_assign(redis_url):
     async def go():
-        r, keys, f = await _setup(redis_url, "t2")
+        r, keys = await _setup(redis_url, "t2")
+        f = Fencing(r, keys)
         assert await f.assign("a", 6, "w1") == -1  # epoch 6 was superseded by 7
         assert await f.assign("a", 7, "w1") == 1
         await r.aclose()
@@ -54,78 +66,62 @@ def test_a_stale_scheduler_cannot_assign(redis_url):
     run(go())
 
 
-def test_finish_is_durable_and_atomic(redis_url):
+def test_finish_is_durable_and_atomic_and_only_the_owner_finishes(redis_url):
     async def go():
-        r, keys, f = await _setup(redis_url, "t3")
+        r, keys = await _setup(redis_url, "t3")
+        f = await _worker(r, keys, "w1")
         entry_id = await r.xadd(keys.requests, {"kind": "generate", "rid": "a"})
         await r.xreadgroup(GROUP, "s", {keys.requests: ">"})
         await r.set(keys.idempotency("a"), 1, ex=3600)
         e = await f.assign("a", 7, "w1")
-        assert await f.write([Write("a", e, OutEntry(0, [1, 2])),
-                              Write("a", e, OutEntry(2, [3], finish_reason="length"), entry_id.decode())]) == [True, True]
+        record = OutEntry(0, [1, 2, 3], "abc", "length")
+        assert await f.write([Write("a", e, OutEntry(0, [1, 2], "ab")),
+                              Write("a", e, OutEntry(2, [3], "c", finish_reason="length"), entry_id.decode(),
+                                    record=record)]) == [True, True]
         assert await r.xlen(keys.requests) == 0  # acknowledged and deleted in the same step
         done = await r.xrange(keys.done)
         assert [(d[b"rid"], d[b"epoch"], d[b"f"]) for _, d in done] == [(b"a", b"1", b"length")]
         assert 0 < await r.ttl(keys.out("a")) <= DONE_TTL_S
         assert 0 < await r.ttl(keys.idempotency("a")) <= DONE_TTL_S  # one lifetime for both
-        # After the finish nobody writes again, not even the owner, and it is never re-assigned.
-        assert await f.write([Write("a", e, OutEntry(3, [4]))]) == [False]
+        assert await read_record(r, keys, "a") == [record]  # what a retry replays
+        # After the finish nobody finishes again, not even the owner, and it is never re-assigned.
+        assert await f.write([Write("a", e, OutEntry(3, [], "", "stop"))]) == [False]
         assert await f.assign("a", 7, "w2") == 0
-        tokens, finish = await read_emitted(r, keys, "a")
-        assert (tokens, finish) == ([1, 2, 3], "length")
-        await r.aclose()
-
-    run(go())
-
-
-def test_scripts_survive_a_flushed_script_cache(redis_url):
-    async def go():
-        r, keys, f = await _setup(redis_url, "t4")
-        e = await f.assign("a", 7, "w1")
-        await r.script_flush()
-        assert await f.write([Write("a", e, OutEntry(0, [1]))]) == [True]
-        await r.script_flush()
-        assert await f.assign("b", 7, "w1") == 1
-        await r.aclose()
-
-    run(go())
-
-
-def test_a_write_puts_its_accepted_messages_in_the_writers_steps_stream(redis_url):
-    from pagefleet.protos import cluster_pb2
-
-    async def go():
-        r, keys, _ = await _setup(redis_url, "t14")
-        f = Fencing(r, keys, "w1")
-        ea = await f.assign("a", 7, "w1")
+        # A stale epoch's finish is refused, and its final message is not in the stream.
         eb = await f.assign("b", 7, "w1")
-        await f.assign("b", 7, "w2")  # b moved: w1's message for it is refused
-        ok = await f.write([Write("a", ea, OutEntry(0, [5, 6], "xy")), Write("b", eb, OutEntry(0, [9]))])
-        assert ok == [True, False]
-        entries = await r.xrange(keys.steps("w1"))
-        assert len(entries) == 1  # one entry per write, whatever the number of requests
-        outs = cluster_pb2.StepOutputs.FromString(entries[0][1][b"o"]).outputs
-        assert [(o.request_id, o.index, list(o.token_ids), o.text) for o in outs] == [("a", 0, [5, 6], "xy")]
-        # A write whose messages are all refused adds no entry.
-        assert await f.write([Write("b", eb, OutEntry(1, [3]))]) == [False]
-        assert await r.xlen(keys.steps("w1")) == 1
+        await f.assign("b", 7, "w2")
+        assert await f.write([Write("b", eb, OutEntry(0, [4], "", "stop"))]) == [False]
+        last = await r.xrevrange(f.steps_key, count=1)
+        assert not cluster_pb2.StepOutputs.FromString(last[0][1][b"o"]).outputs
         await r.aclose()
 
     run(go())
 
 
-def test_ttls_are_set_where_asked_not_by_every_write(redis_url):
+def test_take_over_fences_the_last_worker_and_reads_exactly_what_it_wrote(redis_url):
     async def go():
-        r, keys, _ = await _setup(redis_url, "t15")
-        f = Fencing(r, keys, "w1")
-        e = await f.assign("a", 7, "w1")
-        await f.write([Write("a", e, OutEntry(0, [1]), refresh_ttl=True)])
-        assert await r.ttl(keys.out("a")) > 0
-        await r.persist(keys.out("a"))
-        await f.write([Write("a", e, OutEntry(1, [2]), refresh_ttl=False)])
-        assert await r.ttl(keys.out("a")) == -1  # untouched
-        await f.write([Write("a", e, OutEntry(2, [3]), refresh_ttl=True)])
-        assert await r.ttl(keys.out("a")) > 0
+        r, keys = await _setup(redis_url, "t4")
+        w1 = await _worker(r, keys, "w1")
+        e = await w1.assign("a", 7, "w1")
+        await w1.write([Write("a", e, OutEntry(0, [1, 2], "ab")), Write("x", 1, OutEntry(0, [9]))])
+        await w1.write([Write("a", e, OutEntry(2, [3], "c"))])
+        await w1.assign("a", 7, "")  # the scheduler's fence: a new epoch, the last worker kept
+        tokens, finish = await take_over(r, keys, "a")
+        assert (tokens, finish) == ([1, 2, 3], "")
+        with pytest.raises(Fenced):  # the old worker can add nothing behind that read
+            await w1.write([Write("a", e, OutEntry(3, [4]))])
+        # Resumed on w2 after those three tokens; w2 dies in turn: the record and w2's stream.
+        w2 = await _worker(r, keys, "w2")
+        e2 = await w2.assign("a", 7, "w2")
+        await w2.write([Write("a", e2, OutEntry(3, [4, 5], "de"))])
+        await w2.assign("a", 7, "")
+        assert await take_over(r, keys, "a") == ([1, 2, 3, 4, 5], "")
+        merged_text = "".join(m.text for m in await read_record(r, keys, "a") if m.index == 0)
+        assert merged_text.startswith("abc")
+        # A fenced worker goes on in a new stream, where it is found again.
+        w1.new_incarnation()
+        await w1.publish_stream()
+        assert await w1.write([Write("y", 1, OutEntry(0, [7]))]) == [True]
         await r.aclose()
 
     run(go())

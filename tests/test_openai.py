@@ -315,12 +315,16 @@ def _idle(cluster) -> bool:
 
 
 def _last_out_entry(cluster, request_id: str) -> OutEntry | None:
+    """The last message of the request's own record (its finish, once it finished)."""
+    from pagefleet.common.fencing import entry_of
+    from pagefleet.protos import cluster_pb2
+
     r = sync_redis.Redis.from_url(cluster.redis_url)
     try:
         entries = r.xrevrange(Keys(cluster.cfg.namespace).out(request_id), count=1)
     finally:
         r.close()
-    return OutEntry.decode(entries[0][1]) if entries else None
+    return entry_of(cluster_pb2.StepOutputs.FromString(entries[0][1][b"o"]).outputs[-1]) if entries else None
 
 
 def test_models_health_and_version(cluster, client):
@@ -516,6 +520,22 @@ def test_x_request_id_is_the_idempotency_key(cluster, client):
     assert info.value.body["param"] == "X-Request-Id"
 
 
+def _wrote_tokens(cluster, request_id: str) -> bool:
+    """Whether the request's worker has written tokens of it (its steps stream, latest entries)."""
+    from pagefleet.protos import cluster_pb2
+
+    keys = Keys(cluster.cfg.namespace)
+    r = sync_redis.Redis.from_url(cluster.redis_url)
+    try:
+        worker = r.hget(keys.owner(request_id), "worker")
+        steps = r.get(keys.steps_of(worker.decode())) if worker else None
+        entries = r.xrevrange(steps, count=64) if steps else []
+    finally:
+        r.close()
+    return any(o.request_id == request_id and o.token_ids for _, f in entries if f.get(b"o")
+               for o in cluster_pb2.StepOutputs.FromString(f[b"o"]).outputs)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_cancels_the_request_and_frees_its_blocks(cluster, stream):
     rid = f"http-gone-{int(stream)}"
@@ -529,7 +549,7 @@ def test_disconnect_cancels_the_request_and_frees_its_blocks(cluster, stream):
         if stream:
             resp = conn.getresponse()
             assert resp.status == 200 and resp.readline().startswith(b"data: ")
-        wait_for(lambda: _last_out_entry(cluster, rid), 30, "the request's first tokens")
+        wait_for(lambda: _wrote_tokens(cluster, rid), 30, "the request's first tokens")
     finally:
         conn.close()  # the client goes away mid-generation
     wait_for(lambda: _idle(cluster), 20, "blocks freed after the disconnect")

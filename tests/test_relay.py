@@ -4,6 +4,7 @@ every relay; a relay whose client does not read is bounded and goes on from Redi
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -20,14 +21,21 @@ def redis_url():
         yield server.url
 
 
-async def _cluster(url: str, ns: str, workers=("w1", "w2")):
+async def _cluster(url: str, ns: str):
     r = connect(url)
     keys = Keys(ns)
     await r.set(keys.scheduler_epoch, 1)
     await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-    for w in workers:
-        await r.hset(keys.workers, w, "{}")
     return r, keys
+
+
+async def _writer(r, keys, wid: str, registered: bool = True) -> Fencing:
+    """A worker's writer, its stream published; ``registered``: in the workers hash (gateways see it)."""
+    f = Fencing(r, keys, wid)
+    await f.publish_stream()
+    if registered:
+        await r.hset(keys.workers, wid, json.dumps({"address": "", "steps": f.steps_key}))
+    return f
 
 
 async def _write_all(f: Fencing, rid: str, epoch: int, n: int, per_write: int = 1, delay_s: float = 0.0):
@@ -56,7 +64,7 @@ def test_one_read_feeds_the_relays_of_requests_on_several_workers(redis_url):
     async def go():
         r, keys = await _cluster(redis_url, "r1")
         reader = StepReader(r, keys)
-        writers = {w: Fencing(r, keys, w) for w in ("w1", "w2")}
+        writers = {w: await _writer(r, keys, w) for w in ("w1", "w2")}
         relays = {rid: reader.open(rid) for rid in ("a", "b", "c")}
         await asyncio.sleep(0.05)
         epochs = {rid: await writers["w1"].assign(rid, 1, w) for rid, w in (("a", "w1"), ("b", "w2"), ("c", "w1"))}
@@ -86,7 +94,7 @@ def test_a_relay_whose_client_does_not_read_is_bounded_and_loses_nothing(redis_u
     async def go():
         r, keys = await _cluster(redis_url, "r2")
         reader = StepReader(r, keys)
-        f = Fencing(r, keys, "w1")
+        f = await _writer(r, keys, "w1")
         rel = reader.open("a")
         await asyncio.sleep(0.05)
         epoch = await f.assign("a", 1, "w1")
@@ -105,7 +113,7 @@ def test_a_client_that_falls_behind_gets_coalesced_messages_and_stream_interval_
     async def go():
         r, keys = await _cluster(redis_url, "r3")
         reader = StepReader(r, keys)
-        f = Fencing(r, keys, "w1")
+        f = await _writer(r, keys, "w1")
         slow, spaced = reader.open("a"), reader.open("b")
         await asyncio.sleep(0.05)
         ea, eb = await f.assign("a", 1, "w1"), await f.assign("b", 1, "w1")
@@ -129,9 +137,9 @@ def test_a_relay_that_missed_steps_reads_its_requests_own_stream(redis_url, monk
     monkeypatch.setattr(relay_mod, "SILENCE_S", 0.3)
 
     async def go():
-        r, keys = await _cluster(redis_url, "r4", workers=())  # the reader knows no worker
+        r, keys = await _cluster(redis_url, "r4")
         reader = StepReader(r, keys)
-        f = Fencing(r, keys, "w9")
+        f = await _writer(r, keys, "w9", registered=False)  # the reader knows no such worker
         rel = reader.open("a")
         epoch = await f.assign("a", 1, "w9")
         await _write_all(f, "a", epoch, 12)
@@ -145,3 +153,30 @@ def test_a_relay_that_missed_steps_reads_its_requests_own_stream(redis_url, monk
 
 async def _collect(gen):
     return [m async for m in gen]
+
+
+def test_logprobs_reach_the_responses_cut_with_their_tokens(redis_url):
+    from pagefleet.common.logprobs import TokenLogprobs
+
+    def lp(i: int) -> TokenLogprobs:
+        return TokenLogprobs(-0.5 * i, [i, i + 1], [-0.5 * i, -0.5 * i - 0.25])
+
+    async def go():
+        r, keys = await _cluster(redis_url, "r5")
+        reader = StepReader(r, keys)
+        f = await _writer(r, keys, "w1")
+        rel = reader.open("a")
+        await asyncio.sleep(0.05)
+        e = await f.assign("a", 1, "w1")
+        await f.write([Write("a", e, OutEntry(0, [10, 11], "ab", logprobs=[lp(10), lp(11)]))])
+        await f.write([Write("a", e, OutEntry(1, [11, 12], "bc", logprobs=[lp(11), lp(12)]))])  # a repeat
+        await f.write([Write("a", e, OutEntry(3, [], "", "stop"))])
+        msgs = await asyncio.wait_for(_collect(relay_steps(r, keys, rel, 3)), 10)
+        assert [t for m in msgs for t in m.token_ids] == [10, 11, 12]
+        got = [(x.logprob, [t.token_id for t in x.top_logprobs]) for m in msgs for x in m.logprobs]
+        assert got == [(lp(i).logprob, lp(i).top_token_ids) for i in (10, 11, 12)]
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
+        await reader.stop()
+        await r.aclose()
+
+    asyncio.run(go())

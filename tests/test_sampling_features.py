@@ -3,7 +3,6 @@ engine, the output stream and the relay; a bad value is refused by its field's n
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 
@@ -15,9 +14,9 @@ from conftest import hf_greedy, make_checkpoint
 from pagefleet import Engine, SamplingParams
 from pagefleet.common.logprobs import TokenLogprobs
 from pagefleet.common.model_config import load_model_spec
-from pagefleet.common.redis import Keys, OutEntry
+from pagefleet.common.redis import OutEntry
 from pagefleet.common.sampling_proto import from_proto, to_proto
-from pagefleet.gateway.relay import Reorder, relay
+from pagefleet.gateway.relay import Reorder
 from pagefleet.gateway.validate import BadField, check
 from pagefleet.protos import generation_pb2 as pb
 from pagefleet.worker.engine_loop import EngineLoop
@@ -321,34 +320,3 @@ def test_reorder_cuts_logprobs_with_their_tokens():
     assert got[0].logprobs == [lp(5)] and got[0].finish_reason == "length"
     plain = Reorder().add(OutEntry(0, [0], "a"))
     assert plain[0].logprobs is None
-
-
-class _FakeRedis:
-    """An output stream already complete: the first read returns all of it."""
-
-    def __init__(self, entries: list[OutEntry]) -> None:
-        self.entries = [(f"{i + 1}-0", as_stream(e)) for i, e in enumerate(entries)]
-
-    async def xread(self, streams, count, block):
-        (key, _last), = streams.items()
-        return [(key, self.entries)]
-
-
-def test_relay_puts_logprobs_in_the_responses():
-    entries = [
-        OutEntry(0, [10, 11], "ab", logprobs=[lp(10), lp(11)]),
-        OutEntry(1, [11, 12], "bc", logprobs=[lp(11), lp(12)]),  # a repeat, cut by one
-        OutEntry(3, [], "", "stop"),
-    ]
-
-    async def collect():
-        return [m async for m in relay(_FakeRedis(entries), Keys(), "r", 5)]
-
-    msgs = asyncio.run(collect())
-    assert [list(m.token_ids) for m in msgs] == [[10, 11], [12], []]
-    want = [[lp(10), lp(11)], [lp(12)], []]
-    for m, w in zip(msgs, want, strict=True):
-        got = [(x.logprob, [t.token_id for t in x.top_logprobs], [t.logprob for t in x.top_logprobs])
-               for x in m.logprobs]
-        assert got == [(e.logprob, e.top_token_ids, e.top_logprobs) for e in w]
-    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP

@@ -41,7 +41,7 @@ _PREEMPT_MODES = {
 }
 
 
-# A request's TTLs in Redis are set by its first message on this worker and every this many after.
+# A request's owner record in Redis is renewed by every this many of its messages.
 TTL_REFRESH_MESSAGES = 512
 
 # Finished request ids one occupancy stream may fall behind by before the oldest are dropped
@@ -61,7 +61,9 @@ class EngineLoop:
         # request id -> (its entry in the Redis requests stream, acknowledged with its last
         # write; the epoch its writes are fenced with)
         self.assignments: dict[str, tuple[str, int]] = {}
-        self._num_messages: dict[str, int] = {}  # request id -> messages since it was assigned here
+        # request id -> everything this worker wrote for it since its assignment: the record its
+        # final write keeps for a retry's replay ([index, token ids, text pieces, logprobs, messages])
+        self._records: dict[str, list] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._paused = False
@@ -157,19 +159,37 @@ class EngineLoop:
         if not d.token_ids and not d.text and not d.finish_reason:
             return None
         rid = d.request_id
-        if d.finish_reason:
-            entry_id, epoch = self.assignments.pop(rid, ("", 0))
-            n = self._num_messages.pop(rid, 0)
-            self._finished(rid)
-        else:
-            entry_id, epoch = "", self.assignments.get(rid, ("", 0))[1]
-            n = self._num_messages.get(rid, 0)
-            self._num_messages[rid] = n + 1
         entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason or "", logprobs=d.logprobs)
-        return Emit(rid, entry, entry_id or None, epoch, refresh_ttl=n % TTL_REFRESH_MESSAGES == 0)
+        if d.finish_reason:
+            return self._final(rid, entry)
+        n = self._record(rid, entry)
+        epoch = self.assignments.get(rid, ("", 0))[1]
+        return Emit(rid, entry, None, epoch, refresh_ttl=n % TTL_REFRESH_MESSAGES == 0)
+
+    def _record(self, rid: str, e: OutEntry) -> int:
+        """Add ``e`` to what this worker wrote for ``rid``; how many messages that makes."""
+        rec = self._records.get(rid)
+        if rec is None:
+            rec = self._records[rid] = [e.index, [], [], [] if e.logprobs else None, 0]
+        rec[1].extend(e.token_ids)
+        rec[2].append(e.text)
+        if e.logprobs and rec[3] is not None:
+            rec[3].extend(e.logprobs)
+        rec[4] += 1
+        return rec[4]
+
+    def _final(self, rid: str, entry: OutEntry) -> Emit:
+        """``rid``'s last message, with the record of everything written for it here (it is
+        forgotten on this worker from here on)."""
+        entry_id, epoch = self.assignments.pop(rid, ("", 0))
+        self._record(rid, entry)
+        rec = self._records.pop(rid)
+        record = OutEntry(rec[0], rec[1], "".join(rec[2]), entry.finish_reason, entry.error, rec[3] or None)
+        self._finished(rid)
+        return Emit(rid, entry, entry_id or None, epoch, record=record)
 
     def _finished(self, request_id: str) -> None:
-        self._num_messages.pop(request_id, None)
+        self._records.pop(request_id, None)
         for q in self._subscribers:
             q.append(request_id)
 
@@ -177,12 +197,10 @@ class EngineLoop:
         batch = []
         for rid in list(self.engine.requests):
             d = self.engine.abort_request(rid)
-            entry_id, epoch = self.assignments.pop(rid, ("", 0))
             index = d.index if d is not None else 0
-            batch.append(Emit(rid, OutEntry(index, [], "", "error", error), entry_id or None, epoch))
+            batch.append(self._final(rid, OutEntry(index, [], "", "error", error)))
             if self.observer:
                 self.observer.removed(rid, "error", index, error)
-            self._finished(rid)
         self.emit(batch)
         self._refresh()
 
@@ -214,7 +232,7 @@ class EngineLoop:
         except Exception as e:  # bad input (ValueError) or a bug: the request fails alone, visibly
             log.warning("request.refused", request_id=rid, error=str(e))
             entry = OutEntry(len(msg.output_token_ids), [], "", "error", str(e))
-            self.emit([Emit(rid, entry, msg.entry_id or None, msg.epoch)])
+            self.emit([Emit(rid, entry, msg.entry_id or None, msg.epoch, record=entry)])
             self._finished(rid)
             return
         self.assignments[rid] = (msg.entry_id, msg.epoch)
@@ -225,14 +243,15 @@ class EngineLoop:
 
     def cancel(self, request_id: str, notify_client: bool) -> bool:
         d = self.engine.abort_request(request_id)
-        entry_id, epoch = self.assignments.pop(request_id, ("", 0))
         if d is None:
+            self.assignments.pop(request_id, None)
             return False
         if self.observer:
             self.observer.removed(request_id, "abort", d.index)
         if notify_client:
-            entry = OutEntry(d.index, list(d.token_ids), d.text, "abort")
-            self.emit([Emit(request_id, entry, entry_id or None, epoch)])
+            self.emit([self._final(request_id, OutEntry(d.index, list(d.token_ids), d.text, "abort"))])
+        else:
+            self.assignments.pop(request_id, None)
         self._finished(request_id)
         log.info("request.cancelled", request_id=request_id, notify_client=notify_client)
         return True
@@ -247,16 +266,26 @@ class EngineLoop:
             self._finished(request_id)
             log.warning("request.fenced_off", request_id=request_id)
 
+    def drop_all(self) -> None:
+        """This worker's steps stream was fenced (it was declared dead): everything it holds is
+        being resumed elsewhere. Drop it all at once, writing nothing; none of it finished here
+        (the reports then show each gone unfinished: whoever still has it placed here resumes it)."""
+        for rid in list(self.engine.requests):
+            if self.engine.abort_request(rid) is not None and self.observer:
+                self.observer.removed(rid, "abort")
+            self.assignments.pop(rid, None)
+            self._records.pop(rid, None)
+        log.warning("worker.fenced_off", num_requests=len(self.engine.requests))
+
     def fail(self, request_id: str, error: str) -> None:
         """A write for ``request_id`` failed for good: end it with an error, visibly."""
         d = self.engine.abort_request(request_id)
-        entry_id, epoch = self.assignments.pop(request_id, ("", 0))
         if d is None:
+            self.assignments.pop(request_id, None)
             return  # gone already (its error message was this write, or it finished)
         if self.observer:
             self.observer.removed(request_id, "error", d.index, error)
-        self.emit([Emit(request_id, OutEntry(d.index, [], "", "error", error), entry_id or None, epoch)])
-        self._finished(request_id)
+        self.emit([self._final(request_id, OutEntry(d.index, [], "", "error", error))])
 
     def preempt(self, request_id: str, mode: int) -> cluster_pb2.PreemptResponse:
         e = self.engine

@@ -1,14 +1,14 @@
-"""The worker's writes to Redis: every step's new tokens for all requests in one round trip.
+"""The worker's writes to Redis: every step's messages for all its requests in one round trip.
 
 The engine thread hands each step's messages to ``OutputWriter.put`` (on the event loop);
-one task writes them in order, one script call a step for all its requests (and one entry
-in this worker's steps stream, which the gateways relay from). When it falls behind, the
-steps waiting are coalesced into one call. Every message goes through the fenced write
-(``pagefleet.common.fencing``):
-it lands only while this worker's epoch is still the request's, and a request's last
-message, its acknowledgement and its "done" record are one atomic step. A request whose
-write is refused (it was moved or cancelled) is handed to ``on_refused`` at once so the
-engine drops it and frees its blocks.
+one task writes them in order: one ``XADD`` to this worker's steps stream a step, whatever
+the number of requests (``pagefleet.common.fencing``); a step that finishes requests goes
+through the finish script instead, which also checks that this worker still owns each
+(its epoch) and makes each finish durable in one atomic step. When it falls behind, the
+steps waiting are coalesced into one write. A request whose finish is refused (it was
+cancelled, or finished by the scheduler) is handed to ``on_refused``. A write refused
+because the stream was fenced (this worker was declared dead) drops every request the
+worker holds (``on_fenced``) and goes on in a new stream.
 
 Bounds: at most ``max_backlog`` messages wait; past it ``has_room`` is cleared and the
 engine thread waits before its next step (back-pressure while Redis is away: nothing is
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from pagefleet.common.fencing import Fencing, Write
+from pagefleet.common.fencing import Fenced, Fencing, Write
 from pagefleet.common.redis import Keys, OutEntry, retry
 
 log = structlog.get_logger("worker.redis")
@@ -45,10 +45,11 @@ class Emit:
     entry: OutEntry
     entry_id: str | None = None
     epoch: int = 0
-    refresh_ttl: bool = True  # (re)set the request's TTLs with this message
+    refresh_ttl: bool = False  # renew the request's owner record with this message
+    record: OutEntry | None = None  # with a final message: all this worker wrote for the request
 
     def write(self) -> Write:
-        return Write(self.request_id, self.epoch, self.entry, self.entry_id or "", self.refresh_ttl)
+        return Write(self.request_id, self.epoch, self.entry, self.entry_id or "", self.refresh_ttl, self.record)
 
 
 class OutputWriter:
@@ -59,6 +60,7 @@ class OutputWriter:
         *,
         writer_id: str,
         on_refused: Callable[[str], None] = lambda rid: None,
+        on_fenced: Callable[[], None] = lambda: None,
         on_failed: Callable[[str, str], None] = lambda rid, error: None,
         max_backlog: int = MAX_BACKLOG,
         on_written: Callable[[], None] = lambda: None,
@@ -67,6 +69,7 @@ class OutputWriter:
         self.keys = keys
         self.fencing = Fencing(redis, keys, writer_id)
         self.on_refused = on_refused
+        self.on_fenced = on_fenced
         self.on_failed = on_failed
         self.max_backlog = max_backlog
         self.on_written = on_written  # told of every round trip (a metric)
@@ -79,6 +82,7 @@ class OutputWriter:
         self.has_room.set()
         self.num_round_trips = 0
         self.num_refused = 0
+        self.num_fenced = 0
 
     @property
     def backlog(self) -> int:
@@ -119,6 +123,15 @@ class OutputWriter:
     async def _write_batch(self, batch: list[Emit]) -> None:
         try:
             accepted = await retry(lambda: self.fencing.write([e.write() for e in batch]), what="write_outputs")
+        except Fenced:
+            # Declared dead: every request here is being resumed elsewhere after what this
+            # stream holds. Drop them all, write nothing of theirs, go on in a new stream.
+            self.num_fenced += 1
+            log.warning("outputs.refused", fenced=True, steps=self.fencing.steps_key, num_messages=len(batch))
+            self.fencing.new_incarnation()
+            await self.fencing.publish_stream()
+            self.on_fenced()
+            return
         except Exception as e:  # not a connection blip: find the requests it is about
             log.warning("outputs.batch_failed", num_messages=len(batch), error=str(e))
             accepted = await self._write_alone(batch)
@@ -138,6 +151,8 @@ class OutputWriter:
             try:
                 oks = await retry(lambda idx=idx: self.fencing.write([batch[i].write() for i in idx]),
                                   what="write_outputs")
+            except Fenced:
+                raise
             except Exception as e:
                 log.error("outputs.request_failed", request_id=rid, error=str(e))
                 self.on_failed(rid, f"the worker could not write this request's output: {e}")

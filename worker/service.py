@@ -188,6 +188,7 @@ class Worker:
         self.writer = OutputWriter(
             self.redis, self.keys, writer_id=self.worker_id,
             on_refused=lambda rid: self.loop.call(lambda: self.loop.drop(rid)),
+            on_fenced=lambda: self.loop.call(self.loop.drop_all),
             on_failed=lambda rid, error: self.loop.call(lambda: self.loop.fail(rid, error)),
             on_written=self.metrics.output_writes.inc,
         )
@@ -255,7 +256,7 @@ class Worker:
             # ``beat`` changes every time: the scheduler times rows by when it last saw it change.
             self.beat += 1
             row = json.dumps({"address": self.address, "beat": self.beat, "pid": os.getpid(),
-                              "ts_ms": int(time.time() * 1000)})
+                              "ts_ms": int(time.time() * 1000), "steps": self.writer.fencing.steps_key})
             if not self.draining:
                 await retry(lambda r=row: self.redis.hset(self.keys.workers, self.worker_id, r), what="register")
             with contextlib.suppress(TimeoutError):
@@ -321,6 +322,7 @@ async def run_worker(w: Worker, args, port: int, health_port: int | None = None)
     await server.start()
     health_server = await start_health_port(health, args.host, health_port)
     w.loop.start()
+    await w.writer.fencing.publish_stream()  # before any write: the scheduler must find it to fence it
     writer_task = asyncio.create_task(w.writer.run())
     register_task = asyncio.create_task(w.register())
     await set_serving(health, names, True)

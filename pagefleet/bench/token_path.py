@@ -138,7 +138,8 @@ def start_cluster(args, tmp: Path):
 
     worker_args = ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale),
                    "--max-num-seqs", str(args.max_num_seqs), "--num-swap-blocks", "0"]
-    gateway_args = []
+    # Every stream of the run may wait in the queue at once: none is shed.
+    gateway_args = ["--max-queue", str(max(1024, args.concurrency))]
     if args.gateway_processes > 1:
         gateway_args += ["--processes", str(args.gateway_processes)]
     if args.stream_interval > 1:

@@ -1,103 +1,118 @@
-"""Fenced request ownership: who may write a request's output, decided in Redis, atomically.
+"""Who may write a request's output, and what of it is durable when: decided in Redis, atomically.
 
-Every request has an owner record ``<ns>:own:<request_id>`` (a hash: ``epoch``, ``worker``,
-``done``). The scheduler takes a new epoch for each assignment (``Fencing.assign``: one Lua
-script that also refuses a scheduler whose own epoch is no longer the current one). Every
-write to the request's output stream goes through ``Fencing.write`` (one Lua script per
-step of a worker, for all its requests): it appends only if the writer's epoch is still the request's
-epoch and the request is not done, so a worker that was declared dead (or whose request
-was cancelled or moved) can never splice tokens into a stream that someone else now owns;
-its writes are refused and it drops the request. The final write of a request, its
-acknowledgement in the requests stream, the owner record's ``done`` flag and a record in
-``<ns>:done`` (the stream the scheduler learns finishes from) are one atomic step: a
-request is finished exactly when its last message is durable.
+**The steps stream is the output.** A worker writes each step's messages, for all its requests,
+as **one** ``XADD`` to its own steps stream (``<ns>:steps:<worker>:<incarnation>``, field
+``o``: a ``StepOutputs``). A message is durable once that entry is in Redis, and a client
+sees a token only after that (gateways relay from these streams). So a step costs Redis one
+command, whatever the number of requests in it.
 
-Every accepted message also goes into the writer's steps stream (``<ns>:steps:<writer>``), one
-entry per write: the gateways relay from those, one blocking read for all their requests. A
-refused message goes into neither, so what a gateway relays is always what the request's own
-output stream holds.
+**Fencing a worker.** A worker's stream is closed for good by appending an entry with the
+largest possible id (``fence_stream``): every later ``XADD *`` to it fails ("exhausted the
+last possible ID"), while everything appended before stays readable. A request leaves its
+worker with its tokens only that way: to resume it elsewhere, the scheduler fences the
+stream of the request's last worker (``take_over``), then reads the request's messages from
+it: nothing can be added behind that read, so the request continues after exactly the
+tokens that any client could have seen. A fenced worker finds its next write refused,
+drops every request it holds, and writes on in a new incarnation's stream.
 
-Lifetimes: the output stream, the owner record and the idempotency key of a request share
-one lifetime (``REQUEST_TTL_S`` while it runs, set by its first message on a worker and
-refreshed every few hundred messages after; ``DONE_TTL_S`` after it finished); after it a
-retry with the same id is a new request. A steps stream keeps ``STEPS_KEEP_MS`` of entries.
+**Owner records** (``<ns>:own:<request_id>``, a hash: ``epoch``, ``worker``, ``t``, ``done``):
+the scheduler takes a new epoch for each assignment (``assign``: one script that also
+refuses a scheduler whose own epoch is no longer the current one, and stamps ``t``, the
+assignment's time on Redis's clock, from which the request's messages are read back). The
+epoch fences finishes: a request's **final** write goes through ``_FINISH`` (one script for
+all the requests a write finishes): its final message is appended with the step only if
+the writer's epoch is still the request's and it is not done, and in the same atomic step
+the owner record is marked done, the request's record of everything it wrote is added to
+its output stream, its entry in the requests stream is acknowledged and a record goes to
+``<ns>:done`` (where the scheduler learns of finishes). A request is finished exactly when
+its last message is durable.
+
+**The request's own output stream** (``<ns>:out:<request_id>``) holds only what a later
+reader needs that the steps streams may no longer hold: the tokens a request had when it was
+resumed (written by ``take_over``) and, at its finish, everything its last worker wrote (so a
+retry replays the whole output from it for ``DONE_TTL_S``).
+
+Lifetimes: the owner record lives ``REQUEST_TTL_S`` from its assignment (refreshed by the
+worker every few hundred messages), ``DONE_TTL_S`` after the finish, with the output stream
+and the idempotency key; after it, a retry with the same id is a new request. A steps stream
+keeps ``STEPS_KEEP_MS`` of entries (``MINID``; a gateway that falls further behind reads the
+request's own record) and expires ``STEPS_TTL_S`` after its writer's last write.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 
-from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry
+from pagefleet.protos import cluster_pb2, generation_pb2
 
-# A running request's keys live this long after its latest write.
+from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, retry
+
+# A running request's owner record lives this long after its assignment (or the worker's refresh).
 REQUEST_TTL_S = 3600
 # A finished request's output (and its idempotency key) stays this long for late or repeated readers.
 DONE_TTL_S = 300
 # The done stream keeps about this many records (the scheduler reads it as they come).
 DONE_STREAM_MAXLEN = 100_000
+# A steps stream keeps about this long of entries (gateways read them as they come).
+STEPS_KEEP_MS = 60_000
+# A steps stream outlives its writer's last write by this long.
+STEPS_TTL_S = 600
+# The id of the entry that closes a steps stream: nothing can be appended after it.
+FENCE_ID = "18446744073709551615-18446744073709551615"
 
-# KEYS: own, scheduler epoch key. ARGV: scheduler epoch, worker id, ttl.
+# KEYS: own, scheduler epoch key. ARGV: scheduler epoch, worker id ('': a new epoch only, the
+# last worker and its time kept for ``take_over``), ttl.
 # Returns the new epoch; 0 if the request is done already; -1 if this scheduler is stale.
 _ASSIGN = """
 if (redis.call('GET', KEYS[2]) or '0') ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-redis.call('HSET', KEYS[1], 'worker', ARGV[2])
+if ARGV[2] ~= '' then
+  local now = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'worker', ARGV[2], 't', now[1] * 1000 + math.floor(now[2] / 1000))
+end
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return epoch
 """
 
-# One round trip for every message of a write (a step of one worker, or the steps it fell
-# behind by), whatever the number of requests: each message is checked against its request's
-# owner record (one HMGET) and appended to the request's output stream; the accepted ones also
-# go, joined, into one entry of the writer's steps stream (what gateways relay from). TTLs are
-# set where the worker asks (a request's first message of an assignment, then now and then),
-# and at the finish, not at every write.
-# KEYS: steps stream, requests stream, done stream, then for each message: own, out, idempotency key.
-# ARGV: n, group, done stream maxlen, request ttl, done ttl, steps stream MINID (ms), steps
-# stream ttl (0: leave it), then for each message: epoch, final (0/1), entry id ('' for none),
-# request id, finish reason, refresh ttl (0/1), step piece, k, then k field/value pairs.
-# Returns, per message, 1 if written, 0 if refused (stale epoch or done).
-_WRITE = """
-local n = tonumber(ARGV[1])
-local ttl, done_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
-local res, pieces = {}, {}
-local a = 8
+# A write that finishes requests: the step's other messages and each final message whose
+# writer still owns its request, in one steps entry; then, for those, the finish.
+# KEYS: steps stream, requests stream, done stream, then for each final: own, out, idempotency key.
+# ARGV: group, done maxlen, done ttl, the other messages (a StepOutputs), steps MINID, steps
+# ttl, n, then for each final: epoch, entry id ('' for none), request id, finish reason, its
+# message (a StepOutputs piece), its record (a StepOutputs piece).
+# Returns, per final, 1 if written, 0 if refused (stale epoch or done). A fenced stream: an error.
+_FINISH = """
+local n = tonumber(ARGV[7])
+local ok, pieces = {}, {ARGV[4]}
 for i = 1, n do
-  local own, out, idem = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
-  local epoch, final, entry_id, rid, finish, refresh, piece =
-    ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
-  local f0 = a + 8
-  a = f0 + 2 * tonumber(ARGV[a + 7])
-  local cur = redis.call('HMGET', own, 'epoch', 'done')
-  if (cur[1] or '0') ~= epoch or cur[2] == '1' then
-    res[i] = 0
-  else
-    redis.call('XADD', out, '*', unpack(ARGV, f0, a - 1))
-    pieces[#pieces + 1] = piece
-    if final == '1' then
-      redis.call('HSET', own, 'done', '1')
-      redis.call('EXPIRE', own, done_ttl)
-      redis.call('EXPIRE', out, done_ttl)
-      if redis.call('EXISTS', idem) == 1 then redis.call('EXPIRE', idem, done_ttl) end
-      if entry_id ~= '' then
-        redis.call('XACK', KEYS[2], ARGV[2], entry_id)
-        redis.call('XDEL', KEYS[2], entry_id)
-      end
-      redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'rid', rid, 'epoch', epoch, 'f', finish)
-    elseif refresh == '1' then
-      redis.call('EXPIRE', own, ttl)
-      redis.call('EXPIRE', out, ttl)
+  local a = 8 + 6 * (i - 1)
+  local cur = redis.call('HMGET', KEYS[3 * i + 1], 'epoch', 'done')
+  ok[i] = ((cur[1] or '0') == ARGV[a] and cur[2] ~= '1') and 1 or 0
+  if ok[i] == 1 then pieces[#pieces + 1] = ARGV[a + 4] end
+end
+redis.call('XADD', KEYS[1], 'MINID', '~', ARGV[5], '*', 'o', table.concat(pieces))
+if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6])) end
+local done_ttl = tonumber(ARGV[3])
+for i = 1, n do
+  if ok[i] == 1 then
+    local a = 8 + 6 * (i - 1)
+    local own, out, idem = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+    redis.call('HSET', own, 'done', '1')
+    redis.call('EXPIRE', own, done_ttl)
+    redis.call('XADD', out, '*', 'o', ARGV[a + 5])
+    redis.call('EXPIRE', out, done_ttl)
+    if redis.call('EXISTS', idem) == 1 then redis.call('EXPIRE', idem, done_ttl) end
+    if ARGV[a + 1] ~= '' then
+      redis.call('XACK', KEYS[2], ARGV[1], ARGV[a + 1])
+      redis.call('XDEL', KEYS[2], ARGV[a + 1])
     end
-    res[i] = 1
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'rid', ARGV[a + 2], 'epoch', ARGV[a], 'f', ARGV[a + 3])
   end
 end
-if #pieces > 0 then
-  redis.call('XADD', KEYS[1], 'MINID', '~', ARGV[6], '*', 'o', table.concat(pieces))
-  if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7])) end
-end
-return res
+return ok
 """
 
 # KEYS: own. ARGV: epoch. Returns 1 when the epoch is still the request's and it is not done.
@@ -108,60 +123,80 @@ return 1
 """
 
 
-# A steps stream keeps about this long of entries (gateways read them as they come; a relay
-# that falls further behind reads the request's own output stream instead).
-STEPS_KEEP_MS = 60_000
-# A steps stream outlives its writer's last write by this long.
-STEPS_TTL_S = 600
+class Fenced(Exception):
+    """This writer's steps stream was fenced (it was declared dead): nothing it holds is its own."""
 
 
 @dataclass(frozen=True, slots=True)
 class Write:
-    """One message for a request's output stream, written under ``epoch``.
+    """One message for a request's output, written under ``epoch``.
 
-    ``refresh_ttl``: (re)set the request's TTLs with it (its first message of an assignment,
-    and now and then after: a write does not touch them otherwise)."""
+    A final message (``entry.finish_reason`` set) finishes the request: ``entry_id`` is its
+    entry in the requests stream, to acknowledge; ``record``: everything this writer wrote
+    for it (default: the message), kept for a retry's replay. ``refresh_ttl``: renew the
+    owner record's TTL with it (every few hundred messages)."""
 
     request_id: str
     epoch: int
     entry: OutEntry
-    entry_id: str = ""  # with a final message: the requests-stream entry to acknowledge
-    refresh_ttl: bool = True
+    entry_id: str = ""
+    refresh_ttl: bool = False
+    record: OutEntry | None = None
 
     @property
     def final(self) -> bool:
         return bool(self.entry.finish_reason)
 
 
-def step_piece(request_id: str, e: OutEntry) -> bytes:
-    """``e`` as a one-message ``StepOutputs`` (pieces concatenated: the StepOutputs of all)."""
-    from pagefleet.protos import cluster_pb2, generation_pb2
-
+def step_output(request_id: str, e: OutEntry):
+    """``e`` as a ``StepOutput``."""
     o = cluster_pb2.StepOutput(request_id=request_id, index=e.index, token_ids=e.token_ids, text=e.text,
                                finish_reason=e.finish_reason, error=e.error)
     if e.logprobs:
-        o.logprobs.extend(generation_pb2.TokenLogprobs(
-            logprob=x.logprob,
-            top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v)
-                          for t, v in zip(x.top_token_ids, x.top_logprobs, strict=True)])
+        o.logprobs.extend(
+            x if isinstance(x, generation_pb2.TokenLogprobs) else generation_pb2.TokenLogprobs(
+                logprob=x.logprob,
+                top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v)
+                              for t, v in zip(x.top_token_ids, x.top_logprobs, strict=True)])
             for x in e.logprobs)
-    return cluster_pb2.StepOutputs(outputs=[o]).SerializeToString()
+    return o
+
+
+def step_piece(request_id: str, e: OutEntry) -> bytes:
+    """``e`` as a one-message ``StepOutputs`` (pieces concatenated: the StepOutputs of all)."""
+    return cluster_pb2.StepOutputs(outputs=[step_output(request_id, e)]).SerializeToString()
+
+
+def entry_of(o) -> OutEntry:
+    """A ``StepOutput`` as an ``OutEntry`` (its logprobs kept as protobuf messages)."""
+    return OutEntry(o.index, list(o.token_ids), o.text, o.finish_reason, o.error, list(o.logprobs) or None)
 
 
 class Fencing:
-    """The Lua scripts, registered once per Redis client (``register_script``: EVALSHA, with
-    a fallback to EVAL when the server lost its script cache, e.g. after a restart).
-
-    ``writer_id``: whose steps stream ``write`` appends to (a worker's id, or the scheduler's)."""
+    """The scripts and the writes of one writer (a worker, or the scheduler for its own final
+    messages), registered once per Redis client (EVALSHA, falling back to EVAL after a restart)."""
 
     def __init__(self, redis, keys: Keys, writer_id: str = SCHEDULER_STEPS) -> None:
         self.redis = redis
         self.keys = keys
-        self.steps_key = keys.steps(writer_id)
+        self.writer_id = writer_id
+        self.steps_key = ""
+        self.new_incarnation()
         self._assign = redis.register_script(_ASSIGN)
-        self._write = redis.register_script(_WRITE)
+        self._finish = redis.register_script(_FINISH)
         self._owns = redis.register_script(_OWNS)
-        self._steps_ttl_at = 0.0  # when the steps stream's TTL was last set (monotonic)
+
+    def new_incarnation(self) -> str:
+        """A fresh steps stream for this writer (after its last one was fenced)."""
+        tail = "" if self.writer_id == SCHEDULER_STEPS else f":{secrets.token_hex(4)}"
+        self.steps_key = self.keys.steps(self.writer_id) + tail
+        self._steps_ttl_at = 0.0
+        return self.steps_key
+
+    async def publish_stream(self) -> None:
+        """Name this writer's steps stream where the scheduler finds it to fence it (``steps_of``)."""
+        await retry(lambda: self.redis.set(self.keys.steps_of(self.writer_id), self.steps_key, ex=STEPS_TTL_S * 144),
+                    what="publish_stream")
 
     async def assign(self, request_id: str, scheduler_epoch: int, worker_id: str) -> int:
         """A new epoch for ``request_id`` on ``worker_id``; 0 if it finished already, -1 if
@@ -179,31 +214,144 @@ class Fencing:
                                args=[scheduler_epoch, worker_id, REQUEST_TTL_S], client=pipe)
         return [int(e) for e in await pipe.execute()]
 
-    def _write_call(self, writes: list[Write]) -> tuple[list[str], list]:
-        """The keys and arguments of one ``_WRITE`` call for ``writes``."""
+    def _steps_ttl(self) -> int:
         now = time.monotonic()
-        steps_ttl = 0
         if now - self._steps_ttl_at > STEPS_TTL_S / 4:
-            self._steps_ttl_at, steps_ttl = now, STEPS_TTL_S
-        keys = [self.steps_key, self.keys.requests, self.keys.done]
-        args: list = [len(writes), GROUP, DONE_STREAM_MAXLEN, REQUEST_TTL_S, DONE_TTL_S,
-                      int(time.time() * 1000) - STEPS_KEEP_MS, steps_ttl]
-        for w in writes:
-            rid = w.request_id
-            keys += [self.keys.owner(rid), self.keys.out(rid), self.keys.idempotency(rid)]
-            fields = w.entry.encode()
-            args += [w.epoch, 1 if w.final else 0, w.entry_id, rid, w.entry.finish_reason,
-                     1 if w.refresh_ttl else 0, step_piece(rid, w.entry), len(fields)]
-            for k, v in fields.items():
-                args += [k, v]
-        return keys, args
+            self._steps_ttl_at = now
+            return STEPS_TTL_S
+        return 0
 
     async def write(self, writes: list[Write]) -> list[bool]:
-        """Write every message in one round trip (one script call); for each, whether it was accepted."""
+        """Write every message in one round trip; for each, whether it was accepted (a
+        message that finishes nothing is always accepted: only finishes are checked).
+        ``Fenced`` when this writer's stream was fenced (nothing was written)."""
+        import redis.exceptions as rx
+
         if not writes:
             return []
-        keys, args = self._write_call(writes)
-        return [bool(r) for r in await self._write(keys=keys, args=args)]
+        steps = cluster_pb2.StepOutputs()
+        finals = []
+        for w in writes:
+            if w.final:
+                finals.append(w)
+            else:
+                steps.outputs.append(step_output(w.request_id, w.entry))
+        pipe = self.redis.pipeline(transaction=False)
+        for w in writes:
+            if w.refresh_ttl and not w.final:
+                pipe.expire(self.keys.owner(w.request_id), REQUEST_TTL_S)
+        minid = int(time.time() * 1000) - STEPS_KEEP_MS
+        ttl = self._steps_ttl()
+        if finals:
+            keys = [self.steps_key, self.keys.requests, self.keys.done]
+            args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, steps.SerializeToString(), minid, ttl, len(finals)]
+            for w in finals:
+                rid = w.request_id
+                keys += [self.keys.owner(rid), self.keys.out(rid), self.keys.idempotency(rid)]
+                args += [w.epoch, w.entry_id, rid, w.entry.finish_reason, step_piece(rid, w.entry),
+                         step_piece(rid, w.record or w.entry)]
+            await self._finish(keys=keys, args=args, client=pipe)
+        else:
+            pipe.xadd(self.steps_key, {"o": steps.SerializeToString()}, minid=minid, approximate=True)
+            if ttl:
+                pipe.expire(self.steps_key, ttl)
+        results = await pipe.execute(raise_on_error=False)
+        for r in results:
+            if isinstance(r, rx.ResponseError) and "exhausted the last possible ID" in str(r):
+                raise Fenced(self.steps_key)
+            if isinstance(r, Exception):
+                raise r
+        if not finals:
+            return [True] * len(writes)
+        accepted = {id(w): bool(int(x)) for w, x in zip(finals, results[-1], strict=True)}
+        return [accepted.get(id(w), True) for w in writes]
 
     async def owns(self, request_id: str, epoch: int) -> bool:
         return bool(await self._owns(keys=[self.keys.owner(request_id)], args=[epoch]))
+
+
+# -- reading back ------------------------------------------------------------------------------
+async def fence_stream(redis, key: str) -> None:
+    """Close ``key`` for good: every later ``XADD *`` to it fails (idempotent)."""
+    import redis.exceptions as rx
+
+    try:
+        await retry(lambda: redis.xadd(key, {"fence": 1}, id=FENCE_ID), what="fence_stream")
+    except rx.ResponseError as e:
+        if "exhausted" not in str(e) and "equal or smaller" not in str(e):
+            raise
+
+
+async def messages_in(redis, key: str, request_id: str, since: str = "0-0", until: str = "+"):
+    """Every message of ``request_id`` in steps stream ``key`` from id ``since``, oldest first."""
+    out = []
+    start = since
+    while True:
+        entries = await retry(lambda s=start: redis.xrange(key, s, until, count=1000), what="xrange_steps")
+        for _, fields in entries:
+            raw = fields.get(b"o")
+            if raw:
+                out.extend(entry_of(o) for o in cluster_pb2.StepOutputs.FromString(raw).outputs
+                           if o.request_id == request_id)
+        if len(entries) < 1000:
+            return out
+        last = entries[-1][0]
+        last = last.decode() if isinstance(last, bytes) else last
+        start = "(" + last
+
+
+async def read_record(redis, keys: Keys, request_id: str) -> list[OutEntry]:
+    """The messages of the request's own output stream (resume points, its finish)."""
+    raw = await retry(lambda: redis.xrange(keys.out(request_id)), what="xrange_out")
+    return [entry_of(o) for _, fields in raw if fields.get(b"o")
+            for o in cluster_pb2.StepOutputs.FromString(fields[b"o"]).outputs]
+
+
+def merged(messages: list[OutEntry]) -> tuple[list[int], str, OutEntry | None]:
+    """The tokens ``messages`` hold in index order (repeats dropped), the finish reason, and
+    the messages past index 0 as one (None if none)."""
+    tokens: list[int] = []
+    finish, text, logprobs = "", [], []
+    for e in sorted(messages, key=lambda m: (m.index, not m.finish_reason)):
+        if e.index <= len(tokens) < e.index + len(e.token_ids):
+            skip = len(tokens) - e.index
+            tokens.extend(e.token_ids[skip:])
+            if skip == 0:
+                text.append(e.text)
+            if e.logprobs:
+                logprobs.extend(e.logprobs[skip:])
+        if e.finish_reason:
+            finish = e.finish_reason
+    return tokens, finish, OutEntry(0, tokens, "".join(text), "", "", logprobs or None)
+
+
+async def take_over(redis, keys: Keys, request_id: str, fence: bool | None = None) -> tuple[list[int], str]:
+    """Every token ``request_id`` has emitted, and its finish reason, made final, and recorded
+    in the request's own output stream, where the next reader starts.
+
+    Its last worker's stream is read from the assignment on, fenced first where ``fence`` (the
+    worker was declared dead: nothing can be added behind this read); ``None``: fenced if that
+    worker has no row in the workers hash (it is gone). A live worker is not fenced: it no
+    longer holds the request (it dropped it, or never got it), so it writes no more of it."""
+    worker, since = await retry(lambda: redis.hmget(keys.owner(request_id), "worker", "t"), what="hmget_own")
+    record = await read_record(redis, keys, request_id)
+    found: list[OutEntry] = []
+    if worker and worker not in (b"", b"scheduler"):
+        wid = worker.decode()
+        key = await retry(lambda: redis.get(keys.steps_of(wid)), what="get_steps_of")
+        if key:
+            key = key.decode()
+            if fence is None:
+                fence = not await retry(lambda: redis.hexists(keys.workers, wid), what="hexists_worker")
+            if fence:
+                await fence_stream(redis, key)
+            found = await messages_in(redis, key, request_id, f"{int(since or 0)}-0")
+    tokens, finish, whole = merged(record + found)
+    before = len(merged(record)[0])
+    if len(tokens) > before and whole is not None:
+        piece = cluster_pb2.StepOutputs(outputs=[step_output(request_id, whole)]).SerializeToString()
+        pipe = redis.pipeline(transaction=False)
+        pipe.xadd(keys.out(request_id), {"o": piece})
+        pipe.expire(keys.out(request_id), REQUEST_TTL_S)
+        await retry(pipe.execute, what="record_taken_over")
+    return tokens, finish

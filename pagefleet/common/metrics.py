@@ -300,7 +300,8 @@ class GatewayMetrics:
             "pagefleet:gateway_unauthenticated_requests",
             "Calls refused for a missing or wrong API key, by door (grpc, http).", ["door"], registry=r,
         )
-        self.in_flight = Gauge("pagefleet:gateway_requests_in_flight", "Generate calls open now.", registry=r)
+        self.in_flight = Gauge("pagefleet:gateway_requests_in_flight", "Generate calls open now.", registry=r,
+                               multiprocess_mode="livesum")  # summed over `gateway --processes`
         self.ttft = Histogram(
             "pagefleet:gateway_time_to_first_token_seconds", "From the call to its first streamed token.",
             buckets=LATENCY_BUCKETS, registry=r,

@@ -6,12 +6,13 @@ namespace ``pf`` and the shard ``s0`` by default), so every script touches one s
 * ``<ns>:{<shard>}:requests`` - stream of request entries (consumer group ``scheduler``); a
   generate entry is deleted when its request finishes, so its length is the number of
   requests in the system.
-* ``...:out:<request_id>`` - stream of one request's output, read by index; expires. The
-  durable record: a resumed request continues after it, a retry replays it.
-* ``...:steps:<worker_id>`` - stream of one worker's steps: every accepted message of a step
-  in one entry (``StepOutputs``), written in the same script as the ``out`` entries; what a
-  gateway relays from (one blocking read for all its requests). Trimmed by age.
-* ``...:own:<request_id>`` - hash ``epoch``/``worker``/``done``: who may write (``fencing``).
+* ``...:steps:<worker_id>:<incarnation>`` - stream of one worker's steps: every message of a
+  step, for all its requests, in one entry (field ``o``, a ``StepOutputs``): the output,
+  durable once there; what gateways relay from. Trimmed by age; fenced by an entry with the
+  largest id (``fencing``). ``...:steps_of:<worker_id>`` names a worker's current one.
+* ``...:out:<request_id>`` - one request's own record (``StepOutputs`` entries): its tokens
+  when it was resumed, everything at its finish; what a retry replays.
+* ``...:own:<request_id>`` - hash ``epoch``/``worker``/``t``/``done``: who may finish it (``fencing``).
 * ``...:done`` - stream of finished requests (``fencing``).
 * ``...:req:<request_id>`` - idempotency key of a client-chosen request id.
 * ``...:workers`` - hash worker_id -> JSON {address, ts}; workers refresh it.
@@ -66,6 +67,10 @@ class Keys:
     def steps(self, writer_id: str) -> str:
         """One worker's (or the scheduler's, ``SCHEDULER_STEPS``) stream of steps."""
         return f"{self.prefix}:steps:{writer_id}"
+
+    def steps_of(self, writer_id: str) -> str:
+        """The name of a worker's current steps stream (where the scheduler finds it to fence it)."""
+        return f"{self.prefix}:steps_of:{writer_id}"
 
     def idempotency(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
@@ -257,20 +262,6 @@ class OutEntry:
             error=fields.get(b"e", b"").decode("utf-8", "replace"),
             logprobs=unpack_logprobs(fields),
         )
-
-
-async def read_emitted(redis, keys: Keys, request_id: str) -> tuple[list[int], str]:
-    """Every token a request has emitted (in index order, duplicates dropped) and its finish reason."""
-    raw = await retry(lambda: redis.xrange(keys.out(request_id)), what="xrange")
-    tokens: list[int] = []
-    finish = ""
-    for _, fields in raw:
-        e = OutEntry.decode(fields)
-        if e.index <= len(tokens) < e.index + len(e.token_ids):
-            tokens.extend(e.token_ids[len(tokens) - e.index:])
-        if e.finish_reason:
-            finish = e.finish_reason
-    return tokens, finish
 
 
 def encode_request_entry(p, enqueued_ms: int) -> dict[str, bytes | str | int]:

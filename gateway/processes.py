@@ -1,0 +1,131 @@
+"""``pagefleet gateway --processes N``: N gateway processes on one host, sharing its ports.
+
+A gateway is stateless (everything a request needs is in Redis), so one host can run as many
+as it has cores for. This process supervises: it takes the ports first (``0``: a free one),
+starts N children (``pagefleet gateway`` with the same flags and the ports it took), each
+binding them with ``SO_REUSEPORT`` so the kernel spreads connections over them, restarts a
+child that dies, and stops them all on SIGTERM or SIGINT. It serves ``/metrics``
+(``--metrics-port``) alone, summed over the children with prometheus-client's multiprocess
+mode (``PROMETHEUS_MULTIPROC_DIR``, a temp dir it owns): counters and histograms add up,
+the in-flight gauge is the sum of the live children's.
+
+Any child relays any request and takes any ``Cancel``: a retry of the same request id
+through another child replays it from Redis, and a cancel is an entry in the requests stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import structlog
+
+log = structlog.get_logger("gateway.processes")
+
+# A child that dies is restarted after this long (doubling to RESTART_MAX_S while it keeps dying).
+RESTART_S = 0.5
+RESTART_MAX_S = 10.0
+
+
+def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT`` (port 0: a free one), held so the
+    port stays ours while the children bind it too; and the bound port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock, sock.getsockname()[1]
+
+
+def _child_argv(argv: list[str], port: int, http_port: int | None) -> list[str]:
+    """``argv`` without --processes, --metrics-port and the ports, then the ports taken."""
+    out, skip = [], False
+    drop = ("--processes", "--metrics-port", "--port", "--http-port")
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    out += ["--port", str(port), "--processes", "1", "--reuse-port"]
+    if http_port is not None:
+        out += ["--http-port", str(http_port)]
+    return out
+
+
+def supervise(args, argv: list[str]) -> int:
+    """Run ``args.processes`` gateways until SIGTERM/SIGINT (see the module docstring)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import multiprocess as prom_mp
+
+    from pagefleet.common.metrics import serve_metrics
+
+    from .guard import Doors
+
+    held = []
+    sock, port = reserve_port(args.host, args.port)
+    held.append(sock)
+    http_port = None
+    if args.http_port is not None:
+        sock, http_port = reserve_port(args.host, args.http_port)
+        held.append(sock)
+    metrics_dir = tempfile.mkdtemp(prefix="pagefleet-gateway-metrics-")
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
+    for name in ("PAGEFLEET_METRICS_PORT", "PAGEFLEET_PROCESSES", "PAGEFLEET_PORT", "PAGEFLEET_HTTP_PORT"):
+        env.pop(name, None)
+    registry = CollectorRegistry()
+    prom_mp.MultiProcessCollector(registry, path=metrics_dir)
+    serve_metrics(args, registry, "gateway", **Doors.from_args(args).metrics_guard())
+    cmd = [sys.executable, "-m", "pagefleet", "gateway", *_child_argv(argv, port, http_port)]
+    stop = False
+
+    def on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    children: list[subprocess.Popen | None] = [None] * args.processes
+    delays = [RESTART_S] * args.processes
+    next_start = [0.0] * args.processes
+    log.info("gateway.supervising", processes=args.processes, port=port, http_port=http_port)
+    try:
+        while not stop:
+            now = time.monotonic()
+            for i, child in enumerate(children):
+                if child is not None and child.poll() is not None:
+                    log.warning("gateway.process_exited", index=i, pid=child.pid, code=child.returncode)
+                    prom_mp.mark_process_dead(child.pid, path=metrics_dir)
+                    children[i] = None
+                    next_start[i] = now + delays[i]
+                    delays[i] = min(delays[i] * 2, RESTART_MAX_S)
+                if children[i] is None and now >= next_start[i]:
+                    children[i] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+            time.sleep(0.1)
+    finally:
+        live = [c for c in children if c is not None and c.poll() is None]
+        for c in live:
+            with contextlib.suppress(ProcessLookupError):
+                c.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 8
+        for c in live:
+            try:
+                c.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait(5)
+        for s in held:
+            s.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    log.info("gateway.stopped", processes=args.processes)
+    return 0

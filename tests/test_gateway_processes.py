@@ -1,0 +1,100 @@
+"""``pagefleet gateway --processes N``: several gateway processes share the ports; any of them
+relays, replays or cancels any request; /metrics sums them."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from cluster_fixtures import start_cluster, wait_for
+
+from pagefleet.client import Client
+from pagefleet.common.service import CHANNEL_OPTIONS
+from pagefleet.protos import generation_pb2 as pb
+from pagefleet.protos import generation_pb2_grpc
+
+SIM = ["--engine", "sim", "--time-scale", "1"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("gw-procs"), num_workers=2, workers_per_process=2,
+                      worker_args=SIM, gateway_args=["--processes", "3"], metrics_port=0, http_port=0)
+    yield c
+    c.stop()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _stub(target: str):
+    # A channel of its own: its own connection, which the kernel may give to any process.
+    channel = grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+    return channel, generation_pb2_grpc.GenerationStub(channel)
+
+
+def test_processes_share_the_port_and_every_stream_is_whole(cluster):
+    assert len(_children(cluster.procs["gateway"].pid)) == 3
+    for i in range(12):
+        with Client(cluster.gateway_target) as c:
+            out = c.generate(f"hello {i}", max_tokens=20, temperature=0, ignore_eos=True, timeout=60)
+        assert len(out.token_ids) == 20 and out.finish_reason == "length"
+    text = urllib.request.urlopen(cluster.metrics_url("gateway"), timeout=10).read().decode()
+    ok = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith('pagefleet:gateway_requests_total{code="OK"}'))
+    assert ok >= 12  # summed over the processes, whichever served each call
+
+
+def test_a_retry_and_a_cancel_through_other_connections_reach_the_whole_request(cluster):
+    rid = "procs-retry-1"
+    req = pb.GenerateRequest(request_id=rid, prompt="a long one",
+                             sampling=pb.SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True))
+    first, second = [], []
+
+    def read(into, stub):
+        try:
+            for m in stub.Generate(req, timeout=120):
+                into.append(m)
+        except grpc.RpcError as e:
+            into.append(e)
+
+    channels = [_stub(cluster.gateway_target) for _ in range(3)]
+    t1 = threading.Thread(target=read, args=(first, channels[0][1]))
+    t1.start()
+    wait_for(lambda: sum(len(m.token_ids) for m in first if isinstance(m, pb.GenerateResponse)) >= 10, 30,
+             "the first tokens")
+    t2 = threading.Thread(target=read, args=(second, channels[1][1]))  # the same id again: a replay
+    t2.start()
+    wait_for(lambda: sum(len(m.token_ids) for m in second if isinstance(m, pb.GenerateResponse)) >= 10, 30,
+             "the retry's first tokens")
+    channels[2][1].Cancel(pb.CancelRequest(request_id=rid), timeout=10)
+    t1.join(60)
+    t2.join(60)
+    for got in (first, second):
+        msgs = [m for m in got if isinstance(m, pb.GenerateResponse)]
+        assert msgs and msgs[-1].finish_reason == pb.FINISH_REASON_ABORT, got[-1]
+        index = 0
+        for m in msgs:  # every index once, in order, from 0
+            assert m.index == index
+            index += len(m.token_ids)
+        assert index < 3000
+    for channel, _ in channels:
+        channel.close()
+
+
+def test_a_process_that_dies_is_replaced(cluster):
+    import os
+    import signal
+
+    before = _children(cluster.procs["gateway"].pid)
+    os.kill(before[0], signal.SIGKILL)
+    wait_for(lambda: len(set(_children(cluster.procs["gateway"].pid)) - set(before)) == 1, 30,
+             "a new gateway process")
+    time.sleep(1.0)
+    with Client(cluster.gateway_target) as c:
+        assert len(c.generate("again", max_tokens=5, temperature=0, ignore_eos=True, timeout=60).token_ids) == 5
