@@ -1,0 +1,72 @@
+"""Every architecture against `transformers`: greedy tokens equal in each setting that
+changes the step plan, seeded sampling the same with the prefix cache on and off."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from arch_checkpoints import CASES, WINDOW, hf_greedy, make_arch_checkpoint
+
+from pagefleet import Engine, SamplingParams
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+# Phi-3's longrope switches to its long factors past 32 positions; transformers switches a
+# whole prompt at once, pagefleet per position, so prompts stay short of it (decoding crosses).
+MAX_PROMPT = {"phi3": 28}
+
+
+def prompts_for(case: str, n: int = 4) -> list[list[int]]:
+    rng = random.Random(case)
+    longest = MAX_PROMPT.get(case, 40)
+    lens = [longest] + [rng.randrange(longest // 2, longest) for _ in range(n - 1)]
+    return [[rng.randrange(3, 199) for _ in range(k)] for k in lens]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made: dict[str, tuple] = {}
+
+    def get(case: str):
+        if case not in made:
+            path = make_arch_checkpoint(tmp_path_factory.mktemp(case), case)
+            prompts = prompts_for(case)
+            made[case] = (path, prompts, hf_greedy(path, prompts, MAX_TOKENS))
+        return made[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunked_prefill_then_prefix_cache_hits(checkpoints, case):
+    path, prompts, ref = checkpoints(case)
+    assert max(len(p) for p in prompts) > WINDOW
+    engine = Engine(str(path), block_size=4, num_blocks=128, max_num_batched_tokens=7, max_model_len=64)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == ref
+    hits = engine.kv.prefix_cache_hits_total
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == ref
+    assert engine.kv.prefix_cache_hits_total > hits, "the second pass was meant to hit the prefix cache"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_preemption_under_a_small_pool(checkpoints, case):
+    path, prompts, ref = checkpoints(case)
+    # Room for the longest request and a little more: the others take turns.
+    num_blocks = -(-(len(prompts[0]) + MAX_TOKENS) // 4) + 3
+    engine = Engine(str(path), block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16, max_model_len=64)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == ref
+    assert engine.stats().num_preemptions_total > 0, "the pool was meant to force preemption"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_seeded_sampling_is_the_same_with_the_cache_on_and_off(checkpoints, case):
+    path, prompts, _ = checkpoints(case)
+    on = Engine(str(path), block_size=4, num_blocks=64, max_model_len=64)
+    on.generate(prompts[:1], GREEDY)  # the prompt's blocks now cached
+    cached = on.generate(prompts[:1], SEEDED)[0].token_ids
+    assert on.kv.prefix_cache_hits_total > 0
+    off = Engine(str(path), block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=False,
+                 max_num_batched_tokens=5)
+    assert off.generate(prompts[:1], SEEDED)[0].token_ids == cached
