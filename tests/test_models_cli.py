@@ -1,0 +1,32 @@
+"""The registry and the torch-free list of supported model types agree; ``pagefleet models``
+lists them and describes a checkpoint."""
+
+from __future__ import annotations
+
+from arch_checkpoints import make_arch_checkpoint
+
+from pagefleet.cli import main
+from pagefleet.common.model_config import SUPPORTED
+from pagefleet.worker.models.catalog import features
+from pagefleet.worker.models.registry import ARCHITECTURES
+
+
+def test_registry_and_supported_list_agree():
+    assert set(ARCHITECTURES) == set(SUPPORTED)
+
+
+def test_models_lists_every_architecture(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for model_type, hf_name in SUPPORTED.items():
+        assert any(line.split()[:2] == [model_type, hf_name] for line in out.splitlines()), model_type
+
+
+def test_models_describes_a_checkpoint(tmp_path, capsys):
+    path = make_arch_checkpoint(tmp_path, "gpt_oss")
+    want = {"model_type": "gpt_oss", "context": 256, "rope": "yarn", "sliding window": "8 on 1 of 2 layers",
+            "moe": "4 experts, top 2 (topk_softmax)", "attention sinks": True, "attention soft-cap": None}
+    got = features(str(path))
+    assert {k: got[k] for k in want} == want
+    assert main(["models", str(path)]) == 0
+    assert "sliding window       8 on 1 of 2 layers" in capsys.readouterr().out
