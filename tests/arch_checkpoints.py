@@ -32,6 +32,8 @@ CASES: dict[str, tuple[str, dict]] = {
                                                                         rope_theta=100000.0),
                                                  "sliding_attention": dict(rope_type="default",
                                                                            rope_theta=100.0)})),
+    # A vision-language checkpoint: pagefleet serves its language model (text prompts).
+    "gemma3": ("Gemma3Config", dict(sliding_window=WINDOW, layer_types=ALTERNATING, tie_word_embeddings=False)),
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, max_position_embeddings=128, sliding_window=None,
                                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
                                                      original_max_position_embeddings=32,
@@ -54,9 +56,13 @@ def make_arch_checkpoint(path: Path, case: str) -> Path:
     import transformers
 
     cls_name, overrides = CASES[case]
-    cfg = getattr(transformers, cls_name)(**{**COMMON, **overrides})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if cls_name == "Gemma3Config":
+        cfg = _gemma3_vision_language(transformers.Gemma3TextConfig(**{**COMMON, **overrides}))
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
+    else:
+        cfg = getattr(transformers, cls_name)(**{**COMMON, **overrides})
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     gemma = cfg.model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -70,6 +76,16 @@ def make_arch_checkpoint(path: Path, case: str) -> Path:
                 p.normal_(0.0 if gemma else 1.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def _gemma3_vision_language(text):
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                     image_token_index=198, boi_token_index=196, eoi_token_index=197,
+                                     tie_word_embeddings=False)
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

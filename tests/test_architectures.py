@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from arch_checkpoints import CASES, WINDOW, hf_greedy, make_arch_checkpoint
 
 from pagefleet import Engine, SamplingParams
@@ -70,3 +71,36 @@ def test_seeded_sampling_is_the_same_with_the_cache_on_and_off(checkpoints, case
     off = Engine(str(path), block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=False,
                  max_num_batched_tokens=5)
     assert off.generate(prompts[:1], SEEDED)[0].token_ids == cached
+
+
+TIE = 0.15  # as the GPU suite's Llama test: a differing token must be a near-tie in fp32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_transformers_in_bf16_on_a_gpu_within_ties(checkpoints, case):
+    """The Triton kernels (window, soft-cap and sinks switches, fused MoE) in bf16: tokens agree
+    with `transformers` in bf16 up to the first position where fp32 logits are a near-tie."""
+    import transformers
+
+    path, prompts, _ = checkpoints(case)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    ref_bf16 = load(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+    ref_fp32 = load(path, dtype=torch.float32, attn_implementation="eager").cuda().eval()
+    engine = Engine(str(path), device="cuda", dtype="bfloat16", block_size=16, num_blocks=64, max_model_len=64,
+                    max_num_batched_tokens=16)
+    ours = engine.generate(prompts, GREEDY)
+    for p, o in zip(prompts, ours, strict=True):
+        ids = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            theirs = ref_bf16.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                       do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        i = next((j for j, (a, b) in enumerate(zip(o.token_ids, theirs, strict=True)) if a != b), None)
+        if i is None:
+            continue
+        with torch.no_grad():
+            logits = ref_fp32(torch.tensor([p + theirs[:i]], device="cuda")).logits[0, -1].float()
+        top = float(logits.max())
+        gaps = (top - float(logits[o.token_ids[i]]), top - float(logits[theirs[i]]))
+        assert max(gaps) <= TIE, f"{case}: token {i} differs and is no tie (gaps {gaps})"
