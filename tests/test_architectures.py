@@ -10,6 +10,7 @@ import torch
 from arch_checkpoints import CASES, WINDOW, hf_greedy, make_arch_checkpoint
 
 from pagefleet import Engine, SamplingParams
+from pagefleet.common.model_config import load_model_spec
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -71,6 +72,13 @@ def test_seeded_sampling_is_the_same_with_the_cache_on_and_off(checkpoints, case
     off = Engine(str(path), block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=False,
                  max_num_batched_tokens=5)
     assert off.generate(prompts[:1], SEEDED)[0].token_ids == cached
+
+
+def test_max_model_len_is_the_context_not_the_window(checkpoints):
+    path, prompts, _ = checkpoints("mistral-window")
+    spec = load_model_spec(str(path))
+    assert spec.config.sliding_window == WINDOW
+    assert spec.max_model_len() == spec.config.max_position_embeddings > WINDOW
 
 
 TIE = 0.15  # as the GPU suite's Llama test: a differing token must be a near-tie in fp32

@@ -3,10 +3,11 @@ lists them and describes a checkpoint."""
 
 from __future__ import annotations
 
+import pytest
 from arch_checkpoints import make_arch_checkpoint
 
 from pagefleet.cli import main
-from pagefleet.common.model_config import SUPPORTED
+from pagefleet.common.model_config import SUPPORTED, ModelConfig
 from pagefleet.worker.models.catalog import features
 from pagefleet.worker.models.registry import ARCHITECTURES
 
@@ -30,3 +31,11 @@ def test_models_describes_a_checkpoint(tmp_path, capsys):
     assert {k: got[k] for k in want} == want
     assert main(["models", str(path)]) == 0
     assert "sliding window       8 on 1 of 2 layers" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_another_head_is_refused():
+    cfg = dict(model_type="qwen3", architectures=["Qwen3ForSequenceClassification"], vocab_size=10, hidden_size=8,
+               intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match="not a causal language model"):
+        ModelConfig.from_hf(cfg)
+    assert ModelConfig.from_hf({**cfg, "architectures": ["Qwen3ForCausalLM"]}).model_type == "qwen3"

@@ -80,6 +80,10 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED)}"
             )
+        archs = cfg.get("architectures") or []
+        if archs and SUPPORTED[model_type] not in archs and not any(a.endswith("ForCausalLM") for a in archs):
+            raise ValueError(f"architectures {archs} are not a causal language model; pagefleet serves "
+                             f"{SUPPORTED[model_type]} for model_type {model_type!r}")
         if model_type == "gemma3":  # a vision-language checkpoint: serve its text model
             text = {**cfg.get("text_config", {}), "model_type": "gemma3_text"}
             text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))

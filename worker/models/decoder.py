@@ -9,7 +9,7 @@ renames a state dict; ``registry.py`` maps ``model_type`` to it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +46,10 @@ class DecoderSpec:
     local_rope: tuple[float, dict[str, Any] | None] | None = None
     moe: MoESpec | None = None
     moe_layers: tuple[int, ...] | None = None  # None: every layer (when ``moe`` is set)
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORM_PLACEMENTS:
+            raise ValueError(f"norm must be one of {NORM_PLACEMENTS}, got {self.norm!r}")
 
     def is_moe(self, layer: int) -> bool:
         return self.moe is not None and (self.moe_layers is None or layer in self.moe_layers)
