@@ -44,7 +44,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "granite": ("GraniteConfig", dict(embedding_multiplier=2.0, attention_multiplier=0.1,
                                       residual_multiplier=0.5, logits_scaling=2.0)),
     "gpt_oss": ("GptOssConfig", dict(sliding_window=WINDOW, layer_types=ALTERNATING, **MOE,
-                                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0,
+                                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=16.0,
                                                           beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                           original_max_position_embeddings=16))),
 }
