@@ -1,6 +1,6 @@
-"""Paged-KV kernels: attention over block tables and K/V slot writes.
+"""Paged-KV kernels: attention over block tables and K/V slot writes; the fused MoE layer.
 
-``paged_attention`` and ``write_kv`` dispatch on the device of their tensors: the
+``paged_attention``, ``write_kv`` and ``fused_moe`` dispatch on the device of their tensors: the
 Triton kernels on CUDA, the plain-torch references elsewhere (the Triton
 interpreter is for tests, not serving).
 """

@@ -39,3 +39,19 @@ def test_a_checkpoint_of_another_head_is_refused():
     with pytest.raises(ValueError, match="not a causal language model"):
         ModelConfig.from_hf(cfg)
     assert ModelConfig.from_hf({**cfg, "architectures": ["Qwen3ForCausalLM"]}).model_type == "qwen3"
+
+
+@pytest.mark.parametrize(("model_type", "extra", "sliding"), [
+    ("gemma2", {}, [True, False, True, False, True, False]),
+    ("gemma3_text", {"sliding_window_pattern": 3}, [True, True, False, True, True, False]),
+    ("gpt_oss", {}, [True, False, True, False, True, False]),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 4}, [False] * 4 + [True] * 2),
+    ("mistral", {}, [True] * 6),
+])
+def test_sliding_layers_of_configs_without_layer_types(model_type, extra, sliding):
+    """Checkpoints saved before transformers wrote ``layer_types`` slide on the layers it
+    would fill in."""
+    cfg = dict(model_type=model_type, vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=6,
+               num_attention_heads=2, sliding_window=4, **extra)
+    config = ModelConfig.from_hf(cfg)
+    assert [config.window_of(i) == 4 for i in range(6)] == sliding

@@ -100,7 +100,7 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None
-        layer_types = tuple(cfg.get("layer_types") or ())
+        layer_types = tuple(cfg.get("layer_types") or _default_layer_types(model_type, cfg))
         if window is None:
             layer_types = ()
         return cls(
@@ -155,6 +155,20 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (self.eos_token_ids[0] if self.eos_token_ids else None),
             "torch_dtype": "float32",
         }
+
+
+def _default_layer_types(model_type: str, cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Which layers slide when ``config.json`` has no ``layer_types`` (checkpoints saved before
+    transformers wrote them), as transformers fills them in; empty: every layer."""
+    n = cfg["num_hidden_layers"]
+    pattern = {"gemma2": 2, "gpt_oss": 2,
+               "gemma3_text": cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6}
+    if model_type in pattern:
+        return tuple(SLIDING if (i + 1) % pattern[model_type] else FULL for i in range(n))
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        first = cfg.get("max_window_layers", 28)
+        return tuple(SLIDING if i >= first else FULL for i in range(n))
+    return ()
 
 
 def _rope_of(cfg: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
