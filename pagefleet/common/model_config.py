@@ -179,7 +179,12 @@ def _rope_of(cfg: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
     if FULL in rope:
         rope = dict(rope[FULL])
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-    return float(theta), rope.get("rope_type", rope.get("type", "default")), rope
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("yarn", "longrope") and "original_max_position_embeddings" not in rope:
+        # Older Phi-3 configs keep it beside rope_scaling, not in it.
+        rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings",
+                                                           cfg.get("max_position_embeddings", 2048))
+    return float(theta), kind, rope
 
 
 def tiny_config() -> ModelConfig:
