@@ -42,6 +42,3 @@ def convert(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
             continue
         out[key] = value
     return out
-
-
-
