@@ -1,6 +1,6 @@
-"""Paged-KV kernels: attention over block tables and K/V slot writes.
+"""Paged-KV kernels: attention over block tables and K/V slot writes; the fused MoE layer.
 
-``paged_attention`` and ``write_kv`` dispatch on the device of their tensors: the
+``paged_attention``, ``write_kv`` and ``fused_moe`` dispatch on the device of their tensors: the
 Triton kernels on CUDA, the plain-torch references elsewhere (the Triton
 interpreter is for tests, not serving).
 """
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .moe_reference import fused_moe_ref
 from .reference import paged_attention_ref, write_kv_ref
 
-__all__ = ["paged_attention", "write_kv", "paged_attention_ref", "write_kv_ref"]
+__all__ = ["paged_attention", "write_kv", "fused_moe", "paged_attention_ref", "write_kv_ref", "fused_moe_ref"]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -34,14 +35,27 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
         write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
-    """Attention of each sequence's query rows over its paged context; see ``reference``."""
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                    *, window=None, soft_cap=None, sinks=None):
+    """Attention of each sequence's query rows over its paged context; see ``reference``
+    (``window``, ``soft_cap``, ``sinks``: its attention options)."""
     if _use_triton(query):
         from .triton_ops import paged_attention_triton
 
         return paged_attention_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+            window=window, soft_cap=soft_cap, sinks=sinks,
         )
     return paged_attention_ref(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        window=window, soft_cap=soft_cap, sinks=sinks,
     )
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, b13=None, b2=None):
+    """Tokens through their top-k experts, weighted and summed; see ``moe_reference``."""
+    if _use_triton(hidden):
+        from .moe_triton import fused_moe_triton
+
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, activation, b13, b2)

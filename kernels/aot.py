@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import triton_ops
+from . import moe_triton, triton_ops
 
 # Most shared memory one block may use (opt-in), by compute capability.
 MAX_SHARED_BYTES = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
@@ -57,11 +57,11 @@ class Built:
                                  "exceeds the 64K registers of an SM")
 
 
-def build(kernel: str, arch: int, meta: dict, pointer_types: dict[str, str]) -> Built:
-    """Compile ``triton_ops.<kernel>`` for ``sm_<arch>`` with ``meta`` (constexprs plus
+def build(kernel: str, arch: int, meta: dict, pointer_types: dict[str, str], module=triton_ops) -> Built:
+    """Compile ``<module>.<kernel>`` (``triton_ops`` by default) for ``sm_<arch>`` with ``meta`` (constexprs plus
     ``num_warps``/``num_stages``); ``pointer_types`` gives each pointer argument's Triton
     type (``"*bf16"``...), every other non-constexpr argument is ``i64`` unless named in it."""
-    fn = getattr(triton_ops, kernel)
+    fn = getattr(module, kernel)
     consts = {k: v for k, v in meta.items() if k not in _LAUNCH_OPTIONS}
     options = {k: v for k, v in meta.items() if k in _LAUNCH_OPTIONS}
     signature = {}
@@ -77,8 +77,8 @@ def attention_pointer_types(dtype: torch.dtype) -> dict[str, str]:
     t = "*" + _TRITON_TYPES[dtype]
     return {"out_ptr": t, "query_ptr": t, "key_cache_ptr": t, "value_cache_ptr": t,
             "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "block_tables_ptr": "*i32",
-            "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale_log2": "fp32",
-            "num_seqs": "i32"}
+            "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "sinks_ptr": "*fp32", "scale_log2": "fp32",
+            "soft_cap": "fp32", "window": "i32", "num_seqs": "i32"}
 
 
 def merge_pointer_types(dtype: torch.dtype) -> dict[str, str]:
@@ -89,6 +89,13 @@ def write_kv_pointer_types(dtype: torch.dtype) -> dict[str, str]:
     t = "*" + _TRITON_TYPES[dtype]
     return {"key_ptr": t, "value_ptr": t, "key_cache_ptr": t, "value_cache_ptr": t,
             "slot_mapping_ptr": "*i64"}
+
+
+def moe_pointer_types(dtype: torch.dtype, down: bool) -> dict[str, str]:
+    """The grouped GEMM's pointers: the gate/up GEMM writes ``dtype``, the down GEMM float32."""
+    t = "*" + _TRITON_TYPES[dtype]
+    return {"a_ptr": t, "w_ptr": t, "bias_ptr": t, "out_ptr": "*fp32" if down else t, "sorted_ids_ptr": "*i32",
+            "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "num_rows": "i32", "N": "i32", "K": "i32"}
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -114,13 +121,15 @@ _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 def build_spec(spec: dict) -> Built:
     """Build one variant described in plain data: ``kernel`` (``attention`` | ``merge`` |
-    ``write_kv``), ``arch``, ``dtype`` (``bf16`` | ``fp16`` | ``fp32``) and the shape fields
-    its meta function takes."""
+    ``write_kv`` | ``moe``), ``arch``, ``dtype`` (``bf16`` | ``fp16`` | ``fp32``) and the shape
+    fields its meta function takes (``moe``: ``down``, the second GEMM, with its routing weights)."""
     dtype = _DTYPE_NAMES[spec["dtype"]]
     kind = spec["kernel"]
     if kind == "attention":
         meta = triton_ops.attention_meta(spec["queries_per_kv"], spec["head_dim"], spec.get("block_size", 16),
-                                         dtype, spec["decode_only"], spec["num_splits"])
+                                         dtype, spec["decode_only"], spec["num_splits"],
+                                         window=spec.get("window", False), soft_cap=spec.get("soft_cap", False),
+                                         sinks=spec.get("sinks", False))
         return build("_paged_attention_kernel", spec["arch"], meta, attention_pointer_types(dtype))
     if kind == "merge":
         meta = {**triton_ops.merge_meta(spec["head_dim"], spec["num_splits"]), "num_warps": 4}
@@ -129,7 +138,12 @@ def build_spec(spec: dict) -> Built:
         meta = {**triton_ops.write_kv_meta(spec["num_kv_heads"], spec["head_dim"], spec.get("block_size", 16)),
                 "num_warps": 4}
         return build("_write_kv_kernel", spec["arch"], meta, write_kv_pointer_types(dtype))
-    raise ValueError(f"kernel must be attention, merge or write_kv; got {kind!r}")
+    if kind == "moe":
+        down = spec["down"]
+        meta = {**moe_triton.moe_meta(dtype), "ROWS_PER_A": 1 if down else spec.get("top_k", 2),
+                "HAS_BIAS": spec.get("bias", False), "MUL_WEIGHT": down}
+        return build("_grouped_gemm_kernel", spec["arch"], meta, moe_pointer_types(dtype, down), moe_triton)
+    raise ValueError(f"kernel must be attention, merge, write_kv or moe; got {kind!r}")
 
 
 def build_in_subprocess(specs: list[dict], timeout_s: float = 1200) -> list[dict]:

@@ -11,6 +11,11 @@ tested against. Layouts (shared with the Triton kernels):
   (whose K/V are already written to the cache).
 * ``query_start_loc``: ``[num_seqs + 1]`` int32; sequence ``i``'s queries are rows
   ``query_start_loc[i]:query_start_loc[i+1]`` and are the last tokens of its context.
+
+Attention options (``paged_attention_ref``'s keywords, compile-time switches of the Triton
+kernel): ``window`` (a query at position ``p`` sees keys ``p - window < k <= p``), ``soft_cap``
+(logits become ``soft_cap * tanh(logits / soft_cap)``, Gemma 2) and ``sinks`` (``[num_heads]``
+float32 logits of a key with no value, joining each head's softmax denominator, gpt-oss).
 """
 
 from __future__ import annotations
@@ -78,6 +83,10 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged context.
 
@@ -97,7 +106,8 @@ def paged_attention_ref(
 
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
-        _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, decode, scale, out, gqa)
+        _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, decode, scale, out, gqa,
+                      (window, soft_cap, sinks))
     for i, n in enumerate(q_lens):
         if n <= 1:
             continue
@@ -109,19 +119,34 @@ def paged_attention_ref(
         pos_q = torch.arange(seq_len - n, seq_len, device=query.device)
         pos_k = torch.arange(seq_len, device=query.device)
         mask = pos_k[None, :] <= pos_q[:, None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).float(),
-            k.transpose(0, 1).float(),
-            v.transpose(0, 1).float(),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=gqa,
-        )
+        if window is not None:
+            mask &= pos_k[None, :] > pos_q[:, None] - window
+        o = _attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, gqa, soft_cap, sinks)
         out[qsl[i] : qsl[i + 1]] = o.transpose(0, 1).to(query.dtype)
     return out
 
 
-def _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, rows, scale, out, gqa):
+def _attend(q, k, v, mask, scale, gqa, soft_cap, sinks):
+    """Softmax attention in float32 of ``q [..., heads, Lq, d]`` over ``k``/``v``
+    ``[..., kv_heads, L, d]`` where ``mask`` (broadcast to ``[..., Lq, L]``) is true."""
+    q, k, v = q.float(), k.float(), v.float()
+    if soft_cap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if soft_cap is not None:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(logits, dim=-1), v)
+    sink = sinks.float().view(-1, 1, 1).expand(*logits.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
+
+
+def _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, rows, scale, out, gqa, options):
     """All single-token rows at once: gather each table's blocks, pad to the longest context."""
     block_size = key_cache.shape[1]
     idx = torch.tensor(rows, device=query.device)
@@ -142,13 +167,19 @@ def _decode_batch(query, key_cache, value_cache, block_tables, lens, qsl, rows, 
     v = v.view(n, max_blocks * block_size, *value_cache.shape[2:])
     q_rows = torch.tensor([qsl[i] for i in rows], device=query.device)
     q = query.index_select(0, q_rows)  # [n, num_heads, head_dim]
-    mask = torch.arange(max_blocks * block_size, device=query.device)[None, :] < seq_lens[:, None]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :].float(),  # [n, heads, 1, d]
-        k.transpose(1, 2).float(),  # [n, kv_heads, L, d]
-        v.transpose(1, 2).float(),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=gqa,
+    window, soft_cap, sinks = options
+    pos_k = torch.arange(max_blocks * block_size, device=query.device)[None, :]
+    mask = pos_k < seq_lens[:, None]
+    if window is not None:
+        mask &= pos_k >= seq_lens[:, None] - window
+    o = _attend(
+        q[:, :, None, :],  # [n, heads, 1, d]
+        k.transpose(1, 2),  # [n, kv_heads, L, d]
+        v.transpose(1, 2),
+        mask[:, None, None, :],
+        scale,
+        gqa,
+        soft_cap,
+        sinks,
     )
     out.index_copy_(0, q_rows, o[:, :, 0, :].to(query.dtype))

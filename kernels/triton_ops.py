@@ -31,6 +31,13 @@ prefill rows (many query tokens that see a cached prefix and, causally, each oth
   its partial output and log-sum-exp to fp32 scratch, and a small second kernel
   merges them. ``num_splits`` is a power of two chosen from shapes and the SM count
   (1 when the plain grid already has ~2 programs per SM).
+* **Options as compile-time switches** (``USE_WINDOW``, ``USE_SOFTCAP``, ``USE_SINKS``; off,
+  the kernel compiles exactly as without them): a sliding ``window`` masks keys at or before
+  ``q_pos - window`` and starts each tile's walk at its first query's first visible key
+  (split-KV divides only what is left); ``soft_cap`` maps each logit to
+  ``soft_cap * tanh(logit / soft_cap)``; ``sinks`` (one float32 logit per query head) join
+  each row's softmax denominator once (split 0 adds them under split-KV, the merge weighs
+  them in with that split's log-sum-exp).
 * Cache addressing is int64 throughout (``block_id * block_stride`` overflows int32
   once a pool passes 2**31 elements); K/V dtype is the query dtype; fp32 inputs use
   IEEE (not TF32) dots so fp32 stays exact enough to compare with the reference.
@@ -183,7 +190,10 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    sinks_ptr,
     scale_log2,
+    soft_cap,
+    window,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -210,6 +220,9 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -245,12 +258,16 @@ def _paged_attention_kernel(
 
     # One past the last key any row of this tile may see.
     kv_end = tl.minimum(seq_len, prefix_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len))
+    if USE_WINDOW:  # the first key the tile's first query sees
+        kv_start = tl.maximum(prefix_len + local_tile * BLOCK_Q - window + 1, 0)
+    else:
+        kv_start = 0
     if NUM_SPLITS == 1:
-        kv_lo = 0
+        kv_lo = kv_start
         kv_hi = kv_end
     else:
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
-        kv_lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), TILE_N) * TILE_N
+        kv_lo = kv_start + split * per_split
         kv_hi = tl.minimum(kv_end, kv_lo + per_split)
 
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -274,7 +291,12 @@ def _paged_attention_kernel(
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if USE_SOFTCAP:  # cap * tanh(logit / cap), in the log2 domain; tanh(x) = 1 - 2 / (e^2x + 1)
+            x = s / (soft_cap * 1.4426950408889634)
+            s = (soft_cap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
@@ -291,6 +313,16 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if USE_SINKS:  # a key with no value: only the denominator grows
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * 1.4426950408889634
+        if NUM_SPLITS > 1:
+            sink = tl.where(split == 0, sink, float("-inf"))
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.exp2(sink - m_safe)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & d_valid[None, :]
@@ -348,11 +380,14 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged context.
 
-    Same contract as ``paged_attention_ref``; returns ``[num_tokens, num_heads, head_dim]``
+    Same contract as ``paged_attention_ref`` (options included); returns ``[num_tokens, num_heads, head_dim]``
     in ``query``'s dtype. ``num_splits`` (a power of two, at most 16) forces the split-KV
     path; by default it is chosen from the shapes and the device's SM count. Rows past
     ``query_start_loc[-1]`` (padding) are left unwritten. Raises ValueError on a shape,
@@ -377,7 +412,12 @@ def paged_attention_triton(
         f"num_splits must be a power of two in [1, {_MAX_SPLITS}], got {num_splits}",
     )
     meta = attention_meta(num_heads // num_kv_heads, head_dim, key_cache.shape[1], query.dtype,
-                          decode_only, num_splits, interpreted=_interpreted())
+                          decode_only, num_splits, interpreted=_interpreted(),
+                          window=window is not None, soft_cap=soft_cap is not None, sinks=sinks is not None)
+    if sinks is not None:
+        _require(sinks.shape == (num_heads,) and sinks.dtype == torch.float32 and sinks.device == query.device,
+                 f"sinks must be float32 [num_heads={num_heads}] on {query.device}, got {sinks.dtype} {_shape(sinks)}")
+    _require(window is None or window >= 1, f"window must be at least 1, got {window}")
 
     if num_splits > 1:
         part_out = torch.empty(
@@ -400,7 +440,10 @@ def paged_attention_triton(
         block_tables,
         seq_lens,
         query_start_loc,
+        sinks if sinks is not None else query,  # unused unless USE_SINKS
         float(scale) * _LOG2E,
+        float(soft_cap or 1.0),
+        int(window or 0),
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -426,10 +469,12 @@ def paged_attention_triton(
 
 
 def attention_meta(queries_per_kv: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                   decode_only: bool, num_splits: int, *, interpreted: bool = False) -> dict:
+                   decode_only: bool, num_splits: int, *, interpreted: bool = False, window: bool = False,
+                   soft_cap: bool = False, sinks: bool = False) -> dict:
     """The compile-time parameters (and warps/stages) ``paged_attention_triton`` launches
     ``_paged_attention_kernel`` with: one function, so ahead-of-time builds compile exactly
-    the variants the launcher can pick."""
+    the variants the launcher can pick. ``window``, ``soft_cap``, ``sinks``: which
+    attention options the variant has."""
     qpk_pad = triton.next_power_of_2(queries_per_kv)
     block_m = max(16 if decode_only else 64, qpk_pad)
     # Triton's interpreter multiplies bf16 tiles as their raw uint16 bits; there (tests
@@ -447,6 +492,9 @@ def attention_meta(queries_per_kv: int, head_dim: int, block_size: int, dtype: t
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,
+        USE_WINDOW=window,
+        USE_SOFTCAP=soft_cap,
+        USE_SINKS=sinks,
         # A 64-row prefill tile of head_dim >= 128 keeps a [64, head_dim] fp32 accumulator: at 4
         # warps it spills registers (ptxas, sm_80 and sm_90: tests/test_kernels_aot.py), at 8 not.
         num_warps=8 if not decode_only and head_dim >= 128 else 4,

@@ -112,7 +112,8 @@ def run_both(batch: dict, num_splits: int | None = None) -> tuple[torch.Tensor, 
 # ---------------------------------------------------------------------------- the reference
 
 
-def naive_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+def naive_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                    window=None, soft_cap=None, sinks=None):
     """Per token, per head, in float64: walk the block table one position at a time."""
     num_tokens, num_heads, head_dim = query.shape
     group = num_heads // key_cache.shape[2]
@@ -124,11 +125,17 @@ def naive_attention(query, key_cache, value_cache, block_tables, seq_lens, query
             pos = seq_len - (end - t)  # the query's own position in its sequence
             for h in range(num_heads):
                 keys, values = [], []
-                for j in range(pos + 1):
+                first = 0 if window is None else max(0, pos - window + 1)
+                for j in range(first, pos + 1):
                     block = block_tables[i, j // block_size].item()
                     keys.append(key_cache[block, j % block_size, h // group].double())
                     values.append(value_cache[block, j % block_size, h // group].double())
                 scores = torch.stack(keys) @ query[t, h].double() * scale
+                if soft_cap is not None:
+                    scores = soft_cap * torch.tanh(scores / soft_cap)
+                if sinks is not None:  # one more logit, with no value
+                    scores = torch.cat([scores, sinks[h].double().view(1)])
+                    values.append(torch.zeros_like(values[0]))
                 out[t, h] = torch.softmax(scores, 0) @ torch.stack(values)
     return out
 
@@ -147,6 +154,55 @@ def test_reference_attention_matches_naive_loop(num_heads, num_kv_heads, block_s
     )
     ref = paged_attention_ref(**batch)
     torch.testing.assert_close(ref.double(), naive_attention(**batch), atol=1e-5, rtol=1e-5)
+
+
+OPTIONS = {
+    "window": dict(window=5),
+    "soft_cap": dict(soft_cap=1.5),
+    "sinks": dict(sinks="random"),
+    "all": dict(window=12, soft_cap=3.0, sinks="random"),
+}
+
+
+def _options(name: str, num_heads: int, device: str = "cpu") -> dict:
+    opts = dict(OPTIONS[name])
+    if opts.get("sinks") == "random":
+        opts["sinks"] = torch.randn(num_heads, generator=torch.Generator().manual_seed(1)).to(device)
+    return opts
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_reference_attention_options_match_naive_loop(option):
+    block_size = 4
+    seqs = [(1, 1), (block_size + 1, 1), (3 * block_size + 3, 9), (block_size, block_size), (13, 1)]
+    batch = make_batch(seqs, num_heads=6, num_kv_heads=2, head_dim=16, block_size=block_size, dtype=F32, device="cpu")
+    opts = _options(option, 6)
+    ref = paged_attention_ref(**batch, **opts)
+    torch.testing.assert_close(ref.double(), naive_attention(**batch, **opts), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize(("dtype", "num_splits"), [(F32, 1), (BF16, 4)])
+def test_attention_options_match_reference(option, dtype, num_splits):
+    """Window, soft-cap and sinks, each alone and together, over decode rows and chunks
+    longer than the window (split-KV included)."""
+    block_size = 8
+    seqs = [(1, 1), (block_size + 1, 1), (5 * block_size + 3, 7), (40, 33), (3 * block_size, 2)]
+    batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=block_size, dtype=dtype)
+    opts = _options(option, 4, DEVICE)
+    num_rows = int(batch["query_start_loc"][-1])
+    out = triton_ops.paged_attention_triton(**batch, **opts, num_splits=num_splits)
+    cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in {**batch, **opts}.items()}
+    ref = paged_attention_ref(**cpu)
+    torch.testing.assert_close(out[:num_rows].cpu().float(), ref[:num_rows].float(), **TOL[dtype])
+
+
+def test_attention_options_change_the_result():
+    """Each option is really applied (the tests above would pass for a no-op otherwise)."""
+    batch = make_batch([(40, 33)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=F32, device="cpu")
+    plain = paged_attention_ref(**batch)
+    for name in ("window", "soft_cap", "sinks"):
+        assert not torch.allclose(paged_attention_ref(**batch, **_options(name, 4)), plain, atol=1e-3), name
 
 
 def test_reference_write_kv_matches_naive_loop():

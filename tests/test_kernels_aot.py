@@ -42,6 +42,18 @@ SPECS = _attention_specs() + [
     dict(kernel="write_kv", arch=arch, dtype=dtype, num_kv_heads=8, head_dim=128)
     for arch, dtype in itertools.product(ARCHS, DTYPES)
 ]
+# The attention options as the models use them: gpt-oss (8 query heads per kv head, head_dim
+# 64, window + sinks), Gemma 2 (2 per kv head, head_dim 256, window + soft-cap); and the
+# fused-MoE grouped GEMM (both projections; gpt-oss's with biases).
+SPECS += [
+    dict(kernel="attention", arch=arch, dtype="bf16", queries_per_kv=qpk, head_dim=head_dim, decode_only=decode_only,
+         num_splits=splits, window=True, **{option: True})
+    for arch, (qpk, head_dim, option), decode_only, splits in itertools.product(
+        ARCHS, [(8, 64, "sinks"), (2, 256, "soft_cap")], (True, False), (1, 4))
+] + [
+    dict(kernel="moe", arch=arch, dtype=dtype, down=down, bias=bias)
+    for arch, dtype, down, bias in itertools.product(ARCHS, ("bf16",), (False, True), (False, True))
+]
 LLAMA3_8B = [dict(kernel="attention", arch=90, dtype="bf16", queries_per_kv=4, head_dim=128,
                   decode_only=d, num_splits=1) for d in (True, False)]
 
@@ -64,7 +76,7 @@ def test_every_variant_builds_and_fits_its_target(built, spec):
     result = built[_id(spec)]
     assert "error" not in result, result.get("error")
     aot.Built(**result).check()
-    if spec["kernel"] in ("merge", "write_kv"):
+    if spec["kernel"] in ("merge", "write_kv", "moe"):
         assert result["spill_bytes"] == 0, f"{spec['kernel']} spills registers"
 
 

@@ -17,7 +17,7 @@ import torch
 
 from pagefleet.common.blocks import num_blocks_for
 
-from .models.llama import AttentionMetadata
+from .models.layers import AttentionMetadata
 from .swap import SwapSpace
 
 

@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from .models.llama import AttentionMetadata, LlamaForCausalLM
+from .models.decoder import CausalLM
+from .models.layers import AttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -44,7 +45,7 @@ class DecodeGraphs:
     """One CUDA graph of the decode forward pass per size of ``capture_sizes``, sharing one
     memory pool and one set of static input buffers (views of their first rows per size)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, *, capture: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches

@@ -108,8 +108,7 @@ class ModelExecutor(Executor):
         self.enforce_eager = enforce_eager
         max_model_len = spec.max_model_len(max_model_len)
         self.model = load_model(spec, self.device, dtype, max_positions=max_model_len, load_format=load_format)
-        if max_model_len > self.model.rope.cos.shape[0]:
-            self.model.rope = type(self.model.rope)(spec.config, max_model_len).to(self.device)
+        self.model.extend_positions(max_model_len)
         self.max_model_len = max_model_len
         self.dtype = next(self.model.parameters()).dtype
         self.kv_cache: torch.Tensor | None = None

@@ -20,7 +20,8 @@ import torch
 from .batch_scheduler import SchedulerOutput
 from .cuda_graphs import DecodeGraphs
 from .kv_cache_manager import KVCacheManager
-from .models.llama import AttentionMetadata, LlamaForCausalLM
+from .models.decoder import CausalLM
+from .models.layers import AttentionMetadata
 from .request import Request, RequestStatus
 from .sampler import SamplerOutput, sample
 from .step_inputs import DeviceBlockTables, StepUploader
@@ -31,7 +32,7 @@ _EMPTY: list[int] = []
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv: KVCacheManager,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         device: torch.device,

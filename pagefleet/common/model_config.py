@@ -16,11 +16,25 @@ from .tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer
 
 TINY = "tiny"
 
+# model_type -> the Hugging Face architecture it names. The worker's registry
+# (``worker/models/registry.py``) has one entry per name here; a test checks they agree.
 SUPPORTED = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +57,21 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_act: str = "silu"
+    # One of SLIDING / FULL per layer (empty: every layer FULL, or every layer SLIDING when
+    # ``sliding_window`` is set).
+    layer_types: tuple[str, ...] = ()
+    # The text model's whole ``config.json`` (a multimodal checkpoint's ``text_config``): each
+    # architecture reads its own extras from it (soft-caps, multipliers, MoE routing).
+    hf: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (keys a query sees, itself included), or ``None``."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -51,18 +80,29 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED)}"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        archs = cfg.get("architectures") or []
+        if archs and SUPPORTED[model_type] not in archs and not any(a.endswith("ForCausalLM") for a in archs):
+            raise ValueError(f"architectures {archs} are not a causal language model; pagefleet serves "
+                             f"{SUPPORTED[model_type]} for model_type {model_type!r}")
+        if model_type == "gemma3":  # a vision-language checkpoint: serve its text model
+            text = {**cfg.get("text_config", {}), "model_type": "gemma3_text"}
+            text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+            for key in ("eos_token_id", "bos_token_id"):
+                text.setdefault(key, cfg.get(key))
+            cfg = text
+            model_type = "gemma3_text"
         heads = cfg["num_attention_heads"]
-        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        theta, rope_type, rope = _rope_of(cfg)
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None
+        layer_types = tuple(cfg.get("layer_types") or _default_layer_types(model_type, cfg))
+        if window is None:
+            layer_types = ()
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -83,6 +123,9 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            layer_types=layer_types,
+            hf=dict(cfg),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -112,6 +155,36 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (self.eos_token_ids[0] if self.eos_token_ids else None),
             "torch_dtype": "float32",
         }
+
+
+def _default_layer_types(model_type: str, cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Which layers slide when ``config.json`` has no ``layer_types`` (checkpoints saved before
+    transformers wrote them), as transformers fills them in; empty: every layer."""
+    n = cfg["num_hidden_layers"]
+    pattern = {"gemma2": 2, "gpt_oss": 2,
+               "gemma3_text": cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6}
+    if model_type in pattern:
+        return tuple(SLIDING if (i + 1) % pattern[model_type] else FULL for i in range(n))
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        first = cfg.get("max_window_layers", 28)
+        return tuple(SLIDING if i >= first else FULL for i in range(n))
+    return ()
+
+
+def _rope_of(cfg: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
+    """(theta, rope type, scaling parameters) of the full-attention layers. transformers 5
+    folds rope_theta and rope_scaling into rope_parameters, per layer type where they differ
+    (Gemma 3: ``{"full_attention": {...}, "sliding_attention": {...}}``)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if FULL in rope:
+        rope = dict(rope[FULL])
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("yarn", "longrope") and "original_max_position_embeddings" not in rope:
+        # Older Phi-3 configs keep it beside rope_scaling, not in it.
+        rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings",
+                                                           cfg.get("max_position_embeddings", 2048))
+    return float(theta), kind, rope
 
 
 def tiny_config() -> ModelConfig:
@@ -151,10 +224,8 @@ class ModelSpec:
 
     @property
     def context_limit(self) -> int:
-        """The longest sequence the model handles exactly (attention is exact only while a
-        sliding window never slides)."""
-        cfg = self.config
-        return min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+        """The longest sequence the model handles: its own context (a sliding window slides)."""
+        return self.config.max_position_embeddings
 
     def max_model_len(self, requested: int | None = None) -> int:
         """``requested`` checked against the model's context (``None``: the whole context)."""

@@ -1,7 +1,9 @@
-"""Llama-family decoder models over the paged KV cache."""
+"""Decoder architectures over the paged KV cache, one file each, found by ``model_type``
+(``registry``)."""
 
 from pagefleet.common.model_config import ModelConfig
 
-from .llama import LlamaForCausalLM
+from .decoder import CausalLM, DecoderSpec
+from .registry import ARCHITECTURES, architecture
 
-__all__ = ["ModelConfig", "LlamaForCausalLM"]
+__all__ = ["ModelConfig", "CausalLM", "DecoderSpec", "ARCHITECTURES", "architecture"]

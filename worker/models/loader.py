@@ -9,21 +9,36 @@ import torch
 
 from pagefleet.common.model_config import ModelConfig, ModelSpec, tiny_config
 
-from .llama import LlamaForCausalLM
+from .decoder import CausalLM, fuse_projections
+from .registry import architecture
 
 TINY_SEED = 1234
 
 
+def _llama_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """A Llama checkpoint's tensors, in the order ``tiny``'s weights are drawn."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, \
+        cfg.num_key_value_heads * cfg.head_dim
+    shapes = [("model.embed_tokens.weight", (cfg.vocab_size, h))]
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}"
+        shapes += [(f"{p}.self_attn.q_proj.weight", (q, h)), (f"{p}.self_attn.k_proj.weight", (kv, h)),
+                   (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.o_proj.weight", (h, q)),
+                   (f"{p}.mlp.gate_proj.weight", (i, h)), (f"{p}.mlp.up_proj.weight", (i, h)),
+                   (f"{p}.mlp.down_proj.weight", (h, i)), (f"{p}.input_layernorm.weight", (h,)),
+                   (f"{p}.post_attention_layernorm.weight", (h,))]
+    return shapes + [("model.norm.weight", (h,)), ("lm_head.weight", (cfg.vocab_size, h))]
+
+
 def tiny_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Fixed-seed weights, the same on every machine."""
+    """Fixed-seed weights (Hugging Face Llama names), the same on every machine."""
     g = torch.Generator().manual_seed(TINY_SEED)
-    model = LlamaForCausalLM(cfg, max_positions=1)
     sd = {}
-    for name, p in model.state_dict().items():
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            sd[name] = torch.ones_like(p)
+    for name, shape in _llama_shapes(cfg):
+        if name.endswith("norm.weight"):
+            sd[name] = torch.ones(shape)
         else:
-            sd[name] = torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5)
+            sd[name] = torch.randn(shape, generator=g) * (1.0 / shape[-1] ** 0.5)
     return sd
 
 
@@ -67,37 +82,41 @@ def load_model(spec: ModelSpec, device: torch.device, dtype: str, max_positions:
     cfg = spec.config
     cfg_dtype = spec.dtype
     torch_dtype = resolve_dtype(dtype, device, cfg_dtype)
+    arch = architecture(cfg.model_type)
+    decoder = arch.decoder_spec(cfg)
     if load_format == "dummy":
-        return _dummy_model(cfg, device, torch_dtype, max_positions)
+        return _dummy_model(cfg, decoder, device, torch_dtype, max_positions)
     state = tiny_state_dict(cfg) if spec.path is None else _read_safetensors(spec.path)
-    net = LlamaForCausalLM(cfg, max_positions=max_positions)
     state = {k.removeprefix("base_model."): v for k, v in state.items()}
+    if hasattr(arch, "convert"):
+        state = arch.convert(state, cfg)
+    fuse_projections(state)
     if "lm_head.weight" not in state:
         if not cfg.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    net = CausalLM(cfg, decoder, max_positions=max_positions)
     missing, unexpected = net.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("rope.")]
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     net.tie_weights()
-    net.fuse()
     net.to(device=device, dtype=torch_dtype)
     # RoPE tables stay float32 for accuracy; they are cast per use.
-    net.rope.float()
+    for rope in net.ropes():
+        rope.float()
     net.eval()
     return net
 
 
-def _dummy_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None):
+def _dummy_model(cfg: ModelConfig, decoder, device: torch.device, dtype: torch.dtype, max_positions: int | None):
     """Random weights made where they will run, in their dtype (an 8B model never passes
     through host memory): N(0, 1/fan_in) matrices, unit norms, from a fixed seed."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            net = LlamaForCausalLM(cfg, max_positions=1)
+            net = CausalLM(cfg, decoder, max_positions=1)
     finally:
         torch.set_default_dtype(default)
     g = torch.Generator(device=device).manual_seed(TINY_SEED)
@@ -105,13 +124,14 @@ def _dummy_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max
         for name, p in net.named_parameters():
             if p.dim() == 1 and name.endswith("weight"):
                 p.fill_(1.0)
-            elif p.dim() == 1:
+            elif p.dim() == 1 or "bias" in name:
                 p.zero_()
             else:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5, generator=g)
-    net.rope = type(net.rope)(cfg, max_positions or cfg.max_position_embeddings).to(device)  # float32
+    for rope in net.ropes():
+        rope.float()
+    net.extend_positions(max_positions or cfg.max_position_embeddings)
     net.tie_weights()
-    net.fuse()
     net.eval()
     return net
 
