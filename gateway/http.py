@@ -2,7 +2,7 @@
 inside the gateway's own asyncio loop (``HttpServer``).
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (openai_door.py), ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET /health`` (503 while Redis does not answer),
+``POST /tokenize``, ``POST /detokenize`` (openai_tokenize.py), ``GET /v1/models/{model}``, ``GET /health`` (503 while Redis does not answer),
 ``GET /version``. Every response is counted by route and status
 (``pagefleet:gateway_http_requests_total``); completion requests are also counted and
 traced as Generate calls are (observe.py).
@@ -10,7 +10,9 @@ traced as Generate calls are (observe.py).
 Guards, outside the routes (``Doors``, guard.py): with keys, every path but ``/health`` needs
 ``Authorization: Bearer <key>`` (else 401, before the body is read); a body past
 ``--max-request-bytes`` is refused with 413; with ``--tls-cert`` the server speaks only TLS
-(and with ``--tls-client-ca`` wants a client certificate).
+(and with ``--tls-client-ca`` wants a client certificate). Connections (http_conn.py): at most
+``--max-connections`` open, headers within ``--http-header-timeout``, body pieces within
+``--http-body-timeout`` of each other; else 503 or 408 and closed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from pagefleet import __version__
 from pagefleet.common.api_keys import ApiKeys, Unauthenticated, caller
@@ -35,9 +38,11 @@ from pagefleet.common.chat_template import load_chat_template
 
 from .core import GatewayCore
 from .guard import Doors
+from .http_conn import guarded_protocol
 from .limits import Limits, TooLarge
 from .openai_door import ApiError, OpenAIDoor
 from .openai_request import parse_chat, parse_completion
+from .openai_tokenize import detokenize, tokenize
 
 log = structlog.get_logger("gateway")
 
@@ -66,6 +71,14 @@ def build_app(core: GatewayCore, served_model_name: str, keys: ApiKeys | None = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await door.completion(request, "/v1/chat/completions", parse_chat)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(door, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(door, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -199,8 +212,11 @@ class HttpServer:
         tls = doors.tls if doors else None
         files = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.ca,
                                         "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE}
+        limits = core.limits
+        protocol = guarded_protocol(AutoHTTPProtocol, header_timeout_s=limits.http_header_timeout,
+                                    body_timeout_s=limits.http_body_timeout, max_connections=limits.max_connections)
         self.config = uvicorn.Config(app, host=args.host, port=args.http_port, log_config=None, access_log=False,
-                                     lifespan="off", ws="none", timeout_graceful_shutdown=2, **files)
+                                     lifespan="off", ws="none", timeout_graceful_shutdown=2, http=protocol, **files)
         self.server = _Server(self.config)
         self.port = 0
         self._task: asyncio.Task | None = None

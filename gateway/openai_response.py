@@ -59,12 +59,14 @@ class _Choice:
     error: str = ""
     text_len: int = 0  # characters of text so far (completions' text_offset)
     logprobs: list[Any] = field(default_factory=list)  # chat entries, or completions' (token, lp, top, offset)
+    echo: str = ""  # sent before the first message's text (and already in ``text``)
 
 
 class Choices:
     """The OpenAI objects of one request's choices."""
 
-    def __init__(self, req: ApiRequest, response_id: str, model: str, pieces: TokenPieces) -> None:
+    def __init__(self, req: ApiRequest, response_id: str, model: str, pieces: TokenPieces,
+                 echoes: list[str] | None = None) -> None:
         self.req = req
         self.id = response_id
         self.model = model
@@ -72,6 +74,9 @@ class Choices:
         self.created = int(time.time())
         self.object = "chat.completion" if req.chat else "text_completion"
         self._choices = [_Choice() for _ in range(req.num_choices)]
+        for c, echo in zip(self._choices, echoes or (), strict=False):  # echo: the text goes first
+            c.text.append(echo)
+            c.echo = echo
 
     def set_prompt_tokens(self, index: int, num_prompt_tokens: int) -> None:
         self._choices[index].num_prompt_tokens = num_prompt_tokens
@@ -85,6 +90,9 @@ class Choices:
         """Record one message of choice ``index``; its streaming chunk."""
         c = self._choices[index]
         c.text.append(msg.text)
+        text = msg.text
+        if c.echo:
+            text, c.echo = c.echo + text, ""
         c.num_tokens += len(msg.token_ids)
         if msg.finish_reason:
             c.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
@@ -93,10 +101,10 @@ class Choices:
         c.text_len += len(msg.text)
         choice: dict[str, Any] = {"index": index}
         if self.req.chat:
-            choice["delta"] = {"content": msg.text} if msg.text or not msg.finish_reason else {}
+            choice["delta"] = {"content": text} if text or not msg.finish_reason else {}
             choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}
         else:
-            choice["text"] = msg.text
+            choice["text"] = text
             choice["logprobs"] = None if logprobs is None else _completion_logprobs(logprobs)
         choice["finish_reason"] = c.finish_reason
         return self._chunk([choice])
@@ -110,7 +118,7 @@ class Choices:
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
         chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
         if self.req.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage() if self.req.continuous_usage else None
         return chunk
 
     def usage(self) -> dict[str, int]:

@@ -22,7 +22,8 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _DEFAULT_LIMITS = Limits()
 # Longer names before their prefixes ("stop_token_ids" before "stop").
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
+                    "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs")
 
 
 class BadField(ValueError):
@@ -47,6 +48,10 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         msg = str(e)
         name = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), "sampling")
         raise BadField(f"sampling.{name}" if name != "sampling" else name, msg) from None
+    for name, ids in (("logit_bias", req.sampling.logit_bias), ("allowed_token_ids", req.sampling.allowed_token_ids)):
+        bad = next((t for t in ids if t >= model.vocab_size), None)
+        if bad is not None:
+            raise BadField(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
     which = req.WhichOneof("input")
     if which is None:
         raise BadField("prompt", "one of prompt or prompt_token_ids is required")

@@ -161,13 +161,13 @@ def test_tiny_has_a_builtin_template():
 @pytest.mark.parametrize(
     ("parse", "body", "param", "code"),
     [
-        (parse_completion, {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "unsupported_parameter"),
-        (parse_completion, {"prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
+        (parse_completion, {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias", "invalid_value"),
+        (parse_completion, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "unsupported_parameter"),
         (parse_completion, {"prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
         (parse_completion, {"prompt": "x", "suffix": "end"}, "suffix", "unsupported_parameter"),
         (parse_completion, {"prompt": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
-        (parse_completion, {"prompt": "x", "max_completion_tokens": 4}, "max_completion_tokens",
-         "unknown_parameter"),
+        (parse_completion, {"prompt": "x", "max_completion_tokens": -4}, "max_completion_tokens",
+         "invalid_value"),
         (parse_completion, {"prompt": "x", "logprobs": 6}, "logprobs", "invalid_value"),
         (parse_completion, {"prompt": "x", "n": 0}, "n", "invalid_value"),
         (parse_completion, {"prompt": ["a"] * 5, "n": 30}, "n", "invalid_value"),
@@ -468,8 +468,8 @@ def test_penalties_and_vllm_extras_are_accepted(client):
         ("completions", dict(prompt=""), "prompt"),
         ("completions", dict(prompt=[[1, 2], [100_000]]), "prompt"),
         ("completions", dict(prompt="x " * 1100, max_tokens=1000), "prompt"),
-        ("completions", dict(prompt="x", logit_bias={"5": 1.0}), "logit_bias"),
-        ("completions", dict(prompt="x", echo=True), "echo"),
+        ("completions", dict(prompt="x", logit_bias={"5": 101.0}), "logit_bias"),
+        ("completions", dict(prompt="x", extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
         ("completions", dict(prompt="x", extra_body={"guided_json": {}}), "guided_json"),
         ("chat", dict(messages=[{"role": "user", "content": "x"}], max_completion_tokens=0), "max_completion_tokens"),
         ("chat", dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {

@@ -1,0 +1,346 @@
+"""The HTTP door as vLLM's users drive it: vLLM's request extensions, /tokenize and
+/detokenize, malformed bodies (always 400, never 5xx), slow and greedy connections.
+
+One cluster for the module: a small random Llama checkpoint with a BPE tokenizer trained
+here (test_openai.py's), one CPU worker, short HTTP timeouts and a small connection bound.
+Outputs are steered with ``logit_bias`` and ``allowed_token_ids`` so that what a parameter
+does shows in the text of a random model; the text is compared with ``transformers``'
+``decode`` of the same tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+from cluster_fixtures import start_cluster
+from conftest import make_checkpoint
+from test_metrics import scrape
+from test_openai import build_tokenizer, write_tokenizer_config
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL = "llama-vllm"
+# Roles, a generation prompt, and enable_thinking (a chat_template_kwargs variable) as Qwen3's.
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>"
+            "{% if enable_thinking is defined and not enable_thinking %}<|system|><|end|>{% endif %}{% endif %}")
+HEADER_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 48
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("llama-vllm")
+    vocab_size = build_tokenizer(path)
+    make_checkpoint(path, "llama", vocab_size=vocab_size, max_position_embeddings=2048)
+    write_tokenizer_config(path, TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, checkpoint):
+    c = start_cluster(tmp_path_factory.mktemp("vllm-door-logs"), num_workers=1, model=str(checkpoint), http_port=0,
+                      metrics_port=0, worker_args=["--num-blocks", "256"],
+                      gateway_args=["--served-model-name", MODEL, "--http-header-timeout", str(HEADER_TIMEOUT_S),
+                                    "--http-body-timeout", "1", "--max-connections", str(MAX_CONNECTIONS)])
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _post(cluster, path: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+    import http.client
+
+    u = urlsplit(cluster.http_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        data = raw if raw is not None else json.dumps(body).encode()
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        text = resp.read()
+        return resp.status, json.loads(text) if text else {}
+    finally:
+        conn.close()
+
+
+def _id(hf, token: str) -> int:
+    t = hf.convert_tokens_to_ids(token)
+    assert t is not None and t != hf.unk_token_id, token
+    return t
+
+
+# -- vLLM's request extensions -------------------------------------------------------------------
+def test_guidellm_stream_options_usage_in_every_chunk(client):
+    """GuideLLM's body: continuous usage stats, max_completion_tokens, ignore_eos, list-of-parts content."""
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="hello world", stream=True, temperature=0,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"max_completion_tokens": 7, "ignore_eos": True}))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 7
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 7
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                                            {"type": "text", "text": "world"}]}],
+        stream=True, max_completion_tokens=5, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in chat) and chat[-1].usage.completion_tokens == 5
+
+
+def test_length_cut_in_a_character_ends_as_decode_gives(client, hf):
+    """Two-byte characters' first byte only, cut by max_tokens: U+FFFD, as decode gives."""
+    lead = _id(hf, "Ã")  # ByteLevel's symbol for the byte 0xC3 (é's first byte)
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, prompt="hello", max_tokens=3, temperature=0,
+                      extra_body={"allowed_token_ids": [lead], "ignore_eos": True})
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+        else:
+            text = client.completions.create(**kwargs).choices[0].text
+        assert text == hf.decode([lead] * 3) and text.endswith("\ufffd")
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client, hf):
+    the, quick = _id(hf, "the"), _id(hf, "Ġ")
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0,
+                                    logit_bias={str(the): 100}, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == "the" * 6
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True, "allowed_token_ids": [quick, the]})
+    assert out.choices[0].text.replace("the", "").replace(" ", "") == ""
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0, logprobs=0,
+                                    logit_bias={str(the): 100}, extra_body={"ignore_eos": True, "bad_words": ["the"]})
+    assert "the" not in out.choices[0].logprobs.tokens and len(out.choices[0].logprobs.tokens) == 6
+
+
+def test_stop_string_included_on_request(client, hf):
+    kwargs = dict(model=MODEL, prompt="hello", max_tokens=8, temperature=0, stop=["ethe"],
+                  logit_bias={str(_id(hf, "the")): 100})
+    base = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert base.choices[0].text == "th" and base.choices[0].finish_reason == "stop"
+    incl = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert incl.choices[0].text == "thethe" and incl.choices[0].finish_reason == "stop"
+
+
+def test_skip_special_tokens(client, hf):
+    end = _id(hf, "<|end|>")
+    kwargs = dict(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
+    skipped = client.completions.create(**kwargs, extra_body={"allowed_token_ids": [end], "ignore_eos": True})
+    kept = client.completions.create(**kwargs, extra_body={"allowed_token_ids": [end], "ignore_eos": True,
+                                                           "skip_special_tokens": False,
+                                                           "spaces_between_special_tokens": True})
+    assert skipped.choices[0].text == "" == hf.decode([end] * 3, skip_special_tokens=True)
+    assert kept.choices[0].text == "<|end|>" * 3 == hf.decode([end] * 3, skip_special_tokens=False)
+
+
+def test_echo_and_truncate_prompt_tokens(client):
+    out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=3, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=MODEL, prompt="hello world", max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert out.choices[0].text == "hello world" + plain.choices[0].text
+    cut = client.completions.create(model=MODEL, prompt="the quick brown fox jumps over the lazy dog", max_tokens=2,
+                                    temperature=0, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Bonjour"}],
+        max_tokens=2, temperature=0, extra_body={"echo": True, "ignore_eos": True, "continue_final_message": True,
+                                                 "add_generation_prompt": False})
+    assert chat.choices[0].message.content.startswith("Bonjour")
+
+
+def test_chat_template_options_match_transformers(cluster, client, hf):
+    convo = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "ça va"}]
+    cases = [
+        ({"add_generation_prompt": True}, dict(add_generation_prompt=True)),
+        ({"add_generation_prompt": False}, dict(add_generation_prompt=False)),
+        ({"continue_final_message": True, "add_generation_prompt": False}, dict(continue_final_message=True)),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, dict(add_generation_prompt=True, enable_thinking=False)),
+    ]
+    for body, kwargs in cases:
+        status, out = _post(cluster, "/tokenize", {"model": MODEL, "messages": convo, **body})
+        assert status == 200, out
+        want = hf(hf.apply_chat_template(convo, tokenize=False, **kwargs), add_special_tokens=False)["input_ids"]
+        assert out["tokens"] == list(want), body
+        assert out["count"] == len(want)
+        chat = client.chat.completions.create(model=MODEL, messages=convo, max_tokens=1, extra_body=body)
+        assert chat.usage.prompt_tokens == len(want)
+
+
+def test_tokenize_and_detokenize_as_vllm(cluster, hf):
+    status, out = _post(cluster, "/tokenize", {"model": MODEL, "prompt": "Bonjour à tous", "return_token_strs": True})
+    assert status == 200
+    assert out["tokens"] == hf("Bonjour à tous")["input_ids"]
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 2048
+    assert len(out["token_strs"]) == out["count"]
+    status, out2 = _post(cluster, "/tokenize", {"prompt": "Bonjour", "add_special_tokens": False})
+    assert out2["tokens"] == hf("Bonjour", add_special_tokens=False)["input_ids"]
+    status, back = _post(cluster, "/detokenize", {"model": MODEL, "tokens": out["tokens"]})
+    assert status == 200 and back == {"prompt": hf.decode(out["tokens"], skip_special_tokens=True)}
+    for path, body, param in [("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
+                              ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
+                              ("/tokenize", {"prompt": 3}, "prompt")]:
+        status, err = _post(cluster, path, body)
+        assert status == 400 and err["error"]["param"] == param
+    assert _post(cluster, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+
+
+def test_unsupported_extensions_are_refused_by_name(client):
+    for name, value in [("prompt_logprobs", 1), ("best_of", 2), ("suffix", "x")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={name: value})
+        assert e.value.body["param"] == name and name in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, echo=True, logprobs=1)
+    assert e.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, logit_bias={"999999": 1})
+    assert e.value.body["param"] == "logit_bias"
+
+
+# -- malformed bodies: 400, never 5xx ----------------------------------------------------------
+MALFORMED = [
+    b"[" * 1000 + b"]" * 1000,
+    b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    b'{"model": "x", "prompt": "\\ud800", "max_tokens": 1}',
+    b'{"prompt": "hi", "stop": ["\\udfff"], "max_tokens": 1}',
+    b'{"model": "\\ud800", "prompt": "hi"}',
+    b'{"\\ud800": 1, "prompt": "hi"}',
+    b'{"prompt": "hi", "temperature": NaN}',
+    b'{"prompt": "hi", "logit_bias": {"\\ud83d": 1}}',
+    b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    b"\xff\xfe",
+    b'"just a string"',
+    b'{"prompt": "hi", "stream_options": {"include_usage": "\\ud800"}, "stream": true}',
+]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_malformed_bodies_are_400_in_openai_shape(cluster, route):
+    for raw in MALFORMED:
+        status, body = _post(cluster, route, None, raw=raw)
+        assert status == 400, (raw[:60], body)
+        err = body["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+
+
+def test_a_model_name_that_is_not_unicode_is_a_404_that_still_encodes(cluster):
+    import http.client
+
+    u = urlsplit(cluster.http_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    conn.request("GET", "/v1/models/%ED%A0%80")
+    resp = conn.getresponse()
+    assert resp.status == 404 and json.loads(resp.read())["error"]["code"] == "model_not_found"
+    conn.close()
+
+
+def test_client_hanging_up_mid_body_is_no_500(cluster):
+    url = cluster.metrics_url("gateway")
+
+    def errors() -> float:
+        return sum(v for (name, labels), v in scrape(url).items()
+                   if name == "pagefleet:gateway_http_requests_total" and dict(labels).get("status", "").startswith("5"))
+
+    before = errors()
+    u = urlsplit(cluster.http_url)
+    for _ in range(5):
+        with socket.create_connection((u.hostname, u.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hel")
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert errors() == before
+
+
+# -- slow and greedy connections -----------------------------------------------------------------
+def test_slow_headers_are_cut_and_connections_bounded(cluster, client):
+    u = urlsplit(cluster.http_url)
+    slow = [socket.create_connection((u.hostname, u.port)) for _ in range(20)]
+    start = time.monotonic()
+    try:
+        for s in slow:
+            s.settimeout(HEADER_TIMEOUT_S + 5)
+        # A byte every 0.2 s: the trickle never ends on its own.
+        for i in range(int(HEADER_TIMEOUT_S / 0.2) + 3):
+            for s in slow:
+                with contextlib.suppress(OSError):  # closed already: the door gave up on it
+                    s.send(b"GET /v1/models HTTP/1.1\r\n"[i:i + 1] or b"X")
+            time.sleep(0.2)
+        for s in slow:
+            data = s.recv(200)  # answered 408 and closed, well before the trickle would end
+            assert data == b"" or data.startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - start < HEADER_TIMEOUT_S + 5
+    finally:
+        for s in slow:
+            s.close()
+    idle = [socket.create_connection((u.hostname, u.port)) for _ in range(MAX_CONNECTIONS + 5)]
+    try:
+        time.sleep(0.3)
+        refused = 0
+        for s in idle:
+            s.settimeout(0.05)
+            try:
+                data = s.recv(200)
+            except TimeoutError:
+                continue
+            assert data.startswith((b"HTTP/1.1 503", b"HTTP/1.1 408")), data  # 408: its headers timed out
+            refused += data.startswith(b"HTTP/1.1 503")
+        assert refused >= 5
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.3)
+    assert client.models.list().data[0].id == MODEL  # the door still answers
+
+
+# -- real clients -------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_guidellm_runs_unmodified(cluster, checkpoint, tmp_path, route):
+    """GuideLLM (vLLM's load generator), as its users run it: no errors, and its token counts
+    are the door's usage."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "report.json"
+    cmd = [str(Path(sys.executable).parent / "guidellm"), "run",
+           "--backend", f"kind=openai_http,target={cluster.http_url},model={MODEL},request_format={route}",
+           "--profile", "kind=synchronous",
+           "--constraint", "kind=max_requests,count=6",
+           "--tokenizer", f"kind=huggingface_auto,model={checkpoint}",
+           "--data", "kind=synthetic_text,prompt_tokens=12,output_tokens=5",
+           "--output", f"kind=json,path={out}",
+           "--disable-console-interactive"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    requests = bench["requests"]
+    assert (len(requests["successful"]), requests["errored"], requests["incomplete"]) == (6, [], []), requests
+    for r in requests["successful"]:
+        body = json.loads(r["request_args"])["body"]
+        assert body["stream_options"]["continuous_usage_stats"] and body["ignore_eos"]
+        asked = {k: v for k, v in body.items() if k in ("prompt", "messages")}
+        status, tokenized = _post(cluster, "/tokenize", {"model": MODEL, **asked})
+        assert status == 200, tokenized
+        assert r["input_metrics"]["text_tokens"] == tokenized["count"]
+        assert r["output_metrics"]["text_tokens"] == 5
