@@ -32,7 +32,10 @@ _COMMON = ("model", "n", "stream", "stream_options", "max_tokens", "max_completi
            # vLLM's extras (``extra_body`` of the openai client)
            "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids",
            "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-           "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+           "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+           # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+           "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "guided_decoding_backend", "structured_outputs")
 COMPLETION_PARAMS = frozenset((*_COMMON, "prompt"))
 CHAT_PARAMS = frozenset((*_COMMON, "messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
                          "chat_template_kwargs"))
@@ -44,7 +47,7 @@ _OFF = object()  # no value but null turns it off
 # OpenAI parameters this server does not implement -> the value that means "not used".
 UNSUPPORTED = {
     "best_of": 1, "suffix": "", "prompt_logprobs": _OFF, "tools": [], "tool_choice": "none",
-    "parallel_tool_calls": _OFF, "functions": [], "function_call": "none", "response_format": {"type": "text"},
+    "parallel_tool_calls": _OFF, "functions": [], "function_call": "none", "guided_whitespace_pattern": _OFF,
     "audio": _OFF, "modalities": ["text"], "prediction": _OFF, "store": False, "metadata": {},
     "reasoning_effort": _OFF, "service_tier": _OFF, "web_search_options": _OFF,
 }
@@ -86,6 +89,7 @@ class ApiRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    structured_param: str | None = None  # the parameter that set sampling.structured_outputs
 
     @property
     def prompt_param(self) -> str:
@@ -247,6 +251,9 @@ def _params(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
 
 
 def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
+    if found := _structured(p):
+        req.structured_param, so = found
+        req.sampling.structured_outputs.CopyFrom(so)
     if "max_completion_tokens" in p:
         req.max_tokens_param = "max_completion_tokens"
     req.echo = _bool("echo", p.get("echo", False))
@@ -274,6 +281,96 @@ def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
     if "user" in p:
         req.user = _str("user", p["user"])
     return req
+
+
+GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's structured_outputs options this server does not implement -> their "off" value.
+UNSUPPORTED_STRUCTURED = {"disable_any_whitespace": False, "disable_fallback": False,
+                          "disable_additional_properties": False, "whitespace_pattern": None,
+                          "structural_tag": None, "backend": None}
+
+
+def _structured(p: dict[str, Any]) -> tuple[str, pb.StructuredOutputs] | None:
+    """The one structured-output constraint a body sets, and the parameter that set it."""
+    found: list[tuple[str, pb.StructuredOutputs]] = []
+    if (rf := p.get("response_format")) is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise BadParam("response_format", "response_format must be an object with a type")
+        kind = rf["type"]
+        if kind == "json_object":
+            found.append(("response_format", pb.StructuredOutputs(json_object=True)))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+                raise BadParam("response_format.json_schema", "json_schema must be an object with a schema object")
+            schema = spec.get("schema", {})
+            found.append(("response_format.json_schema.schema", pb.StructuredOutputs(json=json.dumps(schema))))
+        elif kind != "text":
+            raise BadParam("response_format.type", "response_format.type must be text, json_object or json_schema")
+    if "guided_json" in p:
+        found.append(("guided_json", pb.StructuredOutputs(json=_schema_text("guided_json", p["guided_json"]))))
+    if "guided_regex" in p:
+        found.append(("guided_regex", pb.StructuredOutputs(regex=_str("guided_regex", p["guided_regex"]))))
+    if "guided_choice" in p:
+        found.append(("guided_choice", pb.StructuredOutputs(choice=_choices("guided_choice", p["guided_choice"]))))
+    if "guided_grammar" in p:
+        found.append(("guided_grammar", pb.StructuredOutputs(grammar=_str("guided_grammar", p["guided_grammar"]))))
+    if "structured_outputs" in p:
+        found.append(_structured_outputs(p["structured_outputs"]))
+    if "guided_decoding_backend" in p and p["guided_decoding_backend"] not in GUIDED_BACKENDS:
+        raise BadParam("guided_decoding_backend", f"this server's structured output is llguidance's; "
+                                                  f"guided_decoding_backend must be one of {', '.join(GUIDED_BACKENDS)}",
+                       "unsupported_parameter")
+    if len(found) > 1:
+        raise BadParam(found[1][0], f"give one structured-output constraint, not {found[0][0]} and {found[1][0]}")
+    return found[0] if found else None
+
+
+def _structured_outputs(value: Any) -> tuple[str, pb.StructuredOutputs]:
+    if not isinstance(value, dict):
+        raise BadParam("structured_outputs", "structured_outputs must be an object")
+    so = pb.StructuredOutputs()
+    for key, v in value.items():
+        name = f"structured_outputs.{key}"
+        if key in UNSUPPORTED_STRUCTURED:
+            if v is not None and v != UNSUPPORTED_STRUCTURED[key]:
+                raise BadParam(name, f"{name} is not supported by this server", "unsupported_parameter")
+        elif key not in STRUCTURED_KEYS:
+            raise BadParam(name, f"unknown parameter {key!r}", "unknown_parameter")
+        elif v is None:
+            continue
+        elif key == "json":
+            so.json = _schema_text(name, v)
+        elif key == "choice":
+            so.choice.extend(_choices(name, v))
+        elif key == "json_object":
+            so.json_object = _bool(name, v)
+        else:
+            setattr(so, key, _str(name, v))
+    num_set = sum(so.HasField(k) for k in ("json", "regex", "grammar")) + bool(so.choice) + so.json_object
+    if num_set != 1:
+        raise BadParam("structured_outputs", "structured_outputs must set exactly one of " + ", ".join(STRUCTURED_KEYS))
+    return "structured_outputs", so
+
+
+def _schema_text(name: str, value: Any) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise BadParam(name, f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict | bool):
+        raise BadParam(name, f"{name} must be a JSON schema (an object)")
+    return json.dumps(value)
+
+
+def _choices(name: str, value: Any) -> list[str]:
+    choices = _list_of(name, value, str, "strings")
+    if not choices:
+        raise BadParam(name, f"{name} must not be empty")
+    return choices
 
 
 def _model(p: dict[str, Any]) -> str | None:

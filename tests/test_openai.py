@@ -188,8 +188,8 @@ def test_tiny_has_a_builtin_template():
          "messages[0].tool_calls", "unsupported_parameter"),
         (parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",
          "unsupported_parameter"),
-        (parse_chat, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-         "response_format", "unsupported_parameter"),
+        (parse_chat, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+         "response_format.type", "invalid_value"),
         (parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
          "invalid_value"),
         (parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
@@ -470,12 +470,12 @@ def test_penalties_and_vllm_extras_are_accepted(client):
         ("completions", dict(prompt="x " * 1100, max_tokens=1000), "prompt"),
         ("completions", dict(prompt="x", logit_bias={"5": 101.0}), "logit_bias"),
         ("completions", dict(prompt="x", extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
-        ("completions", dict(prompt="x", extra_body={"guided_json": {}}), "guided_json"),
+        ("completions", dict(prompt="x", extra_body={"guided_json": {"type": "nope"}}), "guided_json"),
         ("chat", dict(messages=[{"role": "user", "content": "x"}], max_completion_tokens=0), "max_completion_tokens"),
         ("chat", dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {
             "name": "f", "parameters": {}}}]), "tools"),
-        ("chat", dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}),
-         "response_format"),
+        ("chat", dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"}),
+         "response_format.json_schema"),
     ],
 )
 def test_bad_requests_are_400_naming_the_parameter(client, endpoint, kwargs, param):

@@ -218,6 +218,92 @@ def test_unsupported_extensions_are_refused_by_name(client):
     assert e.value.body["param"] == "logit_bias"
 
 
+# -- structured output ---------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                           "n": {"type": "integer", "minimum": -5, "maximum": 500},
+                                           "kind": {"enum": ["a", "b"]}},
+          "required": ["city", "n", "kind"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_validates_streamed_and_not(client):
+    import jsonschema
+
+    rf = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "a place"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, response_format=rf, n=3, seed=11,
+                                         max_tokens=60)
+    texts = [c.message.content for c in out.choices]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, response_format=rf, seed=12,
+                                            max_tokens=60, stream=True)
+    texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    done = client.completions.create(model=MODEL, prompt="x", max_tokens=60, temperature=0,
+                                     extra_body={"guided_json": SCHEMA})
+    texts.append(done.choices[0].text)
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    obj = client.chat.completions.create(model=MODEL, messages=messages, response_format={"type": "json_object"},
+                                         max_tokens=30, logit_bias={str(_brace(client)): 30})
+    assert json.loads(obj.choices[0].message.content) == {}
+
+
+def _brace(client) -> int:
+    return client.post("/../tokenize", body={"prompt": "}", "add_special_tokens": False}, cast_to=object)["tokens"][0]
+
+
+def test_guided_choice_regex_and_grammar(client):
+    choices = ["red", "green", "blue sky"]
+    out = client.completions.create(model=MODEL, prompt="colour:", n=8, seed=3, max_tokens=10,
+                                    extra_body={"guided_choice": choices})
+    picked = [c.text for c in out.choices]
+    assert set(picked) <= set(choices) and len(set(picked)) > 1
+    out = client.completions.create(model=MODEL, prompt="code:", n=3, seed=4, max_tokens=10,
+                                    extra_body={"guided_regex": r"[a-c]{2}-[0-9]{3}"})
+    assert all(__import__("re").fullmatch(r"[a-c]{2}-[0-9]{3}", c.text) for c in out.choices)
+    out = client.completions.create(model=MODEL, prompt="n:", n=3, seed=5, max_tokens=10,
+                                    extra_body={"guided_grammar": 'start: "n=" DIGIT DIGIT\nDIGIT: /[0-9]/'})
+    assert all(__import__("re").fullmatch(r"n=[0-9]{2}", c.text) for c in out.choices)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}], seed=6,
+                                         max_tokens=10, extra_body={"structured_outputs": {"choice": choices}})
+    assert out.choices[0].message.content in choices
+
+
+def test_grpc_structured_outputs_on_the_same_path(cluster):
+    from pagefleet.client import Client
+    from pagefleet.protos import generation_pb2 as pb
+
+    with Client(cluster.gateway_target) as c:
+        out = c.generate("pick", max_tokens=10, seed=8, temperature=1.0,
+                         structured_outputs=pb.StructuredOutputs(choice=["left", "right"]))
+        assert out.text in ("left", "right")
+        import grpc
+
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("pick", max_tokens=10, structured_outputs=pb.StructuredOutputs(regex="a(b"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs.regex" in e.value.details()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+        ({"extra_body": {"guided_json": {"type": "nope"}}}, "guided_json"),
+        ({"extra_body": {"guided_grammar": "start: nothere"}}, "guided_grammar"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice"),
+        ({"extra_body": {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}},
+         "structured_outputs.whitespace_pattern"),
+        ({"extra_body": {"guided_decoding_backend": "xgrammar", "guided_regex": "a"}}, "guided_decoding_backend"),
+    ],
+)
+def test_a_grammar_that_does_not_compile_is_a_400_naming_it(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                       **kwargs)
+    assert e.value.body["param"] == param, e.value.body
+
+
 # -- malformed bodies: 400, never 5xx ----------------------------------------------------------
 MALFORMED = [
     b"[" * 1000 + b"]" * 1000,

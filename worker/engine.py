@@ -127,6 +127,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_generated_tokens_total = 0
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._grammar_compiler = None  # structured output's, made by the first request that needs it
 
     def _make_executor(self, spec: ModelSpec, *, device: str, dtype: str, max_model_len: int | None,
                        seed: int, max_num_seqs: int, enforce_eager: bool, load_format: str) -> Executor:
@@ -190,7 +191,7 @@ class Engine:
         for t in resumed:
             if detok.push(t) is None:
                 break
-        return Request(
+        req = Request(
             request_id,
             prompt_ids,
             params,
@@ -200,6 +201,17 @@ class Engine:
             detokenizer=detok,
             output_token_ids=resumed,
         )
+        if params.structured_outputs is not None:  # compiles off this thread while the prompt is prefilled
+            req.grammar = self._grammars().request_grammar(params.structured_outputs)
+        return req
+
+    def _grammars(self):
+        if self._grammar_compiler is None:
+            from .structured import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                     tuple(self.tokenizer.eos_token_ids))
+        return self._grammar_compiler
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -1,4 +1,5 @@
-"""Token masks before sampling (vLLM's): ``logit_bias``, ``allowed_token_ids``, bad words.
+"""Token masks before sampling (vLLM's): ``logit_bias``, ``allowed_token_ids``, bad words,
+and structured output's grammar (structured.py).
 
 Applied in place to the rows that use them, after penalties and the ``min_tokens`` mask;
 a step where no row sets one never calls this. Only the named (row, token) pairs are
@@ -15,7 +16,7 @@ from .request import Request
 
 
 def apply_token_masks(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-    """Bias and mask ``logits[rows[i]]`` for ``reqs[i]``, in place."""
+    """Bias and mask ``logits[rows[i]]`` for ``reqs[i]``, in place; structured output last."""
     dev, vocab = logits.device, logits.shape[-1]
     neg_inf = float("-inf")
     for row, r in zip(rows, reqs, strict=True):
@@ -34,6 +35,11 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], reqs: list[Request]
             ids = torch.tensor([t for t, _ in bias], dtype=torch.int64, device=dev)
             values = torch.tensor([v for _, v in bias], dtype=logits.dtype, device=dev)
             logits[row].index_add_(0, ids, values)
+    constrained = [j for j, r in enumerate(reqs) if r.grammar is not None]
+    if constrained:
+        from .structured import apply_grammar_masks
+
+        apply_grammar_masks(logits, [rows[j] for j in constrained], [reqs[j] for j in constrained])
 
 
 def banned_token_ids(output_token_ids: list[int], bad_words: list[list[int]]) -> list[int]:

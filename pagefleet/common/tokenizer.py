@@ -72,6 +72,10 @@ class HFTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (llguidance reads the tokenizer from it)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
