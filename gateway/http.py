@@ -43,6 +43,8 @@ from .limits import Limits, TooLarge
 from .openai_door import ApiError, OpenAIDoor
 from .openai_request import parse_chat, parse_completion
 from .openai_tokenize import detokenize, tokenize
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_CALL_PARSERS
 
 log = structlog.get_logger("gateway")
 
@@ -52,6 +54,14 @@ _NO_NATIVE_TELEMETRY = (
     {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
 )
+
+
+def add_http_flags(parser) -> None:
+    """The OpenAI door's own flags (the limits on its connections are limits.py's)."""
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="the model's tool-call format, parsed into tool_calls (needed for tool_choice auto)")
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="split <think>...</think> output into reasoning_content")
 
 
 def build_app(core: GatewayCore, served_model_name: str, keys: ApiKeys | None = None) -> FastAPI:

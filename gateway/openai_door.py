@@ -33,11 +33,13 @@ from pagefleet.common.chat_template import ChatTemplate, ChatTemplateError
 from pagefleet.common.sampling_params import DEFAULT_MAX_TOKENS
 from pagefleet.protos import generation_pb2 as pb
 
+from .chat_output import ChatOutput
 from .core import GatewayCore, Queued, QueueUnavailable, Relays, Shed, traceparent_or_new
 from .limits import Limits, TooLarge
 from .observe import CallObserver, http_call
 from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
 from .openai_response import Choices, TokenPieces
+from .tool_parsers import tool_parser
 from .validate import BadField
 
 log = structlog.get_logger("gateway")
@@ -89,6 +91,8 @@ class OpenAIDoor:
 
     def __init__(self, core: GatewayCore, served_model_name: str, template: ChatTemplate | None) -> None:
         self.core = core
+        self.tool_call_parser = getattr(core.args, "tool_call_parser", None)
+        self.reasoning_parser = getattr(core.args, "reasoning_parser", None)
         self.served_model_name = served_model_name
         self.template = template
         self.pieces = TokenPieces(core.model.tokenizer)
@@ -108,7 +112,8 @@ class OpenAIDoor:
         except BaseException:
             _end(call, 500)
             raise
-        choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req))
+        choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req),
+                          self.chat_outputs(req))
         for i, q in enumerate(queued):
             choices.set_prompt_tokens(i, q.num_prompt_tokens)
         relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
@@ -162,6 +167,7 @@ class OpenAIDoor:
             raise BadParam("messages", f"the messages' contents: {error}")
         try:
             ids = self.template.encode(self.core.model.tokenizer, req.messages,
+                                       tools=req.tools.tools if req.tools is not None else None,
                                        add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message,
                                        **req.chat_template_kwargs)
@@ -170,8 +176,26 @@ class OpenAIDoor:
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
         req.prompts = [ids]
+        self._plan_tools(req)
         if not req.sampling.HasField("max_tokens"):  # OpenAI's chat default: the rest of the context
             req.sampling.max_tokens = max(1, self.core.max_model_len - len(ids))
+
+    def _plan_tools(self, req: ApiRequest) -> None:
+        plan = req.tools
+        if plan is None or plan.choice != "auto":
+            return
+        if self.tool_call_parser is None:
+            raise BadParam("tool_choice", "tool_choice auto needs the server started with --tool-call-parser "
+                                          "(or use required or a named function)", "unsupported_parameter")
+        if tool_parser(self.tool_call_parser).needs_special_tokens and not req.sampling.HasField("skip_special_tokens"):
+            req.sampling.skip_special_tokens = False  # the format's markers are special tokens
+
+    def chat_outputs(self, req: ApiRequest) -> list[ChatOutput] | None:
+        """Per choice, the parser of a chat's reasoning and tool calls; None when there is nothing to parse."""
+        if not req.chat or (self.reasoning_parser is None and req.tools is None):
+            return None
+        parser = tool_parser(self.tool_call_parser) if self.tool_call_parser and req.tools is not None else None
+        return [ChatOutput(self.reasoning_parser, req.tools, parser) for _ in range(req.num_choices)]
 
     def _tokenize_bad_words(self, req: ApiRequest) -> None:
         """Each bad word's token ids, as vLLM finds them: the word alone and after a space."""
@@ -229,13 +253,14 @@ class OpenAIDoor:
                     yield _sse(choices.role_chunk(i))
             async for i, msg in relays:
                 call.message(msg)
-                chunk = choices.add(i, msg)
+                chunks = choices.add(i, msg)
                 if msg.finish_reason == pb.FINISH_REASON_ERROR:
                     status = 500
                     yield _sse(ApiError(500, choices.error or "generation failed", "server_error").body())
                     yield b"data: [DONE]\n\n"
                     return
-                yield _sse(chunk)
+                for chunk in chunks:
+                    yield _sse(chunk)
             if choices.req.include_usage:
                 yield _sse(choices.usage_chunk())
             yield b"data: [DONE]\n\n"

@@ -38,7 +38,7 @@ _COMMON = ("model", "n", "stream", "stream_options", "max_tokens", "max_completi
            "guided_decoding_backend", "structured_outputs")
 COMPLETION_PARAMS = frozenset((*_COMMON, "prompt"))
 CHAT_PARAMS = frozenset((*_COMMON, "messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
-                         "chat_template_kwargs"))
+                         "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"))
 # Template variables the server sets itself: chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                                          "continue_final_message"})
@@ -47,13 +47,13 @@ _OFF = object()  # no value but null turns it off
 # OpenAI parameters this server does not implement -> the value that means "not used".
 UNSUPPORTED = {
     "best_of": 1, "suffix": "", "prompt_logprobs": _OFF, "tools": [], "tool_choice": "none",
-    "parallel_tool_calls": _OFF, "functions": [], "function_call": "none", "guided_whitespace_pattern": _OFF,
+    "functions": [], "function_call": "none", "guided_whitespace_pattern": _OFF, "parallel_tool_calls": _OFF,
     "audio": _OFF, "modalities": ["text"], "prediction": _OFF, "store": False, "metadata": {},
     "reasoning_effort": _OFF, "service_tier": _OFF, "web_search_options": _OFF,
 }
-_ROLES = ("system", "developer", "user", "assistant")
-_MESSAGE_KEYS = ("role", "content", "name")
-_UNSUPPORTED_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+_UNSUPPORTED_MESSAGE_KEYS = ("function_call", "audio", "refusal")
 
 
 class BadParam(ValueError):
@@ -90,6 +90,7 @@ class ApiRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     structured_param: str | None = None  # the parameter that set sampling.structured_outputs
+    tools: Any = None  # openai_tools.ToolPlan of a chat with tools
 
     @property
     def prompt_param(self) -> str:
@@ -115,7 +116,10 @@ def parse_completion(body: Any, limits: Limits = _DEFAULT_LIMITS) -> ApiRequest:
 
 def parse_chat(body: Any, limits: Limits = _DEFAULT_LIMITS) -> ApiRequest:
     p = _params(body, CHAT_PARAMS)
+    from .openai_tools import parse_tools
+
     req = ApiRequest(chat=True, model=_model(p), prompts=[], sampling=_sampling(p), messages=_messages(p))
+    req.tools = parse_tools(p)
     req.add_generation_prompt = _bool("add_generation_prompt", p.get("add_generation_prompt", True))
     req.continue_final_message = _bool("continue_final_message", p.get("continue_final_message", False))
     if req.continue_final_message:
@@ -143,7 +147,7 @@ def parse_chat(body: Any, limits: Limits = _DEFAULT_LIMITS) -> ApiRequest:
 
 
 TOKENIZE_CHAT_PARAMS = frozenset({"model", "messages", "add_generation_prompt", "continue_final_message",
-                                  "chat_template_kwargs", "add_special_tokens", "return_token_strs"})
+                                  "chat_template_kwargs", "tools", "add_special_tokens", "return_token_strs"})
 
 
 def parse_tokenize_chat(body: Any) -> ApiRequest:
@@ -151,7 +155,10 @@ def parse_tokenize_chat(body: Any) -> ApiRequest:
     for key in body:
         if key not in TOKENIZE_CHAT_PARAMS:
             raise BadParam(key, f"unknown parameter {key!r}", "unknown_parameter")
-    return parse_chat({k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs")})
+    chat = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs")}
+    if chat.get("tools"):
+        chat["tool_choice"] = "none"  # rendered, not generated
+    return parse_chat(chat)
 
 
 def fan_out(req: ApiRequest, base_id: str) -> list[pb.GenerateRequest]:
@@ -253,6 +260,12 @@ def _params(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
 def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
     if found := _structured(p):
         req.structured_param, so = found
+        req.sampling.structured_outputs.CopyFrom(so)
+    if req.tools is not None and (so := req.tools.structured_outputs()) is not None:
+        if req.structured_param is not None:
+            raise BadParam("tool_choice", f"tool_choice {req.tools.choice!r} is enforced with structured output; "
+                                          f"give no {req.structured_param} with it")
+        req.structured_param = "tools"
         req.sampling.structured_outputs.CopyFrom(so)
     if "max_completion_tokens" in p:
         req.max_tokens_param = "max_completion_tokens"
@@ -493,6 +506,16 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": _content(where, m.get("content"), role)}
     if m.get("name") is not None:
         out["name"] = _str(f"{where}.name", m["name"])
+    if m.get("tool_calls"):
+        if role != "assistant":
+            raise BadParam(f"{where}.tool_calls", "only assistant messages carry tool_calls")
+        from .openai_tools import template_tool_calls
+
+        out["tool_calls"] = template_tool_calls(f"{where}.tool_calls", m["tool_calls"])
+    if m.get("tool_call_id") is not None:
+        out["tool_call_id"] = _str(f"{where}.tool_call_id", m["tool_call_id"])
+    if m.get("reasoning_content") is not None:
+        out["reasoning_content"] = _str(f"{where}.reasoning_content", m["reasoning_content"])
     return out
 
 
@@ -500,7 +523,7 @@ def _content(where: str, content: Any, role: str) -> str:
     """Text, or text parts joined by newlines (as vLLM joins them)."""
     if isinstance(content, str):
         return content
-    if content is None and role == "assistant":
+    if content is None and role in ("assistant", "tool"):
         return ""
     if isinstance(content, list):
         texts = []

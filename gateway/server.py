@@ -38,6 +38,7 @@ from pagefleet.protos import generation_pb2_grpc
 
 from . import guard
 from .core import DEADLINE_ERROR, GatewayCore, QueueUnavailable, Shed, traceparent_or_new
+from .http import add_http_flags
 from .observe import GRPC_SERVICE, observed_generate
 from .validate import BadField, bad_request_metadata, retry_metadata
 
@@ -71,6 +72,7 @@ def build_parser() -> EnvArgumentParser:
                         "refused like past --max-queue (the stream is never trimmed: that would drop requests)")
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds a refused client is told to wait")
     guard.add_flags(p)
+    add_http_flags(p)
     add_common_flags(p)
     return p
 

@@ -28,7 +28,10 @@ pytestmark = pytest.mark.timeout(240)
 
 MODEL = "llama-vllm"
 # Roles, a generation prompt, and enable_thinking (a chat_template_kwargs variable) as Qwen3's.
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>{{ tools | tojson }}<|end|>\n{% endif %}"
+            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+            "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|end|>\n"
+            "{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>"
             "{% if enable_thinking is defined and not enable_thinking %}<|system|><|end|>{% endif %}{% endif %}")
 HEADER_TIMEOUT_S = 1.0
@@ -56,7 +59,8 @@ def cluster(tmp_path_factory, checkpoint):
     c = start_cluster(tmp_path_factory.mktemp("vllm-door-logs"), num_workers=1, model=str(checkpoint), http_port=0,
                       metrics_port=0, worker_args=["--num-blocks", "256"],
                       gateway_args=["--served-model-name", MODEL, "--http-header-timeout", str(HEADER_TIMEOUT_S),
-                                    "--http-body-timeout", "1", "--max-connections", str(MAX_CONNECTIONS)])
+                                    "--http-body-timeout", "1", "--max-connections", str(MAX_CONNECTIONS),
+                                    "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
     yield c
     c.stop()
 
@@ -302,6 +306,105 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_it(client, kwargs, para
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                        **kwargs)
     assert e.value.body["param"] == param, e.value.body
+
+
+# -- tools and reasoning ------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 6},
+                                                "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+    "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def _streamed_calls(stream) -> tuple[str, list[dict], str | None]:
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content, [calls[k] for k in sorted(calls)], finish
+
+
+def test_named_and_required_tool_choice_always_parse_and_validate(client):
+    import jsonschema
+
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=named, n=3,
+                                         seed=1, max_tokens=40)
+    for c in out.choices:
+        (call,) = c.message.tool_calls
+        assert call.function.name == "get_time" and c.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), params["get_time"])
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                         parallel_tool_calls=False, n=4, seed=2, max_tokens=60)
+    for c in out.choices:
+        (call,) = c.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        assert c.message.content is None and call.id.startswith("call_")
+    content, calls, finish = _streamed_calls(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", seed=3, max_tokens=80, stream=True))
+    assert content == "" and finish == "tool_calls" and calls
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), params[call["name"]])
+
+
+def test_auto_tool_choice_parses_the_models_own_format(client):
+    said = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    steer = {"guided_choice": [said]}  # the random model says what a tool-calling one would
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=steer)
+    message = out.choices[0].message
+    assert message.content == "Checking." and out.choices[0].finish_reason == "tool_calls"
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris", "unit": "c"}
+    content, calls, finish = _streamed_calls(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=200, extra_body=steer, stream=True))
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}]
+    none = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=200, extra_body=steer)
+    assert none.choices[0].message.content == said and not none.choices[0].message.tool_calls
+
+
+def test_tool_turns_render_as_transformers_does(cluster, client, hf):
+    turns = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    status, out = _post(cluster, "/tokenize", {"model": MODEL, "messages": turns, "tools": [WEATHER]})
+    assert status == 200, out
+    reference = [dict(m) for m in turns]
+    reference[1]["tool_calls"] = [{**turns[1]["tool_calls"][0], "function": {"name": "get_weather",
+                                                                            "arguments": {"city": "Paris"}}}]
+    want = hf(hf.apply_chat_template(reference, tools=[WEATHER], tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]
+    assert out["tokens"] == want
+    chat = client.chat.completions.create(model=MODEL, messages=turns, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=2)
+    assert chat.usage.prompt_tokens == len(want)
+
+
+def test_reasoning_content_streamed_and_not(client):
+    steer = {"guided_choice": ["<think>pondering it</think>the answer"]}
+    out = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, extra_body=steer)
+    message = out.choices[0].message
+    assert (message.reasoning_content, message.content) == ("pondering it", "the answer")
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, extra_body=steer,
+                                                stream=True):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (reasoning, content) == ("pondering it", "the answer")
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, extra_body={
+        "guided_choice": ["no think"]})
+    assert plain.choices[0].message.content == "no think"
 
 
 # -- malformed bodies: 400, never 5xx ----------------------------------------------------------

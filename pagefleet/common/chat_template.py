@@ -52,13 +52,14 @@ class ChatTemplate:
     add_special_tokens: bool = False
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               **variables: Any) -> str:
-        """The prompt for ``messages``; ``ChatTemplateError`` if the template refuses them."""
+               tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> str:
+        """The prompt for ``messages`` (``tools``: JSON-schema tool definitions, as ``transformers``
+        passes them); ``ChatTemplateError`` if the template refuses them."""
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return _compile(self.source).render(
-                messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **variables},
+                messages=chat, tools=list(tools) if tools else None, documents=None,
+                add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **variables},
             )
         except Exception as e:  # the template is the checkpoint's code: any failure refuses the messages
             raise ChatTemplateError(str(e) or type(e).__name__) from None
