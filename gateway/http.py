@@ -1,7 +1,8 @@
 """The gateway's HTTP server: FastAPI routes of the OpenAI-compatible API, run by uvicorn
 inside the gateway's own asyncio loop (``HttpServer``).
 
-``POST /v1/completions``, ``POST /v1/chat/completions`` (openai_door.py), ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions`` (openai_door.py), ``POST /v1/responses``
+(responses_api.py), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize`` (openai_tokenize.py), ``GET /v1/models/{model}``, ``GET /health`` (503 while Redis does not answer),
 ``GET /version``. Every response is counted by route and status
 (``pagefleet:gateway_http_requests_total``); completion requests are also counted and
@@ -44,6 +45,7 @@ from .openai_door import ApiError, OpenAIDoor
 from .openai_request import parse_chat, parse_completion
 from .openai_tokenize import detokenize, tokenize
 from .reasoning import REASONING_PARSERS
+from .responses_api import parse_responses
 from .tool_parsers import TOOL_CALL_PARSERS
 
 log = structlog.get_logger("gateway")
@@ -81,6 +83,10 @@ def build_app(core: GatewayCore, served_model_name: str, keys: ApiKeys | None = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await door.completion(request, "/v1/chat/completions", parse_chat)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await door.completion(request, "/v1/responses", parse_responses)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:

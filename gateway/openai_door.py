@@ -39,6 +39,7 @@ from .limits import Limits, TooLarge
 from .observe import CallObserver, http_call
 from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
 from .openai_response import Choices, TokenPieces
+from .responses_api import ResponseOutput
 from .tool_parsers import tool_parser
 from .validate import BadField
 
@@ -112,8 +113,12 @@ class OpenAIDoor:
         except BaseException:
             _end(call, 500)
             raise
-        choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req),
-                          self.chat_outputs(req))
+        if req.api == "responses":
+            outputs = self.chat_outputs(req) or [ChatOutput(None, None, None)]
+            choices = ResponseOutput(req, base_id, self.served_model_name, outputs[0])
+        else:
+            choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req),
+                              self.chat_outputs(req))
         for i, q in enumerate(queued):
             choices.set_prompt_tokens(i, q.num_prompt_tokens)
         relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
@@ -138,7 +143,7 @@ class OpenAIDoor:
             if req.chat:
                 self.render_messages(req)
             client_id = request.headers.get("x-request-id")
-            base_id = client_id or f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+            base_id = client_id or f"{req.id_prefix}{uuid.uuid4().hex}"
             call.describe(_request_attributes(req, self.served_model_name, base_id))
             self._tokenize_bad_words(req)
             requests = fan_out(req, base_id)
@@ -248,22 +253,23 @@ class OpenAIDoor:
     async def _events(self, choices: Choices, relays: Relays, call: CallObserver) -> AsyncIterator[bytes]:
         status = CLIENT_GONE  # until the stream is through
         try:
-            if choices.req.chat:
-                for i in range(choices.req.num_choices):
-                    yield _sse(choices.role_chunk(i))
+            for chunk in choices.opening():
+                yield choices.sse(chunk)
             async for i, msg in relays:
                 call.message(msg)
                 chunks = choices.add(i, msg)
                 if msg.finish_reason == pb.FINISH_REASON_ERROR:
                     status = 500
                     yield _sse(ApiError(500, choices.error or "generation failed", "server_error").body())
-                    yield b"data: [DONE]\n\n"
+                    if choices.done_marker:
+                        yield b"data: [DONE]\n\n"
                     return
                 for chunk in chunks:
-                    yield _sse(chunk)
-            if choices.req.include_usage:
-                yield _sse(choices.usage_chunk())
-            yield b"data: [DONE]\n\n"
+                    yield choices.sse(chunk)
+            for chunk in choices.closing():
+                yield choices.sse(chunk)
+            if choices.done_marker:
+                yield b"data: [DONE]\n\n"
             status = 200
         finally:
             await relays.aclose()

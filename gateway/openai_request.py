@@ -91,6 +91,12 @@ class ApiRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     structured_param: str | None = None  # the parameter that set sampling.structured_outputs
     tools: Any = None  # openai_tools.ToolPlan of a chat with tools
+    api: str = ""  # "responses": a /v1/responses body read as a chat (responses_api.py)
+    responses: dict[str, Any] = field(default_factory=dict)  # what the response object repeats
+
+    @property
+    def id_prefix(self) -> str:
+        return "resp_" if self.api == "responses" else "chatcmpl-" if self.chat else "cmpl-"
 
     @property
     def prompt_param(self) -> str:

@@ -10,6 +10,7 @@ chat's ``content`` list of ``{token, logprob, bytes, top_logprobs}``.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +143,20 @@ class Choices:
         if reasoning:
             delta["reasoning_content"] = reasoning
         return delta, calls
+
+    done_marker = True  # the stream ends with "data: [DONE]"
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The stream's first chunks: a chat's role chunk per choice."""
+        return [self.role_chunk(i) for i in range(self.req.num_choices)] if self.req.chat else []
+
+    def closing(self) -> list[dict[str, Any]]:
+        """The stream's last chunks: the usage chunk, when asked for."""
+        return [self.usage_chunk()] if self.req.include_usage else []
+
+    @staticmethod
+    def sse(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         """Chat streams open each choice with the assistant's role."""

@@ -407,6 +407,64 @@ def test_reasoning_content_streamed_and_not(client):
     assert plain.choices[0].message.content == "no think"
 
 
+# -- the Responses API --------------------------------------------------------------------------
+def test_responses_text_is_the_chats_streamed_and_not(client):
+    kwargs = dict(model=MODEL, input="hello world", instructions="be brief", max_output_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+    r = client.responses.create(**kwargs)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+                                          messages=[{"role": "system", "content": "be brief"},
+                                                    {"role": "user", "content": "hello world"}])
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.status, r.incomplete_details.reason, r.store) == ("incomplete", "max_output_tokens", False)
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+    assert r.id.startswith("resp_") and r.output[0].type == "message"
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text == r.output_text
+    for kind in ("response.output_item.added", "response.content_part.added", "response.output_text.done",
+                 "response.content_part.done", "response.output_item.done"):
+        assert kind in kinds
+
+
+def test_responses_function_tools_and_reasoning_items(client):
+    import jsonschema
+
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    r = client.responses.create(model=MODEL, input="weather?", tools=[tool], tool_choice="required", max_output_tokens=80)
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    events = list(client.responses.create(model=MODEL, input="weather?", tools=[tool], max_output_tokens=80,
+                                          tool_choice={"type": "function", "name": "get_weather"}, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and jsonschema.validate(json.loads(done[0].arguments), tool["parameters"]) is None
+    # the tool's answer goes back as input items
+    follow = client.responses.create(model=MODEL, max_output_tokens=3, tools=[tool], tool_choice="none", input=[
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow.output[0].type == "message"
+    steer = {"structured_outputs": {"choice": ["<think>mulling</think>done"]}}
+    r = client.responses.create(model=MODEL, input="think", max_output_tokens=40, extra_body=steer)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "mulling" and r.output_text == "done"
+
+
+def test_responses_refuse_state_by_name(client):
+    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"background": True},
+                                                                                         "background")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="x", extra_body=extra)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", max_output_tokens=0)
+    assert e.value.body["param"] == "max_output_tokens"
+
+
 # -- malformed bodies: 400, never 5xx ----------------------------------------------------------
 MALFORMED = [
     b"[" * 1000 + b"]" * 1000,
