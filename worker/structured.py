@@ -12,7 +12,9 @@ and for a request resumed on another worker (whose earlier output arrives with i
 
 ``apply_grammar_masks`` fills one bitmask for the rows that need it (llguidance's executor,
 in parallel, the GIL released) and applies it to the logits on their device in one
-``masked_fill``. A matcher in error (its compile failed, or it was handed a token it does not
+``masked_fill``. A step's masks depend only on tokens already sampled, so the model runner
+starts them (``start_grammar_masks``) before its forward, on a thread of their own, and the
+sampler only waits for them (``OVERLAP`` False: computed after the forward, in line). A matcher in error (its compile failed, or it was handed a token it does not
 allow) lets only end-of-sequence through, so the request ends.
 """
 
@@ -33,6 +35,8 @@ from pagefleet.common.sampling_params import StructuredOutputs
 from .request import Request
 
 MAX_CACHED_GRAMMARS = 256
+OVERLAP = True  # compute a step's masks while its forward runs
+_MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
 
 class GrammarCompiler:
@@ -49,7 +53,7 @@ class GrammarCompiler:
 
     def request_grammar(self, so: StructuredOutputs) -> RequestGrammar:
         """A new request's grammar (its compile started, or shared with an earlier request's)."""
-        return RequestGrammar(self.submit(so), self.executor)
+        return RequestGrammar(self.submit(so), self.executor, self.vocab_size)
 
     def submit(self, so: StructuredOutputs) -> Future:
         """A future of the compiled matcher for ``so`` (shared: deep-copy it before use)."""
@@ -82,11 +86,13 @@ class GrammarCompiler:
 class RequestGrammar:
     """One request's matcher, kept in step with its output tokens."""
 
-    __slots__ = ("_future", "_matcher", "num_consumed", "failed", "executor")
+    __slots__ = ("_future", "_matcher", "num_consumed", "failed", "executor", "vocab_size", "prepared")
 
-    def __init__(self, future: Future, executor: LLExecutor) -> None:
+    def __init__(self, future: Future, executor: LLExecutor, vocab_size: int) -> None:
         self._future = future
         self.executor = executor
+        self.vocab_size = vocab_size
+        self.prepared: tuple[Future, int] | None = None  # (this step's bitmask, its row) when started early
         self._matcher: LLMatcher | None = None
         self.num_consumed = 0
         self.failed = False
@@ -111,25 +117,58 @@ class RequestGrammar:
         return self._matcher
 
 
+def start_grammar_masks(reqs: list[Request]) -> None:
+    """Start the bitmasks of the constrained ``reqs`` on the mask thread (before the forward)."""
+    constrained = [r for r in reqs if r.grammar is not None]
+    if not constrained or not OVERLAP:
+        return
+    fut = _MASK_THREAD.submit(grammar_bitmask, constrained, constrained[0].grammar.vocab_size)
+    for j, r in enumerate(constrained):
+        r.grammar.prepared = (fut, j)
+
+
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
     """Mask ``logits[rows[i]]`` to what ``reqs[i]``'s grammar allows next, in place."""
     n, vocab = len(rows), logits.shape[-1]
+    started = [r.grammar.prepared for r in reqs]
+    for r in reqs:
+        r.grammar.prepared = None
+    if all(p is not None and p[0] is started[0][0] and p[1] == j for j, p in enumerate(started)) \
+            and started[0][0].result().shape[0] == n:
+        bitmask = started[0][0].result()
+    else:
+        bitmask = grammar_bitmask(reqs, vocab)
+    # Bit t % 32 of word t // 32 is token t: on a little-endian host, bit t of the bytes.
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    logits_masked(logits, rows, allowed)
+
+
+def grammar_bitmask(reqs: list[Request], vocab: int) -> np.ndarray:
+    """``[len(reqs), ceil(vocab / 32)]`` int32: what each request's grammar allows next."""
+    n = len(reqs)
     bitmask = np.full((n, (vocab + 31) // 32), -1, dtype=np.int32)
     matchers = []
     for j, r in enumerate(reqs):
         m = r.grammar.matcher(r.output_token_ids)
         if m is None:  # only end-of-sequence
             bitmask[j] = 0
+            words = bitmask.view(np.uint32)
             for t in r.eos_token_ids or r.finish_token_ids:
                 if t < vocab:
-                    bitmask[j, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+                    words[j, t // 32] |= np.uint32(1 << (t % 32))
         else:
             matchers.append((m, j))
     if matchers:
         fill_next_token_bitmask_par(reqs[0].grammar.executor, matchers, bitmask)
+    return bitmask
+
+
+def logits_masked(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> None:
+    n = len(rows)
     dev = logits.device
-    words = torch.from_numpy(bitmask).to(dev)
-    shifts = torch.arange(32, dtype=torch.int32, device=dev)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(n, -1)[:, :vocab]
+    blocked = torch.from_numpy(allowed).to(dev) == 0
+    if n == 1:
+        logits[rows[0]].masked_fill_(blocked[0], float("-inf"))
+        return
     idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(~allowed, float("-inf")))
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(blocked, float("-inf")))

@@ -15,6 +15,7 @@ SUITES = {
     "serve": "pagefleet.bench.serve",
     "sim-fit": "pagefleet.bench.sim_fit",
     "study": "pagefleet.bench.study",
+    "structured": "pagefleet.bench.structured",
 }
 
 
