@@ -1,8 +1,9 @@
 """The gateway's HTTP server: FastAPI routes of the OpenAI-compatible API, run by uvicorn
 inside the gateway's own asyncio loop (``HttpServer``).
 
-``POST /v1/completions``, ``POST /v1/chat/completions`` (openai_door.py), ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET /health`` (503 while Redis does not answer),
+``POST /v1/completions``, ``POST /v1/chat/completions`` (openai_door.py), ``POST /v1/responses``
+(responses_api.py), ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize`` (openai_tokenize.py), ``GET /v1/models/{model}``, ``GET /health`` (503 while Redis does not answer),
 ``GET /version``. Every response is counted by route and status
 (``pagefleet:gateway_http_requests_total``); completion requests are also counted and
 traced as Generate calls are (observe.py).
@@ -10,7 +11,9 @@ traced as Generate calls are (observe.py).
 Guards, outside the routes (``Doors``, guard.py): with keys, every path but ``/health`` needs
 ``Authorization: Bearer <key>`` (else 401, before the body is read); a body past
 ``--max-request-bytes`` is refused with 413; with ``--tls-cert`` the server speaks only TLS
-(and with ``--tls-client-ca`` wants a client certificate).
+(and with ``--tls-client-ca`` wants a client certificate). Connections (http_conn.py): at most
+``--max-connections`` open, headers within ``--http-header-timeout``, body pieces within
+``--http-body-timeout`` of each other; else 503 or 408 and closed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from pagefleet import __version__
 from pagefleet.common.api_keys import ApiKeys, Unauthenticated, caller
@@ -35,9 +39,14 @@ from pagefleet.common.chat_template import load_chat_template
 
 from .core import GatewayCore
 from .guard import Doors
+from .http_conn import guarded_protocol
 from .limits import Limits, TooLarge
 from .openai_door import ApiError, OpenAIDoor
 from .openai_request import parse_chat, parse_completion
+from .openai_tokenize import detokenize, tokenize
+from .reasoning import REASONING_PARSERS
+from .responses_api import parse_responses
+from .tool_parsers import TOOL_CALL_PARSERS
 
 log = structlog.get_logger("gateway")
 
@@ -47,6 +56,14 @@ _NO_NATIVE_TELEMETRY = (
     {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
 )
+
+
+def add_http_flags(parser) -> None:
+    """The OpenAI door's own flags (the limits on its connections are limits.py's)."""
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="the model's tool-call format, parsed into tool_calls (needed for tool_choice auto)")
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="split <think>...</think> output into reasoning_content")
 
 
 def build_app(core: GatewayCore, served_model_name: str, keys: ApiKeys | None = None) -> FastAPI:
@@ -66,6 +83,18 @@ def build_app(core: GatewayCore, served_model_name: str, keys: ApiKeys | None = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await door.completion(request, "/v1/chat/completions", parse_chat)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await door.completion(request, "/v1/responses", parse_responses)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(door, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(door, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -199,8 +228,11 @@ class HttpServer:
         tls = doors.tls if doors else None
         files = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.ca,
                                         "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE}
+        limits = core.limits
+        protocol = guarded_protocol(AutoHTTPProtocol, header_timeout_s=limits.http_header_timeout,
+                                    body_timeout_s=limits.http_body_timeout, max_connections=limits.max_connections)
         self.config = uvicorn.Config(app, host=args.host, port=args.http_port, log_config=None, access_log=False,
-                                     lifespan="off", ws="none", timeout_graceful_shutdown=2, **files)
+                                     lifespan="off", ws="none", timeout_graceful_shutdown=2, http=protocol, **files)
         self.server = _Server(self.config)
         self.reuse_port = bool(getattr(args, "reuse_port", False))
         self.port = 0

@@ -14,6 +14,11 @@ flag                        default      bounds
 ``--max-concurrent-streams`` 1024        Generate calls open at once on one gRPC connection
                                          (RESOURCE_EXHAUSTED); HTTP/2 lets a connection open
                                          ``STREAM_HEADROOM`` more streams, for Cancel and health
+``--max-connections``       1024         HTTP connections open at once; one past it is answered
+                                         503 and closed before anything is read (http_conn.py)
+``--http-header-timeout``   10 s         a request's headers, from the connection (or the last
+                                         response) to their end; past it, 408 and closed
+``--http-body-timeout``     30 s         the gap between two pieces of a body; past it, 408
 =========================== ============ ==========================================================
 
 The prompt's tokens are bounded already by the model's context (``--max-model-len``).
@@ -45,14 +50,21 @@ class Limits:
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_string_len: int = MAX_STOP_STRING_LEN
     max_concurrent_streams: int = 1024
+    max_connections: int = 1024
+    http_header_timeout: float = 10.0
+    http_body_timeout: float = 30.0
 
     @classmethod
     def from_args(cls, args) -> Limits:
         """From the flags; ``ValueError`` naming one out of range."""
+        d = cls()
         limits = cls(args.max_request_bytes, args.max_prompt_chars, args.max_choices, args.max_stop_strings,
-                     args.max_stop_string_len, args.max_concurrent_streams)
+                     args.max_stop_string_len, args.max_concurrent_streams,
+                     getattr(args, "max_connections", d.max_connections),
+                     getattr(args, "http_header_timeout", d.http_header_timeout),
+                     getattr(args, "http_body_timeout", d.http_body_timeout))
         for name in cls.__slots__:
-            if getattr(limits, name) < 1:
+            if getattr(limits, name) <= 0 or (name.startswith("max") and getattr(limits, name) < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(limits, name)}")
         if limits.max_stop_strings > MAX_STOP_STRINGS:
             raise ValueError(f"--max-stop-strings must be at most the engine's {MAX_STOP_STRINGS}")
@@ -111,3 +123,9 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"longest stop string, in characters (at most {MAX_STOP_STRING_LEN})")
     parser.add_argument("--max-concurrent-streams", type=int, default=d.max_concurrent_streams, metavar="N",
                         help="most Generate calls one gRPC connection may have open at once")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                        help="most HTTP connections open at once (one past it: 503, closed)")
+    parser.add_argument("--http-header-timeout", type=float, default=d.http_header_timeout, metavar="S",
+                        help="seconds a client has to send a request's headers (408, closed)")
+    parser.add_argument("--http-body-timeout", type=float, default=d.http_body_timeout, metavar="S",
+                        help="seconds between two pieces of a request body (408, closed)")

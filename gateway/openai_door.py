@@ -23,20 +23,27 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from pagefleet.common import telemetry
 from pagefleet.common.chat_template import ChatTemplate, ChatTemplateError
 from pagefleet.common.sampling_params import DEFAULT_MAX_TOKENS
 from pagefleet.protos import generation_pb2 as pb
 
+from .chat_output import ChatOutput
 from .core import GatewayCore, Queued, QueueUnavailable, Relays, Shed, traceparent_or_new
 from .limits import Limits, TooLarge
 from .observe import CallObserver, http_call
-from .openai_request import ApiRequest, BadParam, fan_out
+from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
 from .openai_response import Choices, TokenPieces
+from .responses_api import ResponseOutput
+from .tool_parsers import tool_parser
 from .validate import BadField
+
+log = structlog.get_logger("gateway")
 
 # What each HTTP status counts as in the gateway's (gRPC-coded) request metrics.
 CODE_OF_STATUS = {
@@ -69,7 +76,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a refusal that quotes the client's text (a lone surrogate
+    included) is always valid UTF-8."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class OpenAIDoor:
@@ -77,6 +92,8 @@ class OpenAIDoor:
 
     def __init__(self, core: GatewayCore, served_model_name: str, template: ChatTemplate | None) -> None:
         self.core = core
+        self.tool_call_parser = getattr(core.args, "tool_call_parser", None)
+        self.reasoning_parser = getattr(core.args, "reasoning_parser", None)
         self.served_model_name = served_model_name
         self.template = template
         self.pieces = TokenPieces(core.model.tokenizer)
@@ -89,10 +106,19 @@ class OpenAIDoor:
         except ApiError as e:
             _end(call, e.status)
             return e.response()
+        except ClientDisconnect:  # the client hung up before its body was read: nothing to answer
+            log.info("http.client_gone", route=route, while_="reading the body")
+            _end(call, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
         except BaseException:
             _end(call, 500)
             raise
-        choices = Choices(req, base_id, self.served_model_name, self.pieces)
+        if req.api == "responses":
+            outputs = self.chat_outputs(req) or [ChatOutput(None, None, None)]
+            choices = ResponseOutput(req, base_id, self.served_model_name, outputs[0])
+        else:
+            choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req),
+                              self.chat_outputs(req))
         for i, q in enumerate(queued):
             choices.set_prompt_tokens(i, q.num_prompt_tokens)
         relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
@@ -109,25 +135,23 @@ class OpenAIDoor:
         except TooLarge as e:
             raise ApiError(413, str(e), "invalid_request_error", code="request_too_large") from None
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request_error",
-                           code="invalid_json") from None
-        try:
-            req = parse(body, self.core.limits)
+            req = parse(parse_json_body(raw), self.core.limits)
             if req.model is not None and req.model != self.served_model_name:
                 raise ApiError(404, f"The model `{req.model}` does not exist (this server serves "
                                     f"`{self.served_model_name}`).", "invalid_request_error", "model",
                                "model_not_found")
             if req.chat:
-                self._render(req)
+                self.render_messages(req)
             client_id = request.headers.get("x-request-id")
-            base_id = client_id or f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+            base_id = client_id or f"{req.id_prefix}{uuid.uuid4().hex}"
             call.describe(_request_attributes(req, self.served_model_name, base_id))
+            self._tokenize_bad_words(req)
             requests = fan_out(req, base_id)
             checked = [(r, self._check(r, req)) for r in requests]
         except BadParam as e:
             raise ApiError.bad(e) from None
+        except RecursionError:  # a template or schema deeper than the body check lets through
+            raise ApiError(400, "the request nests too deep", "invalid_request_error") from None
         try:
             with call.current():
                 queued = await self.core.enqueue(checked, traceparent_or_new(request.headers.get("traceparent")),
@@ -140,25 +164,87 @@ class OpenAIDoor:
             raise ApiError(503, str(e), "service_unavailable_error", code="queue_unavailable") from None
         return req, queued, base_id
 
-    def _render(self, req: ApiRequest) -> None:
+    def render_messages(self, req: ApiRequest) -> None:
         """A chat's messages through the model's chat template into its one prompt."""
         if self.template is None:
             raise BadParam("messages", "this model has no chat template; use /v1/completions")
         if error := self.core.limits.prompt_error(sum(len(m["content"]) for m in req.messages)):
             raise BadParam("messages", f"the messages' contents: {error}")
         try:
-            ids = self.template.encode(self.core.model.tokenizer, req.messages)
+            ids = self.template.encode(self.core.model.tokenizer, req.messages,
+                                       tools=req.tools.tools if req.tools is not None else None,
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message,
+                                       **req.chat_template_kwargs)
         except (ChatTemplateError, ValueError) as e:
             raise BadParam("messages", f"the chat template refused the messages: {e}") from None
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens:]
         req.prompts = [ids]
+        self._plan_tools(req)
         if not req.sampling.HasField("max_tokens"):  # OpenAI's chat default: the rest of the context
             req.sampling.max_tokens = max(1, self.core.max_model_len - len(ids))
 
+    def _plan_tools(self, req: ApiRequest) -> None:
+        plan = req.tools
+        if plan is None or plan.choice != "auto":
+            return
+        if self.tool_call_parser is None:
+            raise BadParam("tool_choice", "tool_choice auto needs the server started with --tool-call-parser "
+                                          "(or use required or a named function)", "unsupported_parameter")
+        if tool_parser(self.tool_call_parser).needs_special_tokens and not req.sampling.HasField("skip_special_tokens"):
+            req.sampling.skip_special_tokens = False  # the format's markers are special tokens
+
+    def chat_outputs(self, req: ApiRequest) -> list[ChatOutput] | None:
+        """Per choice, the parser of a chat's reasoning and tool calls; None when there is nothing to parse."""
+        if not req.chat or (self.reasoning_parser is None and req.tools is None):
+            return None
+        parser = tool_parser(self.tool_call_parser) if self.tool_call_parser and req.tools is not None else None
+        return [ChatOutput(self.reasoning_parser, req.tools, parser) for _ in range(req.num_choices)]
+
+    def _tokenize_bad_words(self, req: ApiRequest) -> None:
+        """Each bad word's token ids, as vLLM finds them: the word alone and after a space."""
+        tokenizer = self.core.model.tokenizer
+        seen: set[tuple[int, ...]] = set()
+        for word in req.bad_words:
+            for prefix in ("", " "):
+                try:
+                    ids = tuple(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                except ValueError as e:
+                    raise BadParam("bad_words", str(e)) from None
+                if ids and ids not in seen:
+                    seen.add(ids)
+                    req.sampling.bad_words_token_ids.add(ids=ids)
+
+    def _echoes(self, req: ApiRequest) -> list[str]:
+        """Per choice, the text ``echo`` puts before the output: completions' prompt, or a chat's
+        last message when it is the assistant's (as vLLM echoes)."""
+        if not req.echo:
+            return []
+        if req.chat:
+            last = req.messages[-1]
+            text = last["content"] if last["role"] == "assistant" else ""
+            return [text] * req.num_choices
+        decode = self.core.model.tokenizer.decode
+        texts = [p if isinstance(p, str) else decode(p) for p in req.prompts]
+        return [texts[i // req.n] for i in range(req.num_choices)]
+
     def _check(self, r: pb.GenerateRequest, req: ApiRequest) -> list[int]:
+        if req.truncate_prompt_tokens is not None and r.WhichOneof("input") == "prompt" and r.prompt:
+            try:
+                ids = self.core.model.tokenizer.encode(r.prompt)
+            except ValueError as e:
+                raise BadParam(req.prompt_param, str(e)) from None
+            r.prompt_token_ids.ids[:] = ids[-req.truncate_prompt_tokens:]
+        elif req.truncate_prompt_tokens is not None and not req.chat:
+            ids = list(r.prompt_token_ids.ids)[-req.truncate_prompt_tokens:]
+            r.prompt_token_ids.ids[:] = ids
         try:
             return self.core.check(r)
         except BadField as e:
             field = e.field.removeprefix("sampling.")
+            if field.startswith("structured_outputs"):
+                raise BadParam(req.structured_param, f"{req.structured_param} does not compile: {e.reason}") from None
             param = {"prompt": req.prompt_param, "prompt_token_ids": req.prompt_param, "request_id": "X-Request-Id",
                      "max_tokens": req.max_tokens_param, "logprobs": "top_logprobs" if req.chat else "logprobs",
                      "sampling": None}.get(field, field)
@@ -167,21 +253,23 @@ class OpenAIDoor:
     async def _events(self, choices: Choices, relays: Relays, call: CallObserver) -> AsyncIterator[bytes]:
         status = CLIENT_GONE  # until the stream is through
         try:
-            if choices.req.chat:
-                for i in range(choices.req.num_choices):
-                    yield _sse(choices.role_chunk(i))
+            for chunk in choices.opening():
+                yield choices.sse(chunk)
             async for i, msg in relays:
                 call.message(msg)
-                chunk = choices.add(i, msg)
+                chunks = choices.add(i, msg)
                 if msg.finish_reason == pb.FINISH_REASON_ERROR:
                     status = 500
                     yield _sse(ApiError(500, choices.error or "generation failed", "server_error").body())
-                    yield b"data: [DONE]\n\n"
+                    if choices.done_marker:
+                        yield b"data: [DONE]\n\n"
                     return
-                yield _sse(chunk)
-            if choices.req.include_usage:
-                yield _sse(choices.usage_chunk())
-            yield b"data: [DONE]\n\n"
+                for chunk in chunks:
+                    yield choices.sse(chunk)
+            for chunk in choices.closing():
+                yield choices.sse(chunk)
+            if choices.done_marker:
+                yield b"data: [DONE]\n\n"
             status = 200
         finally:
             await relays.aclose()

@@ -10,6 +10,7 @@ chat's ``content`` list of ``{token, logprob, bytes, top_logprobs}``.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,12 +60,18 @@ class _Choice:
     error: str = ""
     text_len: int = 0  # characters of text so far (completions' text_offset)
     logprobs: list[Any] = field(default_factory=list)  # chat entries, or completions' (token, lp, top, offset)
+    echo: str = ""  # sent before the first message's text (and already in ``text``)
+    output: Any = None  # chat_output.ChatOutput: reasoning and tool calls parsed from the text
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    tool_calls: list[Any] = field(default_factory=list)
 
 
 class Choices:
     """The OpenAI objects of one request's choices."""
 
-    def __init__(self, req: ApiRequest, response_id: str, model: str, pieces: TokenPieces) -> None:
+    def __init__(self, req: ApiRequest, response_id: str, model: str, pieces: TokenPieces,
+                 echoes: list[str] | None = None, outputs: list[Any] | None = None) -> None:
         self.req = req
         self.id = response_id
         self.model = model
@@ -72,6 +79,11 @@ class Choices:
         self.created = int(time.time())
         self.object = "chat.completion" if req.chat else "text_completion"
         self._choices = [_Choice() for _ in range(req.num_choices)]
+        for c, echo in zip(self._choices, echoes or (), strict=False):  # echo: the text goes first
+            c.text.append(echo)
+            c.echo = echo
+        for c, output in zip(self._choices, outputs or (), strict=False):  # chat_output.ChatOutput
+            c.output = output
 
     def set_prompt_tokens(self, index: int, num_prompt_tokens: int) -> None:
         self._choices[index].num_prompt_tokens = num_prompt_tokens
@@ -81,10 +93,13 @@ class Choices:
         """The first failed choice's error, if any failed."""
         return next((c.error or "generation failed" for c in self._choices if c.finish_reason == "error"), None)
 
-    def add(self, index: int, msg: pb.GenerateResponse) -> dict[str, Any]:
-        """Record one message of choice ``index``; its streaming chunk."""
+    def add(self, index: int, msg: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """Record one message of choice ``index``; its streaming chunks (tool calls in one before the last)."""
         c = self._choices[index]
         c.text.append(msg.text)
+        text = msg.text
+        if c.echo:
+            text, c.echo = c.echo + text, ""
         c.num_tokens += len(msg.token_ids)
         if msg.finish_reason:
             c.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
@@ -92,14 +107,56 @@ class Choices:
         logprobs = self._logprobs(c, msg) if self.req.logprobs is not None else None
         c.text_len += len(msg.text)
         choice: dict[str, Any] = {"index": index}
+        chunks = []
         if self.req.chat:
-            choice["delta"] = {"content": msg.text} if msg.text or not msg.finish_reason else {}
+            delta, calls = self._chat_delta(c, text, bool(msg.finish_reason))
+            if calls:
+                chunks.append(self._chunk([{"index": index, "delta": {"tool_calls": [
+                    {"index": k, **call.as_openai()} for k, call in enumerate(calls)]},
+                    "logprobs": None, "finish_reason": None}]))
+                if c.finish_reason == "stop":
+                    c.finish_reason = "tool_calls"
+            choice["delta"] = delta if delta or not msg.finish_reason else {}
             choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}
         else:
-            choice["text"] = msg.text
+            choice["text"] = text
             choice["logprobs"] = None if logprobs is None else _completion_logprobs(logprobs)
         choice["finish_reason"] = c.finish_reason
-        return self._chunk([choice])
+        return [*chunks, self._chunk([choice])]
+
+    def _chat_delta(self, c: _Choice, text: str, last: bool) -> tuple[dict[str, Any], list[Any]]:
+        """A chat message's delta (content and reasoning) and, with the last, its tool calls."""
+        if c.output is None:
+            c.content.append(text)
+            return ({"content": text} if text else {}), []
+        reasoning, content = c.output.feed(text)
+        calls: list[Any] = []
+        if last:
+            r, rest, calls = c.output.finish()
+            reasoning, content = reasoning + r, content + rest
+            c.tool_calls = calls
+        c.reasoning.append(reasoning)
+        c.content.append(content)
+        delta = {}
+        if content:
+            delta["content"] = content
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        return delta, calls
+
+    done_marker = True  # the stream ends with "data: [DONE]"
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The stream's first chunks: a chat's role chunk per choice."""
+        return [self.role_chunk(i) for i in range(self.req.num_choices)] if self.req.chat else []
+
+    def closing(self) -> list[dict[str, Any]]:
+        """The stream's last chunks: the usage chunk, when asked for."""
+        return [self.usage_chunk()] if self.req.include_usage else []
+
+    @staticmethod
+    def sse(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         """Chat streams open each choice with the assistant's role."""
@@ -110,7 +167,7 @@ class Choices:
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
         chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
         if self.req.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage() if self.req.continuous_usage else None
         return chunk
 
     def usage(self) -> dict[str, int]:
@@ -131,7 +188,7 @@ class Choices:
             text = "".join(c.text)
             choice: dict[str, Any] = {"index": i}
             if self.req.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = self._message(c)
                 choice["logprobs"] = None if self.req.logprobs is None else {"content": c.logprobs, "refusal": None}
             else:
                 choice["text"] = text
@@ -140,6 +197,16 @@ class Choices:
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+
+    @staticmethod
+    def _message(c: _Choice) -> dict[str, Any]:
+        content = "".join(c.content)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if c.tool_calls else "")}
+        if c.output is not None and (c.output.reasoning_seen or c.reasoning):
+            message["reasoning_content"] = "".join(c.reasoning) if c.output.reasoning_seen else None
+        if c.tool_calls:
+            message["tool_calls"] = [call.as_openai() for call in c.tool_calls]
+        return message
 
     def _logprobs(self, c: _Choice, msg: pb.GenerateResponse) -> list[Any]:
         """This message's entries (also kept on the choice for the whole body)."""

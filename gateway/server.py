@@ -38,6 +38,7 @@ from pagefleet.protos import generation_pb2_grpc
 
 from . import guard
 from .core import DEADLINE_ERROR, GatewayCore, QueueUnavailable, Shed, traceparent_or_new
+from .http import add_http_flags
 from .observe import GRPC_SERVICE, observed_generate
 from .validate import BadField, bad_request_metadata, retry_metadata
 
@@ -79,6 +80,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--reuse-port", action="store_true",
                    help="bind the ports with SO_REUSEPORT, sharing them with other processes (set by --processes)")
     guard.add_flags(p)
+    add_http_flags(p)
     add_common_flags(p)
     return p
 

@@ -7,12 +7,15 @@ details that grpcio-status clients read.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from pagefleet.common import grammar
 from pagefleet.common.model_config import ModelSpec
+from pagefleet.common.sampling_params import StructuredOutputs
 from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import generation_pb2 as pb
 
@@ -22,7 +25,8 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _DEFAULT_LIMITS = Limits()
 # Longer names before their prefixes ("stop_token_ids" before "stop").
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
+                    "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs")
 
 
 class BadField(ValueError):
@@ -47,6 +51,12 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         msg = str(e)
         name = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), "sampling")
         raise BadField(f"sampling.{name}" if name != "sampling" else name, msg) from None
+    for name, ids in (("logit_bias", req.sampling.logit_bias), ("allowed_token_ids", req.sampling.allowed_token_ids)):
+        bad = next((t for t in ids if t >= model.vocab_size), None)
+        if bad is not None:
+            raise BadField(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    if params.structured_outputs is not None and (error := _grammar_error(params.structured_outputs)):
+        raise BadField(f"sampling.structured_outputs.{error.field}", error.reason)
     which = req.WhichOneof("input")
     if which is None:
         raise BadField("prompt", "one of prompt or prompt_token_ids is required")
@@ -72,6 +82,16 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         raise BadField(field, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = {total} "
                               f"exceeds the model's context of {max_model_len} tokens")
     return ids
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(so: StructuredOutputs) -> grammar.GrammarError | None:
+    """Why ``so`` does not compile (llguidance, no tokenizer, no torch), or None; once per constraint."""
+    try:
+        grammar.check(so)
+    except grammar.GrammarError as e:
+        return e
+    return None
 
 
 def _status_metadata(status: status_pb2.Status) -> tuple[tuple[str, bytes], ...]:

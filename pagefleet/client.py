@@ -72,8 +72,11 @@ def build_request(
     priority: int = 0,
     deadline_ms: int | None = None,
     request_id: str = "",
+    structured_outputs: pb.StructuredOutputs | None = None,
 ) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if structured_outputs is not None:
+        sampling.structured_outputs.CopyFrom(structured_outputs)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed)):
         if value is not None:

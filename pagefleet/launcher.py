@@ -350,6 +350,10 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--http-port", type=int, default=8000,
                    help="the gateway's OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) on this port (0: any free port)")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "qwen", "llama3_json", "mistral"),
+                   help="the gateway's tool-call format (see pagefleet gateway --help)")
+    p.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
+                   help="the gateway's reasoning parser (see pagefleet gateway --help)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the HTTP API (default: --model)")
     p.add_argument("--workers", type=int, default=2, help="number of workers")
@@ -441,6 +445,9 @@ def main(argv: list[str]) -> int:
         gateway_args += ["--processes", str(args.gateway_processes)]
     if args.stream_interval > 1:
         gateway_args += ["--stream-interval", str(args.stream_interval)]
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, flag):
+            gateway_args += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     material = _secure_material(args.host) if args.secure else None
     cfg = ClusterConfig(port=args.port, host=args.host, http_port=args.http_port, num_workers=args.workers,
                         model=args.model, device=args.device, redis_url=args.redis_url, worker_args=worker_args,

@@ -84,3 +84,35 @@ def test_tokenizer_json_streams_whole_characters(tmp_path):
     assert stopped
     assert "".join(pieces) == d.text == "naïve 東京 🚀 brown "
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_a_cut_character_flushes_as_decode_gives(tmp_path):
+    """Ended by length (or a stop token) inside a multi-byte character: the text sent equals
+    ``decode`` of all the tokens, U+FFFD included, with or without special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pagefleet.common.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["plain ascii words only"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path / "tokenizer.json", eos_token_ids=(1,), bos_token_id=0)
+    ids = hf.encode("a 東京🚀", add_special_tokens=False)  # one token per byte of the CJK and emoji
+    for cut in range(1, len(ids) + 1):
+        for skip in (True, False):
+            out = ids[:cut] + ([] if skip else [0])
+            d = IncrementalDetokenizer(hf, hf.encode("words"), (), skip_special_tokens=skip)
+            text = "".join(d.push(t) for t in out) + d.finish(flush=True)
+            assert text == d.text == hf.decode(out, skip_special_tokens=skip), (cut, skip)
+
+
+def test_include_stop_sends_the_stop_string_and_nothing_after():
+    d = IncrementalDetokenizer(TOK, [TOK.BOS], ("STOP",), include_stop=True)
+    pieces = [d.push(b) for b in b"go STOP more"]
+    assert None in pieces
+    sent = "".join(p for p in pieces[:pieces.index(None)]) + d.finish(flush=False)
+    assert sent == d.text == "go STOP"

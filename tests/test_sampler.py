@@ -124,3 +124,27 @@ def test_plain_batches_take_the_fast_path_and_rows_get_their_own_logprobs():
     assert out.logprobs[0].top_token_ids == top.indices.tolist()
     assert out.logprobs[0].top_logprobs == pytest.approx(top.values.tolist(), abs=1e-6)
     assert out.logprobs[2].logprob == pytest.approx(ref[2].max().item(), abs=1e-6)
+
+
+def test_token_masks_bias_allow_and_ban_bad_words():
+    """logit_bias adds, allowed_token_ids keeps only its ids, a bad word's last token is masked
+    only where the output ends with the word's other tokens."""
+    from pagefleet.worker.token_masks import banned_token_ids
+
+    vocab = 12
+    logits = torch.zeros(3, vocab)
+    logits[:, 7] = 5.0
+    reqs = [
+        _req([1], SamplingParams(temperature=0, logit_bias={3: 10.0, 7: -1.0})),
+        _req([1], SamplingParams(temperature=0, allowed_token_ids=[4, 5])),
+        _req([1], SamplingParams(temperature=0, bad_words_token_ids=[[7], [4, 9]]), output=[4]),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    out = sample(logits.clone(), reqs, gen)
+    assert out.token_ids[0] == 3
+    assert out.token_ids[1] in (4, 5)
+    x = logits.clone()
+    x[2, 9] = 6.0
+    assert sample(x, reqs, gen).token_ids[2] not in (7, 9)
+    assert banned_token_ids([1, 4], [[4, 9], [2, 9], [8]]) == [9, 8]
+    assert banned_token_ids([], [[4, 9]]) == []

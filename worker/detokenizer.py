@@ -2,7 +2,8 @@
 
 Each request has its tokenizer's stream decoder, which returns only whole characters.
 With stop strings, the last ``len(longest stop) - 1`` characters are held back until
-the request finishes, so a stop string is never shown, even in part.
+the request finishes, so a stop string is never shown, even in part (with
+``include_stop``, the stop string that ended the output is sent, and nothing after it).
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ class TokenStream(Protocol):
 
 
 class StreamingTokenizer(Protocol):
-    def stream(self, prompt_token_ids: list[int]) -> TokenStream: ...
+    def stream(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> TokenStream: ...
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_stream", "_done", "_tail", "_stops", "_hold")
+    __slots__ = ("_stream", "_done", "_tail", "_stops", "_hold", "_include_stop")
 
-    def __init__(self, tokenizer: StreamingTokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
-        self._stream = tokenizer.stream(prompt_token_ids)
+    def __init__(self, tokenizer: StreamingTokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
+                 *, include_stop: bool = False, skip_special_tokens: bool = True):
+        self._stream = tokenizer.stream(prompt_token_ids, skip_special_tokens)
+        self._include_stop = include_stop
         self._done: list[str] = []  # text already handed out, in pieces (no quadratic joins)
         self._tail = ""  # text decoded but not yet handed out (the stop-string hold-back)
         self._stops = stop
@@ -53,7 +56,7 @@ class IncrementalDetokenizer:
         for s in self._stops:
             at = tail.find(s)
             if at != -1:
-                self._tail = tail[:at]
+                self._tail = tail[:at + len(s)] if self._include_stop else tail[:at]
                 return None
         cut = len(tail) - self._hold
         if cut <= 0:

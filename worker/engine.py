@@ -127,6 +127,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_generated_tokens_total = 0
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._grammar_compiler = None  # structured output's, made by the first request that needs it
 
     def _make_executor(self, spec: ModelSpec, *, device: str, dtype: str, max_model_len: int | None,
                        seed: int, max_num_seqs: int, enforce_eager: bool, load_format: str) -> Executor:
@@ -182,13 +183,15 @@ class Engine:
                 f"prompt: {total} tokens need {self.kv.num_blocks_for(total)} blocks but the pool "
                 f"has {self.kv.num_blocks}; lower max_tokens"
             )
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings,
+                                       include_stop=params.include_stop_str_in_output,
+                                       skip_special_tokens=params.skip_special_tokens)
         # Replay the earlier tokens: their text went out where they were made, except what
         # was held back for stop strings, which stays in the tail and goes out with the next.
         for t in resumed:
             if detok.push(t) is None:
                 break
-        return Request(
+        req = Request(
             request_id,
             prompt_ids,
             params,
@@ -198,6 +201,17 @@ class Engine:
             detokenizer=detok,
             output_token_ids=resumed,
         )
+        if params.structured_outputs is not None:  # compiles off this thread while the prompt is prefilled
+            req.grammar = self._grammars().request_grammar(params.structured_outputs)
+        return req
+
+    def _grammars(self):
+        if self._grammar_compiler is None:
+            from .structured import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                     tuple(self.tokenizer.eos_token_ids))
+        return self._grammar_compiler
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -272,16 +286,19 @@ class Engine:
         if lps is not None:
             lps.append(logprobs)
         detok = req.detokenizer
-        text = detok.push(token)  # None: a stop string appeared
+        if token in req.finish_token_ids and not req.params.include_stop_str_in_output:
+            text = ""  # a stop token's own text is not sent (as vLLM does)
+        else:
+            text = detok.push(token)  # None: a stop string appeared
         status = RequestStatus.FINISHED_STOPPED if text is None else req.check_stop_token(token)
         if status is None:
             index = req.num_emitted_tokens
             req.num_emitted_tokens = len(out_ids)
             return TokenDelta(req.request_id, out_ids[index:], text, index,
                               logprobs=None if lps is None else lps[len(lps) - len(out_ids) + index:])
-        # Ended by a stop: what is held back is cut off; by length: an incomplete last
-        # character still goes out (as U+FFFD).
-        text = (text or "") + detok.finish(flush=status == RequestStatus.FINISHED_LENGTH)
+        # Ended by a stop string: what is held back is cut off; by length or a stop token: an
+        # incomplete last character still goes out (as U+FFFD, as decode gives it).
+        text = (text or "") + detok.finish(flush=text is not None)
         req.status = status
         self.requests.pop(req.request_id, None)
         self.scheduler.remove(req)

@@ -25,6 +25,7 @@ from .models.layers import AttentionMetadata
 from .request import Request, RequestStatus
 from .sampler import SamplerOutput, sample
 from .step_inputs import DeviceBlockTables, StepUploader
+from .structured import start_grammar_masks
 
 _EMPTY: list[int] = []
 
@@ -166,6 +167,7 @@ class ModelRunner:
         """Run the step; the requests that sampled a token, and their tokens (with logprobs
         where asked), one per request."""
         input_ids, positions, meta, logits_idx, sampled, keep, decode = self.prepare(out)
+        start_grammar_masks(sampled)  # structured output's masks, on their thread while the forward runs
         if self.profile:
             t0, c0 = time.perf_counter(), time.thread_time()
         graphs = self.graphs

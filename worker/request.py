@@ -62,6 +62,7 @@ class Request:
         "penalty_state",
         "output_logprobs",
         "block_hashes",
+        "grammar",
     )
 
     def __init__(
@@ -103,6 +104,8 @@ class Request:
         self.penalty_state = None
         # Log-probabilities of the tokens generated here (the last len(output_logprobs) outputs).
         self.output_logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        # With structured output: its matcher (structured.RequestGrammar), set by the engine.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,8 +7,8 @@ new token takes, vocabulary index): its tokens depend on its seed and their posi
 never on the rest of the batch, on preemption or recompute, or on which worker runs it.
 Unseeded rows draw from the engine's generator.
 
-Before any of that, rows that ask for it are processed in place (``penalties.py``):
-penalties, then the ``min_tokens`` mask. Log-probabilities are ``log_softmax`` of those
+Before any of that, rows that ask for it are processed in place (``penalties.py``,
+``token_masks.py``): penalties, the ``min_tokens`` mask, then token masks. Log-probabilities are ``log_softmax`` of those
 processed logits (before temperature, top-k and top-p), computed on the device; the sampled
 ids and the few log-probabilities asked for leave the device together, in one copy. A batch
 where no row uses penalties, ``min_tokens`` or logprobs pays one list comprehension for them.
@@ -25,6 +25,7 @@ from pagefleet.common.sampling_params import GREEDY_TEMPERATURE
 
 from .penalties import apply_penalties, mask_finish_tokens
 from .request import Request
+from .token_masks import apply_token_masks
 
 _M32 = 0xFFFFFFFF
 
@@ -54,7 +55,8 @@ def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
 
 
 def process_logits(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-    """Penalties, then the ``min_tokens`` mask, on ``logits[rows[i]]`` for ``reqs[i]``, in place."""
+    """Penalties, the ``min_tokens`` mask, then token masks (logit_bias, allowed_token_ids, bad
+    words), on ``logits[rows[i]]`` for ``reqs[i]``, in place."""
     pen = [j for j, r in enumerate(reqs) if r.params.has_penalties]
     if pen:
         apply_penalties(logits, [rows[j] for j in pen], [reqs[j] for j in pen])
@@ -63,6 +65,9 @@ def process_logits(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -
     ]
     if short:
         mask_finish_tokens(logits, [rows[j] for j in short], [reqs[j] for j in short])
+    masked = [j for j, r in enumerate(reqs) if r.params.has_token_masks]
+    if masked:
+        apply_token_masks(logits, [rows[j] for j in masked], [reqs[j] for j in masked])
 
 
 def _with_logprobs(

@@ -16,6 +16,7 @@ SUITES = {
     "sim-fit": "pagefleet.bench.sim_fit",
     "study": "pagefleet.bench.study",
     "token-path": "pagefleet.bench.token_path",
+    "structured": "pagefleet.bench.structured",
 }
 
 

@@ -52,20 +52,43 @@ class ChatTemplate:
     add_special_tokens: bool = False
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               **variables: Any) -> str:
-        """The prompt for ``messages``; ``ChatTemplateError`` if the template refuses them."""
+               tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> str:
+        """The prompt for ``messages`` (``tools``: JSON-schema tool definitions, as ``transformers``
+        passes them); ``ChatTemplateError`` if the template refuses them."""
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return _compile(self.source).render(
-                messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **variables},
+                messages=chat, tools=list(tools) if tools else None, documents=None,
+                add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **variables},
             )
         except Exception as e:  # the template is the checkpoint's code: any failure refuses the messages
             raise ChatTemplateError(str(e) or type(e).__name__) from None
 
-    def encode(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The token ids of the rendered prompt (with the generation prompt)."""
-        return tokenizer.encode(self.render(messages), add_special_tokens=self.add_special_tokens)
+    def encode(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **variables: Any) -> list[int]:
+        """The token ids of the rendered prompt (by default with the generation prompt).
+
+        ``continue_final_message``: the prompt ends where the last message's content ends,
+        so the model continues it (``transformers``' rule: the rendered text is cut after
+        the last occurrence of that content).
+        """
+        text = self.render(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                           **variables)
+        if continue_final_message:
+            text = continue_final(text, messages[-1].get("content") or "")
+        return tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+
+
+def continue_final(rendered: str, final: str) -> str:
+    """``rendered`` cut right after the last occurrence of the final message's content."""
+    if not final.strip():
+        return rendered
+    at = rendered.rfind(final.strip())
+    if at == -1:
+        raise ChatTemplateError("continue_final_message: the final message's content is not in the rendered chat")
+    if rendered[at:at + len(final.lstrip())] == final.lstrip():
+        return rendered[:at + len(final.lstrip())]
+    return rendered[:at + len(final.strip())]
 
 
 def load_chat_template(model: ModelSpec) -> ChatTemplate | None:

@@ -15,6 +15,30 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 # Most tokens to generate when a request does not say (the proto's unset max_tokens too).
 DEFAULT_MAX_TOKENS = 16
+# logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORDS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A constraint on the whole output; exactly one of the fields is set (vLLM's names).
+
+    ``json``: a JSON schema as JSON text; ``regex``; ``choice``: the output is one of these
+    strings; ``grammar``: Lark (llguidance's syntax) or GBNF; ``json_object``: any JSON object.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    @property
+    def num_set(self) -> int:
+        return sum((self.json is not None, self.regex is not None, bool(self.choice), self.grammar is not None,
+                    self.json_object))
 
 
 @dataclass(slots=True)
@@ -33,6 +57,13 @@ class SamplingParams:
     that many output tokens. ``logprobs``: None for none, ``n`` for each token's
     log-probability and its ``n`` most likely alternatives (after penalties and the
     ``min_tokens`` mask, before temperature, top-k and top-p).
+
+    Token masks (vLLM's): ``logit_bias`` adds to the logits of its token ids,
+    ``allowed_token_ids`` masks every other id, ``bad_words_token_ids`` masks the last token
+    of each sequence wherever the output ends with the ones before it, ``structured_outputs``
+    masks every token that would leave the constraint. ``include_stop_str_in_output`` sends
+    the stop string that ended the output; ``skip_special_tokens`` leaves special tokens out
+    of the text.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -48,6 +79,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputs | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -68,7 +105,13 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """True when sampling needs more than temperature, top-k and top-p (the sampler's slower path)."""
-        return self.has_penalties or self.min_tokens > 0 or self.logprobs is not None
+        return (self.has_penalties or self.min_tokens > 0 or self.logprobs is not None or self.has_token_masks)
+
+    @property
+    def has_token_masks(self) -> bool:
+        """Any of logit_bias, allowed_token_ids, bad words or structured output is set."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+                    or self.structured_outputs is not None)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field that is out of range."""
@@ -113,6 +156,29 @@ class SamplingParams:
         n = self.logprobs
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        self._validate_masks()
+
+    def _validate_masks(self) -> None:
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for t_id, v in bias.items():
+            if not isinstance(t_id, int) or t_id < 0:
+                raise ValueError(f"logit_bias: keys must be token ids >= 0, got {t_id!r}")
+            if not _is_number(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
+        for t_id in self.allowed_token_ids or ():
+            if not isinstance(t_id, int) or t_id < 0:
+                raise ValueError(f"allowed_token_ids must be token ids >= 0, got {t_id!r}")
+        words = self.bad_words_token_ids or ()
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words")
+        if any(not w for w in words):
+            raise ValueError("bad_words: a word tokenizes to nothing")
+        so = self.structured_outputs
+        if so is not None and so.num_set != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, regex, choice, grammar, json_object, "
+                             f"got {so.num_set}")
 
 
 def _is_number(v) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagefleet.common.sampling_params import SamplingParams
+from pagefleet.common.sampling_params import SamplingParams, StructuredOutputs
 from pagefleet.protos import generation_pb2 as pb
 
 
@@ -23,7 +23,32 @@ def from_proto(msg: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else d.repetition_penalty,
         min_tokens=msg.min_tokens if msg.HasField("min_tokens") else d.min_tokens,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        bad_words_token_ids=[list(w.ids) for w in msg.bad_words_token_ids] or None,
+        structured_outputs=structured_from_proto(msg.structured_outputs)
+        if msg.HasField("structured_outputs") else None,
     )
+
+
+def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    return StructuredOutputs(
+        json=msg.json if msg.HasField("json") else None,
+        regex=msg.regex if msg.HasField("regex") else None,
+        choice=tuple(msg.choice) or None,
+        grammar=msg.grammar if msg.HasField("grammar") else None,
+        json_object=msg.json_object,
+    )
+
+
+def structured_to_proto(so: StructuredOutputs) -> pb.StructuredOutputs:
+    msg = pb.StructuredOutputs(choice=list(so.choice or ()), json_object=so.json_object)
+    for name in ("json", "regex", "grammar"):
+        if getattr(so, name) is not None:
+            setattr(msg, name, getattr(so, name))
+    return msg
 
 
 def to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -39,7 +64,14 @@ def to_proto(params: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         min_tokens=params.min_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+        logit_bias=params.logit_bias or {},
+        allowed_token_ids=params.allowed_token_ids or [],
+        bad_words_token_ids=[pb.TokenIds(ids=w) for w in params.bad_words_token_ids or ()],
     )
+    if params.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(params.structured_outputs))
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

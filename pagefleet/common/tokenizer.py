@@ -24,15 +24,15 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.BOS, *ids] if add_special_tokens else ids
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         try:
             raw = bytes(token_ids)
         except ValueError:  # special tokens present: drop them
             raw = bytes(t for t in token_ids if t < 256)
         return raw.decode("utf-8", errors="replace")
 
-    def stream(self, prompt_token_ids: list[int]) -> _ByteStream:
-        return _ByteStream()
+    def stream(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> _ByteStream:
+        return _ByteStream()  # special tokens have no text here, skipped or not
 
 
 _BYTES = [bytes((i,)) for i in range(256)]
@@ -69,30 +69,57 @@ class HFTokenizer:
         """``add_special_tokens=False`` for text that already holds them (a rendered chat template)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def stream(self, prompt_token_ids: list[int]) -> _HFStream:
-        return _HFStream(self._tok, prompt_token_ids)
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (llguidance reads the tokenizer from it)."""
+        return self._tok.to_str()
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def stream(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> _HFStream:
+        return _HFStream(self._tok, prompt_token_ids, skip_special_tokens)
 
 
 class _HFStream:
     """``tokenizers``' own incremental decoder, primed with the prompt's last tokens
-    (some tokenizers decode a token's leading space differently at the start of a text)."""
+    (some tokenizers decode a token's leading space differently at the start of a text).
 
-    __slots__ = ("_tok", "_stream")
+    ``flush`` gives what ``decode`` gives for the tokens still pending at the end (an
+    incomplete character decodes to U+FFFD), so the text handed out in all equals
+    ``decode`` of all the tokens.
+    """
 
-    def __init__(self, tok, prompt_token_ids: list[int]) -> None:
+    __slots__ = ("_tok", "_stream", "_skip", "_context", "_pending")
+    _CONTEXT = 5
+
+    def __init__(self, tok, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._tok = tok
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-5:]), skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._context = list(prompt_token_ids[-self._CONTEXT:])  # tokens whose text is out
+        self._pending: list[int] = []  # tokens whose text is not out yet
+        self._stream = DecodeStream(ids=list(self._context), skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
-        return self._stream.step(self._tok, token_id) or ""
+        text = self._stream.step(self._tok, token_id)
+        self._pending.append(token_id)
+        if not text:
+            return ""
+        self._context = (self._context + self._pending)[-self._CONTEXT:]
+        self._pending = []
+        return text
 
     def flush(self) -> str:
-        return ""  # an incomplete character at the very end is dropped
+        if not self._pending:
+            return ""
+        before = self._tok.decode(self._context, skip_special_tokens=self._skip)
+        after = self._tok.decode(self._context + self._pending, skip_special_tokens=self._skip)
+        self._context, self._pending = (self._context + self._pending)[-self._CONTEXT:], []
+        return after[len(before):] if after.startswith(before) else after
 
 
 class NoTokenizer:
@@ -105,10 +132,10 @@ class NoTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ValueError("prompt: this model has no tokenizer.json; pass prompt token ids")
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
 
-    def stream(self, prompt_token_ids: list[int]) -> _NoStream:
+    def stream(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> _NoStream:
         return _NoStream()
 
 

@@ -1,0 +1,100 @@
+"""Structured output as llguidance grammars: one place that turns a ``StructuredOutputs`` into
+a grammar, checks that it compiles, and builds llguidance's view of a tokenizer. Torch-free:
+the gateway checks grammars with it, the worker compiles and matches them (worker/structured.py).
+
+Each kind becomes one llguidance grammar: ``json`` (a JSON schema) and ``json_object``
+(``{"type": "object"}``) through llguidance's JSON-schema compiler with no free whitespace
+(``{"a":1}``, as the output then always ends where the value does); ``regex``; ``choice``
+as a Lark grammar of string literals; ``grammar`` as Lark (llguidance's dialect) or GBNF
+(recognised by ``::=``, converted to Lark).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llguidance import LLMatcher, LLTokenizer
+
+from .sampling_params import StructuredOutputs
+
+# Compact JSON: a model cannot pad its output with whitespace until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile; ``field`` names the kind (json, regex, ...)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+def kind_of(so: StructuredOutputs) -> str:
+    for name in ("json", "regex", "choice", "grammar"):
+        if getattr(so, name):
+            return name
+    return "json_object"
+
+
+def grammar_of(so: StructuredOutputs) -> str:
+    """The llguidance grammar of ``so``; ``GrammarError`` when it is not even well formed."""
+    kind = kind_of(so)
+    try:
+        if kind == "json" or kind == "json_object":
+            schema: Any = json.loads(so.json) if kind == "json" else {"type": "object"}
+            if not isinstance(schema, dict | bool):
+                raise GrammarError(kind, "a JSON schema must be an object")
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(so.regex)
+        if kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
+        text = so.grammar
+        if "::=" in text:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            text = gbnf_to_lark(text)
+        return LLMatcher.grammar_from_lark(text)
+    except GrammarError:
+        raise
+    except Exception as e:  # llguidance's and json's errors alike: the client's grammar is wrong
+        raise GrammarError(kind, str(e) or type(e).__name__) from None
+
+
+def check(so: StructuredOutputs) -> str:
+    """The grammar of ``so`` if it compiles (no tokenizer needed); ``GrammarError`` naming it if not."""
+    grammar = grammar_of(so)
+    error = LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise GrammarError(kind_of(so), error.strip())
+    return grammar
+
+
+class _ByteTokens:
+    """The built-in byte tokenizer as llguidance's ``TokenizerWrapper`` reads one."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.eos_token_id = tokenizer.EOS
+        self.bos_token_id = tokenizer.BOS
+        self.tokens = [bytes((i,)) for i in range(256)] + [b"<s>", b"</s>", b"<pad>"]
+        self.special_token_ids = [tokenizer.BOS, tokenizer.EOS, tokenizer.PAD]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> LLTokenizer:
+    """llguidance's tokenizer for one of ours (``HFTokenizer`` or ``ByteTokenizer``), with the
+    model's vocabulary size (its logits' width) and end-of-sequence ids."""
+    from llguidance import TokenizerWrapper
+
+    from .tokenizer import ByteTokenizer, HFTokenizer
+
+    eos = list(eos_token_ids) or None
+    if isinstance(tokenizer, HFTokenizer):
+        return LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
+    if isinstance(tokenizer, ByteTokenizer):
+        return LLTokenizer(TokenizerWrapper(_ByteTokens(tokenizer)), n_vocab=vocab_size, eos_token=eos)
+    raise GrammarError("structured_outputs", "this model's tokenizer cannot drive structured output")

@@ -1,0 +1,112 @@
+"""Structured output in the engine (llguidance token bitmasks in the sampler step): outputs
+parse and validate, choices are only ever the choices, and the same tokens come out under
+preemption (swap and recompute) and when a request is resumed from its emitted tokens, as on
+another worker. The gateway's grammar check refuses what does not compile, naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagefleet import Engine, SamplingParams
+from pagefleet.common import grammar
+from pagefleet.common.sampling_params import StructuredOutputs
+
+pytestmark = pytest.mark.timeout(240)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+CHOICES = ("yes", "no", "maybe so")
+REGEX = r"[a-c]{3}-[0-9]{2}"
+
+
+def _params(so: StructuredOutputs, seed: int, max_tokens: int = 80) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if seed else 0, seed=seed or None,
+                          structured_outputs=so)
+
+
+def _batch() -> list[SamplingParams]:
+    schema = StructuredOutputs(json=json.dumps(SCHEMA))
+    out = [_params(schema, s) for s in range(3)]
+    out += [_params(StructuredOutputs(choice=CHOICES), s, 12) for s in range(5)]
+    out += [_params(StructuredOutputs(regex=REGEX), s, 12) for s in range(2)]
+    return out
+
+
+def _check(outs, params) -> None:
+    for o, p in zip(outs, params, strict=True):
+        so = p.structured_outputs
+        assert o.finish_reason == "stop", (o.text, so)
+        if so.json:
+            jsonschema.validate(json.loads(o.text), SCHEMA)
+        elif so.choice:
+            assert o.text in CHOICES
+        else:
+            assert re.fullmatch(REGEX, o.text)
+
+
+def test_outputs_hold_their_constraints_and_survive_preemption():
+    params = _batch()
+    prompts = [f"prompt {i} " * (1 + i % 3) for i in range(len(params))]
+    plain = Engine("tiny", num_blocks=512)
+    ref = plain.generate(prompts, params)
+    _check(ref, params)
+    assert len({o.text for o in ref[3:8]}) > 1, "seeded choices were meant to differ"
+    for mode in ("swap", "recompute"):
+        tight = Engine("tiny", block_size=4, num_blocks=36, max_num_batched_tokens=16, preemption=mode,
+                       num_swap_blocks=None if mode == "swap" else 0)
+        outs = tight.generate(prompts, params)
+        assert tight.stats().num_preemptions_total > 0, "the pool was meant to force preemption"
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref], mode
+        _check(outs, params)
+    assert plain._grammar_compiler.num_compiled == 3  # once per distinct constraint
+
+
+def test_resumed_request_rebuilds_its_grammar_from_emitted_tokens():
+    """As on another worker: the tokens emitted so far come with the request."""
+    params = _params(StructuredOutputs(json=json.dumps(SCHEMA)), 5)
+    whole = Engine("tiny", num_blocks=256).generate(["resume me"], params)[0]
+    for cut in (1, len(whole.token_ids) // 2, len(whole.token_ids) - 1):
+        engine = Engine("tiny", num_blocks=256)
+        engine.add_request("resume me", params, request_id="r", output_token_ids=whole.token_ids[:cut])
+        tokens = list(whole.token_ids[:cut])
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                tokens += d.token_ids
+        assert tokens == whole.token_ids, cut
+    jsonschema.validate(json.loads(whole.text), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("so", "kind"),
+    [
+        (StructuredOutputs(regex="a(b"), "regex"),
+        (StructuredOutputs(json='{"type": "nope"}'), "json"),
+        (StructuredOutputs(json="[1, 2"), "json"),
+        (StructuredOutputs(grammar="start: nothere"), "grammar"),
+        (StructuredOutputs(grammar="root ::= missing"), "grammar"),
+    ],
+)
+def test_the_gateway_check_names_what_does_not_compile(so, kind):
+    with pytest.raises(grammar.GrammarError) as e:
+        grammar.check(so)
+    assert e.value.field == kind and e.value.reason
+
+
+def test_good_grammars_compile_lark_and_gbnf():
+    for so in (StructuredOutputs(grammar='start: "x" NUM\nNUM: /[0-9]+/'),
+               StructuredOutputs(grammar='root ::= "x" [0-9]+'), StructuredOutputs(choice=('a "quoted"', "b\\n")),
+               StructuredOutputs(json_object=True), StructuredOutputs(json=json.dumps(SCHEMA))):
+        assert grammar.check(so)

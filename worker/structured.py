@@ -1,0 +1,174 @@
+"""Structured output in the worker: a grammar per request, one token bitmask per step.
+
+``GrammarCompiler`` compiles each distinct constraint once (an llguidance ``LLMatcher`` built
+in a small thread pool, off the engine thread, and kept in an LRU); every request that uses
+it gets a cheap ``deep_copy``. Compiling starts when the request is added, so it runs while
+the prompt is prefilled; the first masked step waits for it only if it is not done yet.
+
+``RequestGrammar`` is a request's matcher and the number of its output tokens the matcher
+has consumed. Before each mask it consumes the output tokens it has not seen, so its state
+is always rebuilt from the tokens already emitted: after a preemption (swap or recompute),
+and for a request resumed on another worker (whose earlier output arrives with it).
+
+``apply_grammar_masks`` fills one bitmask for the rows that need it (llguidance's executor,
+in parallel, the GIL released) and applies it to the logits on their device in one
+``masked_fill``. A step's masks depend only on tokens already sampled, so the model runner
+starts them (``start_grammar_masks``) before its forward, on a thread of their own, and the
+sampler only waits for them (``OVERLAP`` False: computed after the forward, in line). A matcher in error (its compile failed, or it was handed a token it does not
+allow) lets only end-of-sequence through, so the request ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+from llguidance import LLExecutor, LLMatcher
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from pagefleet.common.grammar import GrammarError, grammar_of, kind_of, ll_tokenizer
+from pagefleet.common.sampling_params import StructuredOutputs
+
+from .request import Request
+
+MAX_CACHED_GRAMMARS = 256
+OVERLAP = True  # compute a step's masks while its forward runs
+_MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+
+
+class GrammarCompiler:
+    """Compiled matchers by constraint, built off the engine thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int = 2) -> None:
+        self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
+        self._ll_tokenizer = None
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
+        self.executor = LLExecutor(num_threads)
+        self.num_compiled = 0
+
+    def request_grammar(self, so: StructuredOutputs) -> RequestGrammar:
+        """A new request's grammar (its compile started, or shared with an earlier request's)."""
+        return RequestGrammar(self.submit(so), self.executor, self.vocab_size)
+
+    def submit(self, so: StructuredOutputs) -> Future:
+        """A future of the compiled matcher for ``so`` (shared: deep-copy it before use)."""
+        with self._lock:
+            fut = self._cache.get(so)
+            if fut is not None:
+                self._cache.move_to_end(so)
+                return fut
+            fut = self._pool.submit(self._compile, so)
+            self._cache[so] = fut
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return fut
+
+    def _compile(self, so: StructuredOutputs) -> LLMatcher:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
+            tok = self._ll_tokenizer
+        matcher = LLMatcher(tok, grammar_of(so), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(kind_of(so), matcher.get_error())
+        self.num_compiled += 1
+        return matcher
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One request's matcher, kept in step with its output tokens."""
+
+    __slots__ = ("_future", "_matcher", "num_consumed", "failed", "executor", "vocab_size", "prepared")
+
+    def __init__(self, future: Future, executor: LLExecutor, vocab_size: int) -> None:
+        self._future = future
+        self.executor = executor
+        self.vocab_size = vocab_size
+        self.prepared: tuple[Future, int] | None = None  # (this step's bitmask, its row) when started early
+        self._matcher: LLMatcher | None = None
+        self.num_consumed = 0
+        self.failed = False
+
+    def matcher(self, output_token_ids: list[int]) -> LLMatcher | None:
+        """The matcher after every output token so far; None if it failed."""
+        if self.failed:
+            return None
+        if self._matcher is None:
+            try:
+                self._matcher = self._future.result().deep_copy()
+            except Exception:
+                self.failed = True
+                return None
+        n = len(output_token_ids)
+        if n > self.num_consumed:
+            self._matcher.consume_tokens(output_token_ids[self.num_consumed:])
+            self.num_consumed = n
+        if self._matcher.is_error():
+            self.failed = True
+            return None
+        return self._matcher
+
+
+def start_grammar_masks(reqs: list[Request]) -> None:
+    """Start the bitmasks of the constrained ``reqs`` on the mask thread (before the forward)."""
+    constrained = [r for r in reqs if r.grammar is not None]
+    if not constrained or not OVERLAP:
+        return
+    fut = _MASK_THREAD.submit(grammar_bitmask, constrained, constrained[0].grammar.vocab_size)
+    for j, r in enumerate(constrained):
+        r.grammar.prepared = (fut, j)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+    """Mask ``logits[rows[i]]`` to what ``reqs[i]``'s grammar allows next, in place."""
+    n, vocab = len(rows), logits.shape[-1]
+    started = [r.grammar.prepared for r in reqs]
+    for r in reqs:
+        r.grammar.prepared = None
+    if all(p is not None and p[0] is started[0][0] and p[1] == j for j, p in enumerate(started)) \
+            and started[0][0].result().shape[0] == n:
+        bitmask = started[0][0].result()
+    else:
+        bitmask = grammar_bitmask(reqs, vocab)
+    # Bit t % 32 of word t // 32 is token t: on a little-endian host, bit t of the bytes.
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    logits_masked(logits, rows, allowed)
+
+
+def grammar_bitmask(reqs: list[Request], vocab: int) -> np.ndarray:
+    """``[len(reqs), ceil(vocab / 32)]`` int32: what each request's grammar allows next."""
+    n = len(reqs)
+    bitmask = np.full((n, (vocab + 31) // 32), -1, dtype=np.int32)
+    matchers = []
+    for j, r in enumerate(reqs):
+        m = r.grammar.matcher(r.output_token_ids)
+        if m is None:  # only end-of-sequence
+            bitmask[j] = 0
+            words = bitmask.view(np.uint32)
+            for t in r.eos_token_ids or r.finish_token_ids:
+                if t < vocab:
+                    words[j, t // 32] |= np.uint32(1 << (t % 32))
+        else:
+            matchers.append((m, j))
+    if matchers:
+        fill_next_token_bitmask_par(reqs[0].grammar.executor, matchers, bitmask)
+    return bitmask
+
+
+def logits_masked(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> None:
+    n = len(rows)
+    dev = logits.device
+    blocked = torch.from_numpy(allowed).to(dev) == 0
+    if n == 1:
+        logits[rows[0]].masked_fill_(blocked[0], float("-inf"))
+        return
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(blocked, float("-inf")))
