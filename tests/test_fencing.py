@@ -125,3 +125,27 @@ def test_take_over_fences_the_last_worker_and_reads_exactly_what_it_wrote(redis_
         await r.aclose()
 
     run(go())
+
+
+def test_a_steps_stream_is_trimmed_by_age_but_never_past_a_running_requests_first_entry(redis_url, monkeypatch):
+    from pagefleet.common import fencing
+
+    monkeypatch.setattr(fencing, "STEPS_KEEP_MS", 0)  # everything is old at once
+
+    async def go():
+        r, keys = await _setup(redis_url, "t5")
+        f = await _worker(r, keys, "w1")
+        e = await f.assign("a", 7, "w1")
+        await f.write([Write("a", e, OutEntry(0, [1], "x"))], live={"a"})
+        for i in range(600):  # a busy stream: other requests, while "a" waits (swapped, say)
+            await f.write([Write(f"b{i}", 1, OutEntry(0, [2]))], live={"a", f"b{i}"})
+        first = await r.xrange(f.steps_key, count=1)
+        assert cluster_pb2.StepOutputs.FromString(first[0][1][b"o"]).outputs[0].request_id == "a"
+        assert (await take_over(r, keys, "a", fence=True))[0] == [1]  # what a resume reads back
+        g = await _worker(r, keys, "w2")
+        for i in range(600):  # "a" is not held here: the stream is trimmed
+            await g.write([Write(f"c{i}", 1, OutEntry(0, [2]))], live={f"c{i}"})
+        assert await r.xlen(g.steps_key) < 300
+        await r.aclose()
+
+    run(go())

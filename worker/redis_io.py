@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -64,6 +64,7 @@ class OutputWriter:
         on_failed: Callable[[str, str], None] = lambda rid, error: None,
         max_backlog: int = MAX_BACKLOG,
         on_written: Callable[[], None] = lambda: None,
+        live: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -73,6 +74,7 @@ class OutputWriter:
         self.on_failed = on_failed
         self.max_backlog = max_backlog
         self.on_written = on_written  # told of every round trip (a metric)
+        self.live = live  # the requests the engine holds (the steps stream keeps their entries)
         self._queue: asyncio.Queue[list[Emit]] = asyncio.Queue()
         self._backlog = 0  # messages queued or being written
         self._idle = asyncio.Event()
@@ -120,9 +122,13 @@ class OutputWriter:
             if self._queue.empty():
                 self._idle.set()
 
+    def _live(self):
+        return None if self.live is None else set(self.live())
+
     async def _write_batch(self, batch: list[Emit]) -> None:
         try:
-            accepted = await retry(lambda: self.fencing.write([e.write() for e in batch]), what="write_outputs")
+            accepted = await retry(lambda: self.fencing.write([e.write() for e in batch], self._live()),
+                                  what="write_outputs")
         except Fenced:
             # Declared dead: every request here is being resumed elsewhere after what this
             # stream holds. Drop them all, write nothing of theirs, go on in a new stream.

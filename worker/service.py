@@ -191,6 +191,7 @@ class Worker:
             on_fenced=lambda: self.loop.call(self.loop.drop_all),
             on_failed=lambda rid, error: self.loop.call(lambda: self.loop.fail(rid, error)),
             on_written=self.metrics.output_writes.inc,
+            live=lambda: self.loop.snapshot.request_ids,
         )
         self.aio = asyncio.get_running_loop()
         self.changed = asyncio.Event()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagefleet.protos import cluster_pb2, generation_pb2
@@ -83,7 +84,8 @@ return epoch
 # ARGV: group, done maxlen, done ttl, the other messages (a StepOutputs), steps MINID, steps
 # ttl, n, then for each final: epoch, entry id ('' for none), request id, finish reason, its
 # message (a StepOutputs piece), its record (a StepOutputs piece).
-# Returns, per final, 1 if written, 0 if refused (stale epoch or done). A fenced stream: an error.
+# Returns the steps entry's id and, per final, 1 if written, 0 if refused (stale epoch or done).
+# A fenced stream: an error.
 _FINISH = """
 local n = tonumber(ARGV[7])
 local ok, pieces = {}, {ARGV[4]}
@@ -93,7 +95,7 @@ for i = 1, n do
   ok[i] = ((cur[1] or '0') == ARGV[a] and cur[2] ~= '1') and 1 or 0
   if ok[i] == 1 then pieces[#pieces + 1] = ARGV[a + 4] end
 end
-redis.call('XADD', KEYS[1], 'MINID', '~', ARGV[5], '*', 'o', table.concat(pieces))
+local id = redis.call('XADD', KEYS[1], 'MINID', '~', ARGV[5], '*', 'o', table.concat(pieces))
 if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6])) end
 local done_ttl = tonumber(ARGV[3])
 for i = 1, n do
@@ -112,7 +114,7 @@ for i = 1, n do
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'rid', ARGV[a + 2], 'epoch', ARGV[a], 'f', ARGV[a + 3])
   end
 end
-return ok
+return {id, ok}
 """
 
 # KEYS: own. ARGV: epoch. Returns 1 when the epoch is still the request's and it is not done.
@@ -191,6 +193,7 @@ class Fencing:
         tail = "" if self.writer_id == SCHEDULER_STEPS else f":{secrets.token_hex(4)}"
         self.steps_key = self.keys.steps(self.writer_id) + tail
         self._steps_ttl_at = 0.0
+        self._first_ms: dict[str, int] = {}  # request id -> its first entry's time in this stream
         return self.steps_key
 
     async def publish_stream(self) -> None:
@@ -221,10 +224,28 @@ class Fencing:
             return STEPS_TTL_S
         return 0
 
-    async def write(self, writes: list[Write]) -> list[bool]:
+    def _trim_floor(self, live: Iterable[str] | None) -> int:
+        """Entries older than this (ms) may go: ``STEPS_KEEP_MS`` ago, and never an entry of a
+        request still running here (``live``: those the writer holds; the others are forgotten),
+        which a resume elsewhere would read back."""
+        if live is not None:
+            for rid in [r for r in self._first_ms if r not in live]:
+                del self._first_ms[rid]
+        return min([int(time.time() * 1000) - STEPS_KEEP_MS, *self._first_ms.values()])
+
+    def _entered(self, writes: list[Write], entry_id) -> None:
+        ms = int((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)).split("-")[0])
+        for w in writes:
+            if w.final:
+                self._first_ms.pop(w.request_id, None)
+            else:
+                self._first_ms.setdefault(w.request_id, ms)
+
+    async def write(self, writes: list[Write], live: Iterable[str] | None = None) -> list[bool]:
         """Write every message in one round trip; for each, whether it was accepted (a
         message that finishes nothing is always accepted: only finishes are checked).
-        ``Fenced`` when this writer's stream was fenced (nothing was written)."""
+        ``Fenced`` when this writer's stream was fenced (nothing was written). ``live``: the
+        requests this writer holds (the stream is trimmed, never past their first entries)."""
         import redis.exceptions as rx
 
         if not writes:
@@ -240,8 +261,9 @@ class Fencing:
         for w in writes:
             if w.refresh_ttl and not w.final:
                 pipe.expire(self.keys.owner(w.request_id), REQUEST_TTL_S)
-        minid = int(time.time() * 1000) - STEPS_KEEP_MS
+        minid = self._trim_floor(live)
         ttl = self._steps_ttl()
+        at = len(pipe.command_stack)  # the steps entry's command (its reply: the entry's id)
         if finals:
             keys = [self.steps_key, self.keys.requests, self.keys.done]
             args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, steps.SerializeToString(), minid, ttl, len(finals)]
@@ -262,8 +284,11 @@ class Fencing:
             if isinstance(r, Exception):
                 raise r
         if not finals:
+            self._entered(writes, results[at])
             return [True] * len(writes)
-        accepted = {id(w): bool(int(x)) for w, x in zip(finals, results[-1], strict=True)}
+        entry_id, oks = results[at]
+        self._entered(writes, entry_id)
+        accepted = {id(w): bool(int(x)) for w, x in zip(finals, oks, strict=True)}
         return [accepted.get(id(w), True) for w in writes]
 
     async def owns(self, request_id: str, epoch: int) -> bool:
