@@ -4,8 +4,11 @@ Run as its own process (``python -m pagefleet.bench.token_client CONFIG_JSON``),
 is apart from the processes measured; prints one JSON object: per stream whether it came back
 whole, and the latencies every stream saw.
 
-* ``grpc``: ``pagefleet.v1.Generation/Generate`` over ``connections`` channels, streams spread
-  round-robin. A stream is whole when its messages' indices run 0, 1, ... with no gap or
+* ``grpc``: ``pagefleet.v1.Generation/Generate`` over ``connections`` channels, each its own
+  TCP connection (a local subchannel pool: by default grpc shares one connection among the
+  channels to one target, and past the gateway's bound on one connection's streams
+  (``--max-concurrent-streams``, 1,024) the server refuses new ones with HTTP/2
+  ``REFUSED_STREAM``), streams spread round-robin. A stream is whole when its messages' indices run 0, 1, ... with no gap or
   repeat, it carries exactly T tokens and it ends with ``length``.
 * ``openai``: ``POST /v1/completions`` with ``stream: true`` (one HTTP/1.1 connection a
   concurrent stream) and ``stream_options.include_usage``. The byte tokenizer makes one
@@ -40,8 +43,10 @@ async def _grpc(cfg: dict) -> list[dict]:
     from pagefleet.protos import generation_pb2 as pb
     from pagefleet.protos import generation_pb2_grpc
 
-    channels = [grpc.aio.insecure_channel(cfg["target"], options=CHANNEL_OPTIONS)
-                for _ in range(cfg["connections"])]
+    # A subchannel pool of its own per channel: else grpc gives every channel to one target the
+    # same connection, and all the streams share one HTTP/2 connection's stream bound.
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(cfg["target"], options=options) for _ in range(cfg["connections"])]
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
     prompt = list(range(65, 65 + cfg["prompt_len"]))
     t_out = cfg["max_tokens"]

@@ -113,14 +113,17 @@ def summarize(streams: list[dict]) -> dict:
     ttft = [s["ttft_s"] for s in streams if s["ttft_s"] is not None]
     itl = [x for s in streams for x in s["itl_s"]]
     errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
     for s in streams:
         if not s["ok"]:
             key = s["error"].split(":")[0][:60]
             errors[key] = errors.get(key, 0) + 1
+            examples.setdefault(key, s["error"][:300])
     return {
         "num_streams": len(streams),
         "num_whole": sum(s["ok"] for s in streams),
         "errors": errors,
+        "error_examples": examples,
         "num_tokens": sum(s["num_tokens"] for s in streams),
         "num_messages": sum(s["num_messages"] for s in streams),
         "ttft_p50_ms": _ms(_pct(ttft, 0.5)), "ttft_p99_ms": _ms(_pct(ttft, 0.99)),
@@ -147,7 +150,7 @@ def start_cluster(args, tmp: Path):
     cfg = ClusterConfig(port=0, http_port=0 if args.backend == "openai" else None, num_workers=args.workers,
                         worker_args=worker_args, gateway_args=gateway_args,
                         scheduler_args=["--dead-after", "10", "--lease-ms", "15000"],
-                        log_dir=str(tmp), log_level="warning", metrics_port=0,
+                        log_dir=str(args.log_dir or tmp), log_level="warning", metrics_port=0,
                         workers_per_process=args.workers_per_process, python=args.python,
                         env={"OMP_NUM_THREADS": "1"})
     return LocalCluster(cfg).start(timeout_s=180)
@@ -279,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="", help="a name for this tree in the results (e.g. before, after)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may take")
     p.add_argument("--json", default="bench-results/token-path.json", help="where to write the results")
+    p.add_argument("--log-dir", default=None, help="keep the components' logs here (default: a temp dir)")
     return p
 
 

@@ -1,0 +1,40 @@
+"""``pagefleet bench token-path``, small: it runs, every stream comes back whole, and it counts
+what a token costs; and a burst of streams past grpc's default pending-call bound is served."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, "-m", "pagefleet", "bench", "token-path", *args, "--json", str(out)],
+                   check=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
+    report = _bench(tmp_path, "--workers", "2", "--requests", "24", "--concurrency", "8", "--max-tokens", "12",
+                    "--time-scale", "inf")
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert set(by_mode) == {"floor", "stream", "fixed"}
+    for r in by_mode.values():
+        assert r["num_whole"] == r["num_streams"], r["errors"]
+    stream = by_mode["stream"]
+    assert stream["num_tokens"] == 24 * 12
+    assert 0 < stream["redis_commands"] < 6  # one write a step for all its requests, not several a token
+    assert stream["redis_commands_by_name"]["xadd"] > 0
+    assert all(v > 0 for v in stream["cpu_us"].values())
+    assert stream["redis_bytes_per_request_kept"] > 0
+    assert by_mode["fixed"]["per"] == "request" and by_mode["fixed"]["num_tokens"] == 24
+    assert by_mode["floor"]["cpu_us_per_message"] > 0
+
+
+def test_a_burst_of_streams_past_grpcs_pending_call_bound_is_served(tmp_path):
+    # grpc's server fails calls it has not taken up past 1,000 pending with CANCELLED unless told
+    # otherwise (SERVER_OPTIONS): 3,000 streams at once against a trivial servicer with them.
+    report = _bench(tmp_path, "--modes", "", "--requests", "3000", "--concurrency", "3000", "--max-tokens", "2")
+    floor, = report["results"]
+    assert floor["num_whole"] == 3000, floor["errors"]
