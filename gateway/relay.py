@@ -114,12 +114,13 @@ async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int,
             yield msg
             if msg.finish_reason:
                 return
-        owner = await retry(lambda: redis.hmget(keys.owner(request_id), "worker", "t"), what="hmget_own")
-        if owner[0] != worker:  # (re)assigned: read its new worker from the assignment on
-            worker = owner[0]
+        owner = await retry(lambda: redis.hmget(keys.owner(request_id), "worker", "t", "steps"), what="hmget_own")
+        if (owner[0], owner[1]) != worker:  # (re)assigned: read its new worker from the assignment on
+            worker = (owner[0], owner[1])
             key = None
-            if worker and worker.decode() not in ("", "scheduler"):
-                raw = await retry(lambda w=worker: redis.get(keys.steps_of(w.decode())), what="get_steps_of")
+            if owner[0] and owner[0].decode() not in ("", "scheduler"):
+                raw = owner[2] or await retry(lambda w=owner[0]: redis.get(keys.steps_of(w.decode())),
+                                              what="get_steps_of")
                 key = raw.decode() if raw else None
             cursor = f"{max(0, int(owner[1] or 0) - 1)}-0"  # XREAD reads past it: the first entry included
         if key is None:

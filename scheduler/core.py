@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from pagefleet.common.fencing import Fencing, Write, take_over
+from pagefleet.common.fencing import Fencing, Write, is_fenced, take_over
 from pagefleet.common.metrics import SchedulerMetrics
 from pagefleet.common.redis import GROUP, Keys, OutEntry, retry
 from pagefleet.common.service import CHANNEL_OPTIONS
@@ -129,7 +129,9 @@ class ClusterScheduler:
         self.cfg = config
         self.epoch = epoch
         self.lease_ok = lease_ok
-        self.fencing = Fencing(redis, keys)
+        self._steps: dict[str, str] = {}  # worker id -> the steps stream its row names
+        self._fenced: set[str] = set()  # steps streams found fenced: their workers are not placed on
+        self.fencing = Fencing(redis, keys, stream_of=lambda wid: self._steps.get(wid, ""))
         self._deadlines: list[tuple[int, str]] = []  # (deadline_unix_ms, request id) of placed requests
         self._rows: dict[str, tuple[object, float]] = {}  # worker id -> (its row's heartbeat, when it changed)
         self._done_cursor = "0-0"
@@ -391,11 +393,20 @@ class ClusterScheduler:
                     self._rows.pop(wid, None)
                     continue
                 w = self.workers.get(wid)
-                if w is None or w.address != row["address"]:
+                steps = row.get("steps", "")
+                if w is None or w.address != row["address"] or self._steps.get(wid, steps) != steps:
+                    if steps and await self._stream_fenced(steps):
+                        continue  # declared dead: placed on again once it writes to a new stream
                     if w is not None:
-                        await self._worker_dead(w, "address changed")
+                        await self._worker_dead(w, "address changed" if w.address != row["address"] else "new stream")
+                    self._steps[wid] = steps
                     self._add_worker(wid, row["address"])
             await asyncio.sleep(0.5)
+
+    async def _stream_fenced(self, key: str) -> bool:
+        if key not in self._fenced and await is_fenced(self.redis, key):
+            self._fenced.add(key)
+        return key in self._fenced
 
     def _add_worker(self, wid: str, address: str) -> None:
         channel = self.dial(address)

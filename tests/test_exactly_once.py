@@ -107,6 +107,48 @@ def test_a_frozen_worker_declared_dead_cannot_splice_its_tokens(cluster):
     wait_for(lambda: _idle(cluster), 30, "every worker to end with its blocks free")
 
 
+def test_every_worker_declared_dead_while_alive_loses_nothing(cluster):
+    """SIGSTOP every worker past --dead-after mid-generation, then SIGCONT them: their streams
+    were fenced, so each drops what it held and comes back writing to a new stream, on which the
+    scheduler places again; every request resumes after exactly the tokens in Redis."""
+    import json
+
+    import redis as sync_redis
+
+    from pagefleet.common.fencing import FENCE_ID
+    from pagefleet.common.redis import Keys
+
+    r = sync_redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cfg.namespace)
+
+    def streams() -> dict[str, str]:
+        return {k.decode(): json.loads(v)["steps"] for k, v in r.hgetall(keys.workers).items()}
+
+    prompts = PROMPTS[6:12]
+    reference = _run_seeded(cluster.gateway_target, prompts, 60)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_run_seeded, cluster.gateway_target, prompts, 60)
+        wait_for(lambda: any(r.num_running for r in worker_reports(cluster).values()), 30, "a worker to run something")
+        before = streams()
+        pids = [p.pid for n, p in cluster.procs.items() if n.startswith("worker")]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: not worker_reports(cluster), 20, "every worker to be declared dead")
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        got = fut.result(timeout=180)
+    assert got == reference
+    wait_for(lambda: len(worker_reports(cluster)) == 2, 30, "the workers to be placed on again")
+    wait_for(lambda: _idle(cluster), 30, "every worker to end with its blocks free")
+    after = streams()
+    fenced = [s for s in before.values() if (last := r.xrevrange(s, count=1)) and last[0][0].decode() == FENCE_ID]
+    assert fenced  # the streams of the workers that held requests were closed...
+    assert all(after[w] != s for w, s in before.items() if s in fenced)  # ...and they write to new ones
+    r.close()
+
+
 def test_cancels_at_random_moments_leak_no_blocks(cluster):
     import random
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagefleet.protos import cluster_pb2, generation_pb2
@@ -64,7 +64,7 @@ STEPS_TTL_S = 600
 FENCE_ID = "18446744073709551615-18446744073709551615"
 
 # KEYS: own, scheduler epoch key. ARGV: scheduler epoch, worker id ('': a new epoch only, the
-# last worker and its time kept for ``take_over``), ttl.
+# last worker, its steps stream and the time kept for ``take_over``), ttl, the worker's steps stream.
 # Returns the new epoch; 0 if the request is done already; -1 if this scheduler is stale.
 _ASSIGN = """
 if (redis.call('GET', KEYS[2]) or '0') ~= ARGV[1] then return -1 end
@@ -72,7 +72,7 @@ if redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 if ARGV[2] ~= '' then
   local now = redis.call('TIME')
-  redis.call('HSET', KEYS[1], 'worker', ARGV[2], 't', now[1] * 1000 + math.floor(now[2] / 1000))
+  redis.call('HSET', KEYS[1], 'worker', ARGV[2], 't', now[1] * 1000 + math.floor(now[2] / 1000), 'steps', ARGV[4])
 end
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return epoch
@@ -178,10 +178,14 @@ class Fencing:
     """The scripts and the writes of one writer (a worker, or the scheduler for its own final
     messages), registered once per Redis client (EVALSHA, falling back to EVAL after a restart)."""
 
-    def __init__(self, redis, keys: Keys, writer_id: str = SCHEDULER_STEPS) -> None:
+    def __init__(self, redis, keys: Keys, writer_id: str = SCHEDULER_STEPS,
+                 stream_of: Callable[[str], str] = lambda worker_id: "") -> None:
+        """``stream_of``: a worker's steps stream, as its row names it (recorded with each
+        assignment: the stream a resume reads the request back from)."""
         self.redis = redis
         self.keys = keys
         self.writer_id = writer_id
+        self.stream_of = stream_of
         self.steps_key = ""
         self.new_incarnation()
         self._assign = redis.register_script(_ASSIGN)
@@ -205,7 +209,8 @@ class Fencing:
         """A new epoch for ``request_id`` on ``worker_id``; 0 if it finished already, -1 if
         ``scheduler_epoch`` is no longer the current scheduler's (stop placing)."""
         keys = [self.keys.owner(request_id), self.keys.scheduler_epoch]
-        return int(await self._assign(keys=keys, args=[scheduler_epoch, worker_id, REQUEST_TTL_S]))
+        args = [scheduler_epoch, worker_id, REQUEST_TTL_S, self.stream_of(worker_id) if worker_id else ""]
+        return int(await self._assign(keys=keys, args=args))
 
     async def assign_many(self, owners: list[tuple[str, str]], scheduler_epoch: int) -> list[int]:
         """``assign`` for each ``(request_id, worker_id)`` of ``owners``, in one round trip."""
@@ -214,7 +219,8 @@ class Fencing:
         pipe = self.redis.pipeline(transaction=False)
         for request_id, worker_id in owners:
             await self._assign(keys=[self.keys.owner(request_id), self.keys.scheduler_epoch],
-                               args=[scheduler_epoch, worker_id, REQUEST_TTL_S], client=pipe)
+                               args=[scheduler_epoch, worker_id, REQUEST_TTL_S,
+                                     self.stream_of(worker_id) if worker_id else ""], client=pipe)
         return [int(e) for e in await pipe.execute()]
 
     def _steps_ttl(self) -> int:
@@ -296,6 +302,15 @@ class Fencing:
 
 
 # -- reading back ------------------------------------------------------------------------------
+async def is_fenced(redis, key: str) -> bool:
+    """Whether steps stream ``key`` was fenced (its writer was declared dead)."""
+    last = await retry(lambda: redis.xrevrange(key, count=1), what="xrevrange_steps")
+    if not last:
+        return False
+    entry_id = last[0][0]
+    return (entry_id.decode() if isinstance(entry_id, bytes) else entry_id) == FENCE_ID
+
+
 async def fence_stream(redis, key: str) -> None:
     """Close ``key`` for good: every later ``XADD *`` to it fails (idempotent)."""
     import redis.exceptions as rx
@@ -358,12 +373,13 @@ async def take_over(redis, keys: Keys, request_id: str, fence: bool | None = Non
     worker was declared dead: nothing can be added behind this read); ``None``: fenced if that
     worker has no row in the workers hash (it is gone). A live worker is not fenced: it no
     longer holds the request (it dropped it, or never got it), so it writes no more of it."""
-    worker, since = await retry(lambda: redis.hmget(keys.owner(request_id), "worker", "t"), what="hmget_own")
+    worker, since, steps = await retry(lambda: redis.hmget(keys.owner(request_id), "worker", "t", "steps"),
+                                       what="hmget_own")
     record = await read_record(redis, keys, request_id)
     found: list[OutEntry] = []
     if worker and worker not in (b"", b"scheduler"):
         wid = worker.decode()
-        key = await retry(lambda: redis.get(keys.steps_of(wid)), what="get_steps_of")
+        key = steps or await retry(lambda: redis.get(keys.steps_of(wid)), what="get_steps_of")
         if key:
             key = key.decode()
             if fence is None:
