@@ -294,7 +294,7 @@ def test_sim_fit_writes_a_profile_the_worker_loads(tmp_path):
 
 
 def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
-    """Four simulated workers under the real queue, placement and admission on one clock:
+    """Four simulated workers under the scheduler's ledger on one clock:
     every request finishes with its tokens, and a shared prefix draws its group to one place."""
     from pagefleet.bench.fleet_sim import FleetConfig, FleetSim, TraceRequest
 
@@ -305,6 +305,8 @@ def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
     out = sim.run(trace, until_s=30)
     assert all(o.finish_reason == "length" and o.num_tokens == 8 for o in out.values())
     assert all(0 < o.ttft_s < 1 and 0 < o.tpot_s < 0.05 for o in out.values())
+    sim.ledger.check_integrity()  # the scheduler's own ledger
+    assert sim.ledger.num_waiting == 0 and sim.ledger.num_placed <= 1  # the last finish is forgotten a hop later
     served = [w.engine.stats().prefix_cache_hits_total for w in sim.workers]
     assert sum(1 for h in served if h) == 1 and max(served) >= 19 * 64 - 64, served
     ideal = FleetSim(FleetConfig(num_workers=4, profile=prof, ideal=True)).run(trace, until_s=30)

@@ -1,7 +1,7 @@
 """``pagefleet bench study``: goodput against request rate, by queue policy and placement.
 
 A fleet of ``--workers`` simulated workers (``--profile``; default Llama-3-8B on H100) run
-with the scheduler's own policies on one virtual clock (``fleet_sim.FleetSim``), under
+with the scheduler's own ledger on one virtual clock (``fleet_sim.FleetSim``), under
 traces generated from ``--seed``:
 
 * ``sharegpt``: ShareGPT-like lengths. No dataset can be downloaded here, so lengths are
@@ -170,6 +170,7 @@ def run_point(curve: Curve, rate: float, args, profile) -> dict:
     sim = FleetSim(cfg)
     outcomes = sim.run(trace, until_s=args.duration + args.drain)
     point = measure(list(outcomes.values()), rate, args.duration, args, sim.now)
+    point["num_preemptions"] = sim.ledger.num_preemptions
     point["cpu_s"] = time.process_time() - t0
     return point
 
