@@ -184,8 +184,8 @@ class ClusterScheduler:
         holders = ledger.holders()
         async for entry_id, fields in self._pending_entries():
             await self._on_entry(entry_id, fields, holders)
-        for wid, orphans in ledger.adopted().items():
-            await self._withdraw_orphans(ledger.workers[wid], orphans)
+        for w, orphans in ledger.adopted():
+            await self._withdraw_orphans(w, orphans)
         log.info("scheduler.adopted", num_placed=ledger.num_placed, num_waiting=ledger.num_waiting,
                  workers=sorted(ledger.workers))
         self._wake.set()

@@ -180,12 +180,12 @@ class Ledger:
         """Request id -> the worker whose latest report lists it (for a takeover)."""
         return {rid: w for w in self.workers.values() for rid in w.held}
 
-    def adopted(self) -> dict[str, list[str]]:
-        """The takeover has read every pending entry: worker id -> the orphans its reports
+    def adopted(self) -> list[tuple[WorkerEntry, list[str]]]:
+        """The takeover has read every pending entry: each worker with the orphans its reports
         named meanwhile (a delta names each once), to withdraw now."""
         self.adopting = False
-        found = {w.worker_id: self._orphans(w.orphans()) for w in self.workers.values()}
-        return {wid: rids for wid, rids in found.items() if rids}
+        found = [(w, self._orphans(w.orphans())) for w in self.workers.values()]
+        return [(w, rids) for w, rids in found if rids]
 
     def resume(self, p: Pending, emitted: list[int]) -> bool:
         """``p`` (in hand) goes back to the queue to go on after the tokens it emitted. False

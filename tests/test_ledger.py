@@ -202,7 +202,7 @@ def test_a_takeover_adopts_what_workers_hold_and_withdraws_orphans_once_done():
     assert p is not None and p.request_id == "q"  # ran nowhere known: resume it
     ledger.check_integrity()
     assert ledger.where == {"r": "a"} and ledger.workers["a"].placed["r"].reflected
-    assert ledger.adopted() == {"a": ["zz"]} and not ledger.adopting
+    assert ledger.adopted() == [(ledger.workers["a"], ["zz"])] and not ledger.adopting
 
 
 def full_of_low_priority(clock: Clock | None = None, **cfg) -> Ledger:
