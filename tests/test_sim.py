@@ -239,7 +239,7 @@ def test_eight_simulated_workers_in_one_process_serve_through_the_gateway(tmp_pa
 
 
 def test_bench_scheduler_runs_small_and_writes_its_figures(tmp_path):
-    from pagefleet.bench import scheduler as bench
+    from pagefleet.benchmarks.fleet import scheduler as bench
 
     out = tmp_path / "scheduler.json"
     assert bench.main(["--workers", "4", "--queued", "60", "--json", str(out), "--poll", "0.05"]) == 0
@@ -260,7 +260,7 @@ def test_bench_scheduler_runs_small_and_writes_its_figures(tmp_path):
 
 
 def test_histogram_quantiles_interpolate_inside_buckets():
-    from pagefleet.bench.scheduler import quantile
+    from pagefleet.benchmarks.fleet.scheduler import quantile
 
     buckets = [(0.001, 50.0), (0.002, 90.0), (0.004, 100.0), (math.inf, 100.0)]
     assert quantile(buckets, 0.5) == pytest.approx(0.001)
@@ -296,7 +296,7 @@ def test_sim_fit_writes_a_profile_the_worker_loads(tmp_path):
 def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
     """Four simulated workers under the scheduler's ledger on one clock:
     every request finishes with its tokens, and a shared prefix draws its group to one place."""
-    from pagefleet.bench.fleet_sim import FleetConfig, FleetSim, TraceRequest
+    from pagefleet.benchmarks.fleet.sim import FleetConfig, FleetSim, TraceRequest
 
     prof = load_profile("llama-3-8b-h100")
     system = list(range(40, 40 + 64))
@@ -314,7 +314,7 @@ def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
 
 
 def test_the_study_finds_knees_and_writes_its_report(tmp_path):
-    from pagefleet.bench import study
+    from pagefleet.benchmarks.fleet import study
 
     pts = [{"rate": 10, "attainment": 1.0}, {"rate": 20, "attainment": 0.95}, {"rate": 30, "attainment": 0.5}]
     assert study.knee(pts, 0.9) == pytest.approx(20 + 10 * 0.05 / 0.45)
