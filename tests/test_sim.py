@@ -313,6 +313,22 @@ def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
     assert all(o.finish_reason == "length" for o in ideal.values())
 
 
+def test_the_fleet_simulator_preempts_through_the_ledger():
+    """A full worker and a higher-priority arrival: the ledger's round places it by preempting a
+    lower-priority sequence (none with preemption off); every request still finishes."""
+    from pagefleet.benchmarks.fleet.sim import FleetConfig, FleetSim, TraceRequest
+
+    prof = load_profile("llama-3-8b-h100")
+    trace = [TraceRequest(f"low{i}", [256] + [10 + i] * 200, 400, 0.0) for i in range(4)]
+    trace.append(TraceRequest("high", [256] + [99] * 300, 16, 0.5, priority=1))
+    for preempt, want in ((True, 1), (False, 0)):
+        sim = FleetSim(FleetConfig(num_workers=1, profile=prof, policy="priority", num_blocks=64, preempt=preempt))
+        out = sim.run(trace, until_s=60)
+        assert all(o.finish_reason == "length" for o in out.values())
+        assert sim.ledger.num_preemptions == want
+        sim.ledger.check_integrity()
+
+
 def test_the_study_finds_knees_and_writes_its_report(tmp_path):
     from pagefleet.benchmarks.fleet import study
 
