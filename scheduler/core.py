@@ -1,6 +1,8 @@
-"""The active scheduler: reads requests from Redis, places them on workers, keeps them alive.
+"""The active scheduler's I/O: Redis, fencing, gRPC, timers and the lease, driving the ledger.
 
-Tasks, all on one event loop:
+Every decision (the queue, the worker table, placements, prefix holds, deadlines, preemption
+victims) is the ledger's (``ledger.Ledger``, synchronous and without I/O); this module reads
+the world into it and carries its answers out. Tasks, all on one event loop:
 
 * ``_intake``: ``XREADGROUP`` on the requests stream; generate entries join the global
   queue, cancel entries withdraw a request wherever it is.
@@ -8,14 +10,9 @@ Tasks, all on one event loop:
   stream (``_watch``); a broken stream or ``dead_after_s`` without a report (on this
   process's monotonic clock: no clocks of other hosts are compared) marks the worker dead
   and its requests are resumed elsewhere from the tokens they emitted.
-* ``_dispatch``: woken by every arrival and report; places the queue's head where it
-  fits (``placement.Placer``: prefix, least-loaded or round-robin), or preempts
-  lower-priority sequences for it (``workers.pick_victims``); head-of-line, so no request
-  is overtaken forever.
-
-The prefix index (``prefix_index.PrefixIndex``) learns the workers' cached block keys from
-their reports and holds each placed request's keys on its worker until it leaves.
-
+* ``_dispatch``: woken by every arrival and report; fences and sends the rounds the
+  ledger decides (``Ledger.decide_round``), and the Preempt calls of a round that preempts.
+* ``_tick``: dead-worker timeouts, deadlines, the published queue length.
 * ``_finishes``: reads the done stream: a request is forgotten only once its final write
   has landed in Redis (never on a worker's word alone).
 
@@ -36,8 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import json
 import time
 from collections.abc import Callable
@@ -52,28 +47,19 @@ from pagefleet.common.redis import GROUP, Keys, OutEntry, retry
 from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
+from .ledger import Ledger, LedgerConfig
 from .observe import assign_span
-from .placement import Placement, PlacementConfig, Placer
-from .prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
-from .queue import GlobalQueue, Pending
-from .workers import WorkerEntry, pick_victims
+from .placement import Placement, PlacementConfig
+from .prefix_index import DEFAULT_MAX_KEYS
+from .queue import Pending
+from .workers import Placed, WorkerEntry
 
 log = structlog.get_logger("scheduler")
 
-# Placements decided (and fenced in one round trip) before their Assigns are sent: at least
-# _ROUND, and _ROUND_PER_WORKER a worker in a larger fleet, so that a deep queue's round sends
-# each worker a batch rather than one request (an AssignBatch costs the scheduler ~0.1 ms of
-# gRPC whatever it carries). A round only grows when that many requests wait.
-_ROUND = 256
-_ROUND_PER_WORKER = 4
 # Rounds whose fences and Assigns may be in flight at once: placement decides the next round
 # while the workers of the previous ones answer (a round would otherwise wait for its slowest
 # worker before the next is decided).
 _ROUNDS_IN_FLIGHT = 8
-# Requests whose final write the scheduler has seen, remembered this long (at most this many):
-# a worker's report can reach the scheduler after the finish it predates (a gRPC stream and a
-# Redis stream do not keep one order), and listing such a request is no orphan.
-_DONE_MEMORY = 65536
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 PREEMPT_MODES = {
     "auto": cluster_pb2.PREEMPT_MODE_AUTO,
@@ -114,6 +100,11 @@ class SchedulerConfig:
     placement: PlacementConfig = PlacementConfig()
     prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
 
+    def ledger_config(self) -> LedgerConfig:
+        return LedgerConfig(policy=self.policy, aging_s=self.aging_s, headroom_tokens=self.headroom_tokens,
+                            preempt=self.preempt_mode != "off", placement=self.placement,
+                            prefix_index_size=self.prefix_index_size)
+
 
 class ClusterScheduler:
     """``epoch``: this scheduler's epoch (taken with the lease); ``lease_ok``: whether the lease
@@ -132,29 +123,20 @@ class ClusterScheduler:
         self._steps: dict[str, str] = {}  # worker id -> the steps stream its row names
         self._fenced: set[str] = set()  # steps streams found fenced: their workers are not placed on
         self.fencing = Fencing(redis, keys, stream_of=lambda wid: self._steps.get(wid, ""))
-        self._deadlines: list[tuple[int, str]] = []  # (deadline_unix_ms, request id) of placed requests
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        # Adopting until the takeover has re-read the pending entries (``_adopt``).
+        self.ledger = Ledger(config.ledger_config(), adopting=True,
+                             on_decision=self.metrics.decision_latency.observe)
         self._rows: dict[str, tuple[object, float]] = {}  # worker id -> (its row's heartbeat, when it changed)
         self._done_cursor = "0-0"
-        self.queue = GlobalQueue(config.policy, config.aging_s)
-        self.workers: dict[str, WorkerEntry] = {}
-        self.index = PrefixIndex(config.prefix_index_size)
-        self.placer = Placer(config.placement, self.index)
-        self.known: dict[str, Pending] = {}  # every unfinished request: queued or placed
-        self._done_recently: dict[str, None] = {}  # insertion-ordered: the oldest go first (_DONE_MEMORY)
-        self.where: dict[str, str] = {}  # request_id -> worker_id
-        self._seq = itertools.count()
         self._wake = asyncio.Event()
-        self._adopting = True
-        self.num_preemptions = 0
-        self.num_reassigned = 0
         self._published_waiting = -1
         self._published_at = 0.0
         self._tasks: list[asyncio.Task] = []
         self._cancel_calls: set[asyncio.Task] = set()  # best-effort Cancel calls in flight
         self._rounds: set[asyncio.Task] = set()  # rounds being fenced and sent (_dispatch)
         self._round_slots = asyncio.Semaphore(_ROUNDS_IN_FLIGHT)
-        self.metrics = metrics if metrics is not None else SchedulerMetrics()
-        self.metrics.bind(self)
+        self.metrics.bind(self.ledger)
 
     # -- life ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -178,7 +160,7 @@ class ClusterScheduler:
     async def close(self) -> None:
         for t in (*self._tasks, *self._cancel_calls, *self._rounds):
             t.cancel()
-        for w in self.workers.values():
+        for w in self.ledger.workers.values():
             if w.channel is not None:
                 await w.channel.close()
 
@@ -195,20 +177,19 @@ class ClusterScheduler:
     # -- takeover ---------------------------------------------------------------------------
     async def _adopt(self) -> None:
         """Wait for the workers' first reports, then re-read our pending entries."""
+        ledger = self.ledger
         deadline = time.monotonic() + self.cfg.adopt_wait_s
         while time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-            if self.workers and all(w.report is not None for w in self.workers.values()):
+            if ledger.workers and all(w.report is not None for w in ledger.workers.values()):
                 break
-        holders = {rid: w for w in self.workers.values() for rid in w.held}
+        holders = ledger.holders()
         async for entry_id, fields in self._pending_entries():
             await self._on_entry(entry_id, fields, holders)
-        self._adopting = False
-        # Reports named orphans while we adopted (a delta names each once): withdraw them now.
-        for w in list(self.workers.values()):
-            await self._withdraw_orphans(w, w.orphans())
-        log.info("scheduler.adopted", num_placed=len(self.where), num_waiting=len(self.queue),
-                 workers=sorted(self.workers))
+        for w, orphans in ledger.adopted():
+            await self._withdraw_orphans(w, orphans)
+        log.info("scheduler.adopted", num_placed=ledger.num_placed, num_waiting=ledger.num_waiting,
+                 workers=sorted(ledger.workers))
         self._wake.set()
 
     # -- intake ------------------------------------------------------------------------------
@@ -247,7 +228,7 @@ class ClusterScheduler:
         n = 0
         async for entry_id, fields in self._pending_entries():
             rid = fields.get(b"rid", b"").decode()
-            if fields.get(b"kind") == b"generate" and (rid in self.known or rid in self._done_recently):
+            if fields.get(b"kind") == b"generate" and (rid in self.ledger.known or self.ledger.finished_recently(rid)):
                 continue  # taken in already, or finished with its ack still on its way
             n += 1
             await self._on_entry(entry_id, fields, None)
@@ -264,8 +245,8 @@ class ClusterScheduler:
             await self._cancel(rid)
             await self._ack(entry_id)
             return
-        if kind != "generate" or rid in self.known:
-            if rid not in self.known:
+        if kind != "generate" or rid in self.ledger.known:
+            if rid not in self.ledger.known:
                 log.warning("entry.malformed", entry_id=entry_id)
             await self._ack(entry_id)
             return
@@ -276,17 +257,12 @@ class ClusterScheduler:
             await self._ack(entry_id)
             return
         msg.entry_id = entry_id
-        p = Pending(rid, entry_id, msg, next(self._seq))
-        self.known[rid] = p
-        if holders is not None and rid in holders:  # takeover: a worker already runs it
-            w = holders[rid]
-            w.place(p, self.cfg.headroom_tokens, reflected=True)
-            self._hold(w, p)
-            self.where[rid] = w.worker_id
-        elif holders is not None:  # takeover: it may have run somewhere; resume from its output
+        if holders is None:
+            self.ledger.take(rid, entry_id, msg)
+        # Takeover: placed where a worker already runs it, or resumed from its output (it may
+        # have run somewhere).
+        elif (p := self.ledger.take_over(rid, entry_id, msg, holders.get(rid))) is not None:
             await self._requeue(p)
-        else:
-            self.queue.push(p)
 
     async def _fence(self, rid: str, owner: str) -> int:
         """A new epoch for ``rid`` (whoever held it can write no more); 0 if it is finished."""
@@ -296,34 +272,31 @@ class ClusterScheduler:
         return epoch
 
     async def _requeue(self, p: Pending, worker_dead: bool = False) -> None:
-        """Queue ``p`` again to resume after the tokens it emitted: fenced first, so the
-        output read is final (nobody before can add to it); ``worker_dead``: its worker was
-        declared dead (its steps stream is fenced: it can add nothing more)."""
+        """Queue ``p`` (in the ledger's hand) again to resume after the tokens it emitted:
+        fenced first, so the output read is final (nobody before can add to it); ``worker_dead``:
+        its worker was declared dead (its steps stream is fenced: it can add nothing more)."""
         if await self._fence(p.request_id, "") == 0:
-            self._forget(p.request_id)
+            self.ledger.forget(p.request_id)
             await self._ack(p.entry_id)
             return
         emitted, finish = await take_over(self.redis, self.keys, p.request_id, fence=True if worker_dead else None)
         if finish:
-            self._forget(p.request_id)
+            self.ledger.forget(p.request_id)
             await self._ack(p.entry_id)
             return
-        del p.assign.output_token_ids[:]
-        p.assign.output_token_ids.extend(emitted)
-        if p.num_remaining_tokens == 0:  # every token is out but the last message never was
+        if not self.ledger.resume(p, emitted):  # every token is out but the last message never was
             await self._finish(p.request_id, "length", "")
             return
-        self.queue.push(p)
         self._wake.set()
 
     async def _cancel(self, rid: str, reason: str = "abort", error: str = "") -> None:
         """Finish ``rid`` (aborted, by default) wherever it is: queued, placed, or being
         resumed. The fence makes its worker's next write fail, so the worker drops it; the
         Cancel call only frees its blocks sooner."""
-        wid = self.where.get(rid)
+        wid = self.ledger.where.get(rid)
         if not await self._finish(rid, reason, error):
             return
-        w = self.workers.get(wid) if wid else None
+        w = self.ledger.workers.get(wid) if wid else None
         if w is not None:
             # Not awaited: the worker answers between two of its steps, and this is the intake's
             # path (a storm of cancels would hold every new request back a step each).
@@ -349,11 +322,11 @@ class ClusterScheduler:
     async def _finish(self, rid: str, reason: str, error: str) -> bool:
         """Write ``rid``'s final message (and acknowledge its entry) under a new epoch, then
         forget it; False if it had finished already."""
-        p = self.known.get(rid)
+        p = self.ledger.known.get(rid)
         while True:
             epoch = await self._fence(rid, "scheduler")
             if epoch == 0:
-                self._forget(rid)
+                self.ledger.forget(rid)
                 return False
             entry = OutEntry(len(p.assign.output_token_ids) if p else 0, [], "", reason, error)
             write = Write(rid, epoch, entry, p.entry_id if p else "")
@@ -361,7 +334,7 @@ class ClusterScheduler:
                 break
             # Refused: an assignment in flight took a newer epoch between our fence and our
             # write. Forgetting the request now would leave it running unowned: fence again.
-        self._forget(rid)
+        self.ledger.forget(rid)
         log.info("request.finished_by_scheduler", request_id=rid, finish_reason=reason, error=error)
         return True
 
@@ -392,7 +365,7 @@ class ClusterScheduler:
                     await retry(lambda w=wid: self.redis.hdel(self.keys.workers, w), what="hdel_worker")
                     self._rows.pop(wid, None)
                     continue
-                w = self.workers.get(wid)
+                w = self.ledger.workers.get(wid)
                 steps = row.get("steps", "")
                 if w is None or w.address != row["address"] or self._steps.get(wid, steps) != steps:
                     if steps and await self._stream_fenced(steps):
@@ -411,7 +384,7 @@ class ClusterScheduler:
     def _add_worker(self, wid: str, address: str) -> None:
         channel = self.dial(address)
         w = WorkerEntry(wid, address, channel, cluster_pb2_grpc.WorkerStub(channel))
-        self.workers[wid] = w
+        self.ledger.add_worker(w)
         self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{wid}"))
         log.info("worker.discovered", worker_id=wid, address=address)
 
@@ -420,22 +393,15 @@ class ClusterScheduler:
             async for report in w.stub.StreamOccupancy(cluster_pb2.OccupancyRequest(deltas=True)):
                 if not w.alive:
                     return
-                room = w.num_available_blocks if w.report is not None else None
-                vanished, orphans = w.apply_report(report)
-                self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
-                                        report.block_hashes_reset)
+                out = self.ledger.on_report(w, report)
                 self.metrics.observe_report(w.worker_id, report)
-                for rid in vanished:  # dropped without a finish reported: resume (or forget) it
-                    pl = w.unplace(rid)
-                    self.index.release(rid)
-                    if self.where.get(rid) == w.worker_id:
-                        del self.where[rid]
-                        log.warning("request.vanished", request_id=rid, worker_id=w.worker_id)
-                        await self._requeue(pl.pending)
-                if orphans and not self._adopting:
-                    await self._withdraw_orphans(w, orphans)
+                for p in out.resume:  # dropped without a finish reported: resume (or forget) it
+                    log.warning("request.vanished", request_id=p.request_id, worker_id=w.worker_id)
+                    await self._requeue(p)
+                if out.withdraw:
+                    await self._withdraw_orphans(w, out.withdraw)
                 # Placement only gains from a report that shows room (the tick wakes it anyway).
-                if room is None or vanished or w.num_available_blocks > room:
+                if out.room:
                     self._wake.set()
             reason = "report stream ended"
         except grpc.RpcError as e:
@@ -443,19 +409,6 @@ class ClusterScheduler:
         except asyncio.CancelledError:
             return
         await self._worker_dead(w, reason)
-
-    def _forget(self, rid: str) -> None:
-        """``rid`` is finished (its final write is in Redis): drop every trace of it."""
-        self._done_recently[rid] = None
-        if len(self._done_recently) > _DONE_MEMORY:
-            del self._done_recently[next(iter(self._done_recently))]
-        self.known.pop(rid, None)
-        self.queue.remove(rid)
-        self.index.release(rid)
-        wid = self.where.pop(rid, None)
-        w = self.workers.get(wid) if wid else None
-        if w is not None:
-            w.unplace(rid)
 
     async def _finishes(self) -> None:
         """Forget each request whose final write landed (the done stream, written in the same
@@ -466,38 +419,31 @@ class ClusterScheduler:
             for _, entries in resp or ():
                 for entry_id, fields in entries:
                     self._done_cursor = entry_id
-                    self._forget(fields[b"rid"].decode())
+                    self.ledger.forget(fields[b"rid"].decode())
             self._wake.set()
 
     async def _withdraw_orphans(self, w: WorkerEntry, orphans: list[str]) -> None:
-        """A worker runs requests it was not given (it came back after being declared dead).
-        A finished request a stale report still lists is no orphan (and were it one, its done
-        flag refuses the worker's next write, which drops it)."""
+        """A worker runs requests it was not given (it came back after being declared dead);
+        the ledger has left out those finished recently (were one an orphan, its done flag
+        refuses the worker's next write, which drops it)."""
         for rid in orphans:
-            if rid in self._done_recently:
-                continue
             log.warning("worker.orphan_withdrawn", worker_id=w.worker_id, request_id=rid)
             await self._tell_cancel(w, rid)
 
     async def _worker_dead(self, w: WorkerEntry, reason: str) -> None:
-        if not w.alive:
+        in_table = self.ledger.workers.get(w.worker_id) is w
+        num_placed = len(w.placed)
+        resume = self.ledger.worker_dead(w)
+        if resume is None:
             return
-        w.alive = False
         self.metrics.dead_workers.inc()
-        if self.workers.get(w.worker_id) is w:
-            del self.workers[w.worker_id]
-            self.index.remove_worker(w.worker_id)
+        if in_table:
             self.metrics.forget_worker(w.worker_id)
         await retry(lambda: self.redis.hdel(self.keys.workers, w.worker_id), what="hdel_worker")
-        placed = w.unplace_all()
-        log.warning("worker.dead", worker_id=w.worker_id, reason=reason, num_requests=len(placed))
-        for pl in placed:
-            rid = pl.pending.request_id
-            if self.where.get(rid) == w.worker_id:
-                del self.where[rid]
-                self.num_reassigned += 1
-                self.metrics.reassignments.inc()
-                await self._requeue(pl.pending, worker_dead=True)
+        log.warning("worker.dead", worker_id=w.worker_id, reason=reason, num_requests=num_placed)
+        for p in resume:
+            self.metrics.reassignments.inc()
+            await self._requeue(p, worker_dead=True)
         with contextlib.suppress(Exception):
             await w.channel.close(grace=0)
         self._wake.set()
@@ -506,49 +452,47 @@ class ClusterScheduler:
         """Dead-worker timeouts, deadlines, aging and the published queue length."""
         while True:
             await asyncio.sleep(0.05)
-            now = time.monotonic()
-            for w in list(self.workers.values()):
-                if now - w.last_report_at > self.cfg.dead_after_s:
-                    await self._worker_dead(w, f"no report for {self.cfg.dead_after_s}s")
-            now_ms = int(time.time() * 1000)
-            for p in self.queue.pop_expired(now_ms):
+            for w in self.ledger.silent_workers(self.cfg.dead_after_s):
+                await self._worker_dead(w, f"no report for {self.cfg.dead_after_s}s")
+            waited, running = self.ledger.expired()
+            for p in waited:
                 await self._finish(p.request_id, "error", "deadline exceeded while waiting")
-            while self._deadlines and self._deadlines[0][0] <= now_ms:
-                _, rid = heapq.heappop(self._deadlines)
-                if rid in self.where:  # still running: cut it off
+            for rid in running:
+                if rid in self.ledger.where:  # still running: cut it off
                     await self._cancel(rid, "error", "deadline exceeded while running")
             self._wake.set()
-            n = len(self.queue)
+            now = time.monotonic()
+            n = self.ledger.num_waiting
             if n != self._published_waiting or now - self._published_at > 1.0:
                 self._published_waiting, self._published_at = n, now
                 await retry(lambda n=n: self.redis.set(self.keys.num_waiting, n, px=5000), what="publish")
 
     # -- placing --------------------------------------------------------------------------------
     async def _dispatch(self) -> None:
-        """Place the queue's heads in rounds: decide up to a round's placements (pure CPU,
-        each recorded on its worker at once so the next decision sees it), then fence them in
-        one Redis round trip and send their Assigns at once, in the background: up to
-        ``_ROUNDS_IN_FLIGHT`` rounds are fenced and sent while the next is decided. A head that
-        fits nowhere is placed by preempting lower-priority sequences, or waits (head of line)."""
+        """Carry out the ledger's rounds (``Ledger.decide_round``: pure CPU): fence each
+        round's claims in one Redis round trip and send their Assigns at once, in the
+        background: up to ``_ROUNDS_IN_FLIGHT`` rounds are fenced and sent while the next is
+        decided. A round that preempts is carried out before the next is decided."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             self._reap_rounds()
             while True:
-                claimed, blocked, found = self._decide()
-                if claimed:
-                    await self._round_slots.acquire()
-                    task = asyncio.create_task(self._send_round(claimed))
-                    self._rounds.add(task)
-                    task.add_done_callback(self._round_done)
-                elif blocked is not None and found is not None:
+                if not self.lease_ok():
+                    raise StaleScheduler("the lease was not renewed in time: stop placing before it lapses")
+                decision = self.ledger.decide_round()
+                if decision.victims:
                     # Assign first, then preempt: the request is already waiting on the worker
                     # when the victims' blocks come free, so it (the higher priority) takes
                     # them, not a victim swapping straight back in.
-                    w, victims = found
-                    self._claim(blocked, Placement(w, "preempt"))
-                    if (await self._assign_claimed([(blocked, Placement(w, "preempt"))]))[0]:
-                        await self._preempt(w, victims, blocked)
+                    ((p, placement),) = decision.claims
+                    if (await self._assign_claimed(decision.claims))[0]:
+                        await self._preempt(placement.worker, decision.victims, p)
+                elif decision.claims:
+                    await self._round_slots.acquire()
+                    task = asyncio.create_task(self._send_round(decision.claims))
+                    self._rounds.add(task)
+                    task.add_done_callback(self._round_done)
                 else:
                     break  # empty, or head of line: it waits until a report shows room
                 self._reap_rounds()
@@ -570,46 +514,6 @@ class ClusterScheduler:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
 
-    def _decide(self) -> tuple[list[tuple[Pending, Placement]], Pending | None, tuple | None]:
-        """Claim placements for the queue's heads while they fit, a round at most; also the
-        head that fits nowhere (None: the queue ran out) and, if nothing was claimed before
-        it, the victims that would make room for it (``pick_victims``)."""
-        if not self.lease_ok():
-            raise StaleScheduler("the lease was not renewed in time: stop placing before it lapses")
-        t0 = time.perf_counter()
-        live = list(self.workers.values())
-        rnd = self.placer.round(live)  # valid until the next await: only our claims change the workers
-        claimed: list[tuple[Pending, Placement]] = []
-        headroom, observe = self.cfg.headroom_tokens, self.metrics.decision_latency.observe
-        size = max(_ROUND, _ROUND_PER_WORKER * len(self.workers))
-        while len(claimed) < size and (p := self.queue.peek()) is not None:
-            placement = rnd.choose(p, headroom)
-            if placement is None:
-                found = None
-                if not claimed and self.cfg.preempt_mode != "off":
-                    found = pick_victims(live, p, headroom)
-                observe(time.perf_counter() - t0)
-                return claimed, p, found
-            self._claim(p, placement)
-            t1 = time.perf_counter()
-            observe(t1 - t0)
-            t0 = t1
-            claimed.append((p, placement))
-        return claimed, None, None
-
-    def _claim(self, p: Pending, placement: Placement) -> None:
-        """Take ``p`` off the queue onto the placement's worker (reports and fencing confirm it)."""
-        w = placement.worker
-        self.queue.remove(p.request_id)
-        w.place(p, self.cfg.headroom_tokens, placement.num_shared_blocks)
-        self._hold(w, p)
-        self.where[p.request_id] = w.worker_id
-
-    def _hold(self, w: WorkerEntry, p: Pending) -> None:
-        """Record optimistically that ``w`` will hold ``p``'s prompt blocks (reports correct it)."""
-        if p.assign.block_hashes and p.assign.hash_block_size == w.block_size:
-            self.index.hold(w.worker_id, p.request_id, p.assign.block_hashes)
-
     async def _assign_claimed(self, claimed: list[tuple[Pending, Placement]]) -> list[bool]:
         """Fence every claimed request in one round trip, then send them, one call per worker,
         to all their workers at once; for each, whether its worker took it."""
@@ -620,7 +524,7 @@ class ClusterScheduler:
         by_worker: dict[str, list[tuple[int, Pending, Placement]]] = {}
         for i, ((p, placement), epoch) in enumerate(zip(claimed, epochs, strict=True)):
             if epoch == 0:  # finished meanwhile (e.g. cancelled before it was read): drop its entry too
-                self._forget(p.request_id)
+                self.ledger.forget(p.request_id)
                 await self._ack(p.entry_id)
                 continue
             p.assign.epoch, p.assign.scheduler_epoch = epoch, self.epoch
@@ -637,7 +541,7 @@ class ClusterScheduler:
         """Send fenced, claimed requests to ``w`` (one Assign, or one AssignBatch for several);
         for each, False if it went back to the queue (worker draining or dead) or was
         forgotten while it was being fenced (cancelled, or its worker declared dead)."""
-        live = [self.where.get(p.request_id) == w.worker_id for p, _ in items]
+        live = [self.ledger.is_placed(p.request_id, w.worker_id) for p, _ in items]
         send = [it for it, ok in zip(items, live, strict=True) if ok]
         if not send:
             return live
@@ -667,15 +571,9 @@ class ClusterScheduler:
         """Take ``w``'s answer to ``p``'s Assign in: True if it took it."""
         if resp.stale_scheduler:
             raise StaleScheduler(f"worker {w.worker_id} has seen a newer scheduler than epoch {self.epoch}")
+        self.ledger.settled(p, w, resp.accepted)
         if not resp.accepted:  # draining: back to the queue, elsewhere next time
-            w.accepting = False
-            w.unplace(p.request_id)
-            self.index.release(p.request_id)
-            self.where.pop(p.request_id, None)
-            self.queue.push(p)
             return False
-        if p.assign.deadline_unix_ms:
-            heapq.heappush(self._deadlines, (p.assign.deadline_unix_ms, p.request_id))
         self.metrics.admissions.inc()
         self.metrics.placed(placement.decision, placement.num_matched_blocks)
         log.info("request.placed", request_id=p.request_id, worker_id=w.worker_id, decision=placement.decision,
@@ -683,7 +581,7 @@ class ClusterScheduler:
                  num_matched_blocks=placement.num_matched_blocks, num_available_blocks=w.num_available_blocks)
         return True
 
-    async def _preempt(self, w: WorkerEntry, victims, p: Pending) -> None:
+    async def _preempt(self, w: WorkerEntry, victims: list[Placed], p: Pending) -> None:
         """Tell ``w`` to swap out (or recompute) ``victims`` to make room for ``p``; they stay
         placed on ``w`` and resume there."""
         mode = PREEMPT_MODES[self.cfg.preempt_mode]
@@ -699,21 +597,21 @@ class ClusterScheduler:
                 if w.alive:
                     raise
                 return  # declared dead meanwhile
-            pl.preempted_at = time.monotonic()
-            self.num_preemptions += 1
+            self.ledger.preempted(pl)
             self.metrics.preemptions.inc()
             log.info("request.preempted", request_id=rid, worker_id=w.worker_id, for_request_id=p.request_id,
                      outcome=cluster_pb2.PreemptOutcome.Name(resp.outcome), num_freed_blocks=resp.num_freed_blocks)
 
     # -- the view --------------------------------------------------------------------------------
     def state(self) -> cluster_pb2.SchedulerState:
+        ledger = self.ledger
         return cluster_pb2.SchedulerState(
             active=True,
-            workers=[w.to_proto() for w in self.workers.values()],
-            waiting_request_ids=[p.request_id for p in self.queue.ordered()],
-            num_preemptions=self.num_preemptions,
-            num_reassigned=self.num_reassigned,
+            workers=[w.to_proto() for w in ledger.workers.values()],
+            waiting_request_ids=[p.request_id for p in ledger.queue.ordered()],
+            num_preemptions=ledger.num_preemptions,
+            num_reassigned=ledger.num_reassigned,
             policy=self.cfg.policy,
             placement=self.cfg.placement.policy,
-            num_prefix_index_keys=self.index.num_keys,
+            num_prefix_index_keys=ledger.num_prefix_index_keys,
         )

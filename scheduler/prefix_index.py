@@ -145,6 +145,16 @@ class PrefixIndex:
                 del wk.in_flight[key]
                 self._clear(self._in_flight, key, wk.bit)
 
+    def holder(self, request_id: str) -> str | None:
+        """The worker ``request_id``'s keys are held on; None if they are not held."""
+        held = self._holds.get(request_id)
+        return held[0] if held else None
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        """Every request whose keys are held (in flight) on some worker."""
+        return list(self._holds)
+
     # -- workers -----------------------------------------------------------------------------
     def remove_worker(self, worker_id: str) -> None:
         """Forget everything about the worker (it died or left); its slot is reused."""

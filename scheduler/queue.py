@@ -124,6 +124,11 @@ class GlobalQueue:
         if p.deadline_unix_ms:
             heapq.heappush(self._by_deadline, (p.deadline_unix_ms, order, e))
 
+    def get(self, request_id: str) -> Pending | None:
+        """The queued request ``request_id``; None if it is not queued."""
+        e = self._live.get(request_id)
+        return e.pending if e is not None else None
+
     def remove(self, request_id: str) -> Pending | None:
         """Take ``request_id`` out; None if it is not queued."""
         e = self._live.get(request_id)

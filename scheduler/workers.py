@@ -180,13 +180,15 @@ class WorkerEntry:
 
     # -- bookkeeping ---------------------------------------------------------------------
     def place(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0, *,
-              reflected: bool = False) -> Placed:
+              reflected: bool = False, now: float | None = None) -> Placed:
         """``reflected``: a report already shows it here (a takeover adopting it); so does
-        holding device blocks for it in the latest report (a delta names it no more)."""
+        holding device blocks for it in the latest report (a delta names it no more).
+        ``now``: the clock ``Placed.placed_at`` is on (default ``time.monotonic()``)."""
         rid = p.request_id
         self.unplace(rid)
         pl = self.placed[rid] = Placed(p, self.blocks_needed(p, headroom_tokens), num_shared_blocks,
-                                       reflected=reflected or self.held.get(rid, 0) > 0)
+                                       reflected=reflected or self.held.get(rid, 0) > 0,
+                                       placed_at=time.monotonic() if now is None else now)
         self.num_owed_blocks_total += self.num_owed_blocks(rid, pl)
         self._priorities[p.priority] += 1
         self.num_assigned += 1
@@ -211,11 +213,20 @@ class WorkerEntry:
         self.num_owed_blocks_total = 0
         return placed
 
+    def check_integrity(self) -> None:
+        """Raise if the running totals disagree with the placed requests (tests call this)."""
+        owed = sum(self.num_owed_blocks(rid, pl) for rid, pl in self.placed.items())
+        assert self.num_owed_blocks_total == owed, (self.worker_id, self.num_owed_blocks_total, owed)
+        priorities = Counter(pl.pending.priority for pl in self.placed.values())
+        assert self._priorities == priorities, (self.worker_id, self._priorities, priorities)
+        assert all(pl.pending.request_id == rid for rid, pl in self.placed.items()), self.worker_id
+
     def holds_priority_below(self, priority: int) -> bool:
         """Whether a request placed here has a lower priority than ``priority`` (a possible victim)."""
         return any(q < priority for q in self._priorities)
 
-    def apply_report(self, report: cluster_pb2.OccupancyReport) -> tuple[list[str], list[str]]:
+    def apply_report(self, report: cluster_pb2.OccupancyReport,
+                     now: float | None = None) -> tuple[list[str], list[str]]:
         """Take a report in; ``(vanished, orphans)``.
 
         ``vanished``: placed requests the worker held and no longer holds without having
@@ -226,9 +237,10 @@ class WorkerEntry:
 
         A whole report is checked against every placed request; a delta
         (``holdings_delta``) against the requests it names, so its cost is what changed,
-        and its orphans are the requests it names as newly held.
+        and its orphans are the requests it names as newly held. ``now``: the clock
+        ``last_report_at`` is on (default ``time.monotonic()``).
         """
-        self.last_report_at = time.monotonic()
+        self.last_report_at = time.monotonic() if now is None else now
         placed, delta = self.placed, report.holdings_delta
         # What the checked requests are owed is taken out here and put back once they are updated.
         if delta:

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pagefleet.bench.reliability_cluster import wait_for  # noqa: F401  (the tests' bounded wait)
 from pagefleet.client import Client, Completion
 from pagefleet.launcher import ClusterConfig, LocalCluster
 
 PROMPTS = [f"request {i}: the quick brown fox {'jumps ' * (i % 4)}over the lazy dog" for i in range(16)]
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.05):
+    """``cond()``'s first truthy value, polled every ``every_s``; TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)
 
 
 def start_cluster(log_dir: Path, **kwargs) -> LocalCluster:

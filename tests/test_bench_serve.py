@@ -4,6 +4,7 @@ pagefleet's HTTP door and, marked slow, against ``transformers serve``)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -18,6 +19,7 @@ from pagefleet.bench.checkpoint import train_tokenizer
 from pagefleet.bench.datasets import (
     SEPARATOR,
     SampleRequest,
+    add_dataset_args,
     random_requests,
     shared_prefix_requests,
     sharegpt_requests,
@@ -340,3 +342,25 @@ def test_compare_with_transformers_serve(tmp_path):
         assert run["completed"] == 8 and run["num_output_len_mismatch"] == 0 and run["num_prompt_len_mismatch"] == 0
     assert doc["greedy_check"]["agree"] == [True, True]
     assert doc["summary"]["output_throughput_ratio"] > 0
+
+
+def test_every_bench_command_resolves_and_the_shared_prefix_flags_have_one_spelling():
+    """``pagefleet bench <name>`` for every name routes to a module with ``main`` (the studies now
+    live in ``pagefleet.benchmarks``); the shared-prefix workload's flags are ``--gsp-*`` for
+    every command, the older ``--sp-*`` still accepted."""
+    import importlib
+
+    from pagefleet.bench import SUITES
+
+    assert {"decode", "engine", "kernels", "preemption", "reliability", "scheduler", "serve", "sim-fit",
+            "study"} <= set(SUITES)
+    for name in ("reliability", "scheduler", "serve", "sim-fit", "study"):  # the torch-free ones
+        assert callable(importlib.import_module(SUITES[name]).main), name
+    from pagefleet.benchmarks.fleet import study
+
+    new = study.build_parser().parse_args(["--gsp-num-groups", "3", "--gsp-system-prompt-len", "64"])
+    old = study.build_parser().parse_args(["--sp-groups", "3", "--sp-system-len", "64"])
+    assert (new.gsp_num_groups, new.gsp_system_prompt_len) == (old.gsp_num_groups, old.gsp_system_prompt_len) == (3, 64)
+    p = argparse.ArgumentParser()
+    add_dataset_args(p)
+    assert p.parse_args(["--sp-groups", "5"]).gsp_num_groups == 5

@@ -172,7 +172,7 @@ def test_dummy_load_format_needs_only_a_config(tmp_path):
     Llama-3 shapes); the same tokens every time; no weights: a clear error otherwise."""
     import json
 
-    from pagefleet.bench.decode import SHAPES, write_shape
+    from pagefleet.benchmarks.decode import SHAPES, write_shape
     from pagefleet.common.model_config import load_model_spec, tiny_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf()))
@@ -192,7 +192,7 @@ def test_dummy_load_format_needs_only_a_config(tmp_path):
 def test_bench_decode_runs_its_loop_on_the_cpu(tmp_path):
     import json
 
-    from pagefleet.bench.decode import main
+    from pagefleet.benchmarks.decode import main
 
     assert main(["--json", str(tmp_path / "d.json")]) == 0
     rows = json.loads((tmp_path / "d.json").read_text())["rows"]

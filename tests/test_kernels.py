@@ -552,7 +552,7 @@ def test_gpu_kernels_match_reference_with_default_splits():
 def test_bench_cpu_part_writes_json(tmp_path):
     if _HAS_CUDA:
         pytest.skip("the CPU part of the benchmark runs only without a GPU")
-    from pagefleet.bench import kernels as bench
+    from pagefleet.benchmarks import kernels as bench
 
     path = tmp_path / "kernels.json"
     assert bench.main(["--quick", "--json", str(path)]) == 0

@@ -300,11 +300,11 @@ def test_the_scheduler_learns_from_reports_holds_placements_and_forgets_the_dead
         redis = connect(url)
         await redis.set(Keys("t").scheduler_epoch, 1)
         core = ClusterScheduler(redis, Keys("t"), SchedulerConfig(headroom_tokens=HEADROOM), epoch=1)
-        core._adopting = False
+        core.ledger.adopting = False
         stubs = {wid: FakeWorkerStub() for wid in ("a", "b")}
         for wid, stub in stubs.items():
-            core.workers[wid] = WorkerEntry(wid, f"{wid}-addr", stub=stub)
-        tasks = [asyncio.create_task(core._watch(w)) for w in core.workers.values()]
+            core.ledger.add_worker(WorkerEntry(wid, f"{wid}-addr", stub=stub))
+        tasks = [asyncio.create_task(core._watch(w)) for w in core.ledger.workers.values()]
         tasks.append(asyncio.create_task(core._dispatch()))
         tasks.append(asyncio.create_task(core._finishes()))
         cached = pending("x", SYSTEM).assign.block_hashes
@@ -313,12 +313,11 @@ def test_the_scheduler_learns_from_reports_holds_placements_and_forgets_the_dead
                                              prefix_cache_hits_total=10))
         stubs["a"].reports.put_nowait(report("a", free=256, num_blocks=256, block_hashes_reset=True))
         await settle()
-        assert core.index.num_worker_keys("b") == 16
+        assert core.ledger.index.num_worker_keys("b") == 16
 
         for i in range(3):
             p = pending(f"r{i}", SYSTEM + [50 + i] * 8)
-            core.known[p.request_id] = p
-            core.queue.push(p)
+            core.ledger.take(p.request_id, "", p.assign)
         core._wake.set()
         await settle()
         assert stubs["b"].assigned == ["r0", "r1", "r2"] and stubs["a"].assigned == []
@@ -333,15 +332,15 @@ def test_the_scheduler_learns_from_reports_holds_placements_and_forgets_the_dead
         stubs["b"].reports.put_nowait(report("b", free=256, num_blocks=256, evicted_block_hashes=cached,
                                              finished_request_ids=["r0", "r1", "r2"]))
         await settle()
-        assert set(core.where) == {"r0", "r1", "r2"}  # reported finished, not durable yet
+        assert set(core.ledger.where) == {"r0", "r1", "r2"}  # reported finished, not durable yet
         await core.fencing.write([Write(rid, stubs["b"].epochs[rid], OutEntry(0, [1], finish_reason="stop"))
                                   for rid in ("r0", "r1", "r2")])
         for _ in range(20):
             await settle()
-            if not core.where:
+            if not core.ledger.where:
                 break
-        assert core.index.match(cached) == {} and not core.where
-        core.index.check_integrity()
+        assert core.ledger.index.match(cached) == {} and not core.ledger.where
+        core.ledger.index.check_integrity()
         # A report older than those final writes (a gRPC stream and the done stream keep no
         # common order) still lists r0: no orphan. A request never placed there is one.
         stubs["b"].reports.put_nowait(report("b", free=250, num_blocks=256, request_ids=["r0", "zz"],
@@ -351,16 +350,15 @@ def test_the_scheduler_learns_from_reports_holds_placements_and_forgets_the_dead
 
         # a placed request's keys are held on its worker until that worker dies.
         p = pending("r3", SYSTEM)
-        core.known[p.request_id] = p
-        core.queue.push(p)
+        core.ledger.take(p.request_id, "", p.assign)
         core._wake.set()
         await settle()
-        (wid,) = core.index.match(cached)
+        (wid,) = core.ledger.index.match(cached)
         stubs[wid].reports.put_nowait(None)  # its stream ends: dead, r3 is placed on the other
         await settle()
         (other,) = set(stubs) - {wid}
-        assert core.where == {"r3": other} and core.index.match(cached) == {other: Match(16, 16)}
-        core.index.check_integrity()
+        assert core.ledger.where == {"r3": other} and core.ledger.index.match(cached) == {other: Match(16, 16)}
+        core.ledger.index.check_integrity()
         assert not [t.exception() for t in tasks if t.done() and t.exception()]
         for t in tasks:
             t.cancel()
@@ -507,15 +505,14 @@ def test_a_round_sent_in_the_background_still_stops_a_stale_scheduler():
         redis = connect(url)
         await redis.set(Keys("t").scheduler_epoch, 2)  # a newer scheduler took over
         core = ClusterScheduler(redis, Keys("t"), SchedulerConfig(headroom_tokens=HEADROOM), epoch=1)
-        core._adopting = False
+        core.ledger.adopting = False
         stub = FakeWorkerStub()
-        core.workers["a"] = WorkerEntry("a", "a-addr", stub=stub)
-        watch = asyncio.create_task(core._watch(core.workers["a"]))
+        core.ledger.add_worker(WorkerEntry("a", "a-addr", stub=stub))
+        watch = asyncio.create_task(core._watch(core.ledger.workers["a"]))
         stub.reports.put_nowait(report("a", free=256, num_blocks=256))
         await settle()
         p = pending("r0", SYSTEM)
-        core.known[p.request_id] = p
-        core.queue.push(p)
+        core.ledger.take(p.request_id, "", p.assign)
         dispatch = asyncio.create_task(core._dispatch())
         core._wake.set()
         with pytest.raises(StaleScheduler):

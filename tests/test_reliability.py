@@ -17,8 +17,8 @@ from argparse import Namespace
 import pytest
 import redis as sync_redis
 
-from pagefleet.bench.reliability import SCENARIOS
-from pagefleet.bench.reliability_cluster import Row, Settings
+from pagefleet.benchmarks.reliability import SCENARIOS
+from pagefleet.benchmarks.reliability.cluster import Row, Settings
 from pagefleet.common.model_config import load_model_spec
 from pagefleet.common.redis import Keys, RedisServer, connect
 from pagefleet.protos import generation_pb2 as pb
@@ -63,7 +63,7 @@ def test_overload_refuses_with_retry_info_and_serves_the_admitted_exactly(tmp_pa
 
 
 def test_a_bad_sim_time_scale_is_refused_by_name(capsys):
-    from pagefleet.bench.reliability import main
+    from pagefleet.benchmarks.reliability import main
 
     for bad in ("0", "-1", "nan"):
         with pytest.raises(SystemExit) as e:

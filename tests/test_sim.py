@@ -239,7 +239,7 @@ def test_eight_simulated_workers_in_one_process_serve_through_the_gateway(tmp_pa
 
 
 def test_bench_scheduler_runs_small_and_writes_its_figures(tmp_path):
-    from pagefleet.bench import scheduler as bench
+    from pagefleet.benchmarks.fleet import scheduler as bench
 
     out = tmp_path / "scheduler.json"
     assert bench.main(["--workers", "4", "--queued", "60", "--json", str(out), "--poll", "0.05"]) == 0
@@ -260,7 +260,7 @@ def test_bench_scheduler_runs_small_and_writes_its_figures(tmp_path):
 
 
 def test_histogram_quantiles_interpolate_inside_buckets():
-    from pagefleet.bench.scheduler import quantile
+    from pagefleet.benchmarks.fleet.scheduler import quantile
 
     buckets = [(0.001, 50.0), (0.002, 90.0), (0.004, 100.0), (math.inf, 100.0)]
     assert quantile(buckets, 0.5) == pytest.approx(0.001)
@@ -294,9 +294,9 @@ def test_sim_fit_writes_a_profile_the_worker_loads(tmp_path):
 
 
 def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
-    """Four simulated workers under the real queue, placement and admission on one clock:
+    """Four simulated workers under the scheduler's ledger on one clock:
     every request finishes with its tokens, and a shared prefix draws its group to one place."""
-    from pagefleet.bench.fleet_sim import FleetConfig, FleetSim, TraceRequest
+    from pagefleet.benchmarks.fleet.sim import FleetConfig, FleetSim, TraceRequest
 
     prof = load_profile("llama-3-8b-h100")
     system = list(range(40, 40 + 64))
@@ -305,14 +305,32 @@ def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
     out = sim.run(trace, until_s=30)
     assert all(o.finish_reason == "length" and o.num_tokens == 8 for o in out.values())
     assert all(0 < o.ttft_s < 1 and 0 < o.tpot_s < 0.05 for o in out.values())
+    sim.ledger.check_integrity()  # the scheduler's own ledger
+    assert sim.ledger.num_waiting == 0 and sim.ledger.num_placed <= 1  # the last finish is forgotten a hop later
     served = [w.engine.stats().prefix_cache_hits_total for w in sim.workers]
     assert sum(1 for h in served if h) == 1 and max(served) >= 19 * 64 - 64, served
     ideal = FleetSim(FleetConfig(num_workers=4, profile=prof, ideal=True)).run(trace, until_s=30)
     assert all(o.finish_reason == "length" for o in ideal.values())
 
 
+def test_the_fleet_simulator_preempts_through_the_ledger():
+    """A full worker and a higher-priority arrival: the ledger's round places it by preempting a
+    lower-priority sequence (none with preemption off); every request still finishes."""
+    from pagefleet.benchmarks.fleet.sim import FleetConfig, FleetSim, TraceRequest
+
+    prof = load_profile("llama-3-8b-h100")
+    trace = [TraceRequest(f"low{i}", [256] + [10 + i] * 200, 400, 0.0) for i in range(4)]
+    trace.append(TraceRequest("high", [256] + [99] * 300, 16, 0.5, priority=1))
+    for preempt, want in ((True, 1), (False, 0)):
+        sim = FleetSim(FleetConfig(num_workers=1, profile=prof, policy="priority", num_blocks=64, preempt=preempt))
+        out = sim.run(trace, until_s=60)
+        assert all(o.finish_reason == "length" for o in out.values())
+        assert sim.ledger.num_preemptions == want
+        sim.ledger.check_integrity()
+
+
 def test_the_study_finds_knees_and_writes_its_report(tmp_path):
-    from pagefleet.bench import study
+    from pagefleet.benchmarks.fleet import study
 
     pts = [{"rate": 10, "attainment": 1.0}, {"rate": 20, "attainment": 0.95}, {"rate": 30, "attainment": 0.5}]
     assert study.knee(pts, 0.9) == pytest.approx(20 + 10 * 0.05 / 0.45)

@@ -55,7 +55,7 @@ def test_worker_imports_no_gateway_or_scheduler():
 @pytest.mark.parametrize("folder", ["worker", "kernels", "gateway", "scheduler", "pagefleet/common"])
 def test_serving_code_imports_no_benchmark_tools(folder):
     heavy = sorted(n for n in _imports_of(folder)
-                   if n.split(".")[0] in ("transformers", "matplotlib") or n.startswith("pagefleet.bench"))
+                   if n.split(".")[0] in ("transformers", "matplotlib") or n.startswith(("pagefleet.bench", "pagefleet.benchmarks")))
     assert heavy == []
 
 

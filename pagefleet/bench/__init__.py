@@ -1,4 +1,5 @@
-"""The benchmarks, kept apart from the serving packages; ``pagefleet bench <suite>`` routes here."""
+"""``pagefleet bench <suite>``: what users run here (``serve``, ``sim-fit``); the studies live in
+``pagefleet.benchmarks`` (the top-level ``benchmarks/`` folder) and are routed to by name."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ import importlib
 import sys
 
 SUITES = {
-    "decode": "pagefleet.bench.decode",
-    "engine": "pagefleet.bench.engine",
-    "kernels": "pagefleet.bench.kernels",
-    "preemption": "pagefleet.bench.preemption",
-    "scheduler": "pagefleet.bench.scheduler",
-    "reliability": "pagefleet.bench.reliability",
+    "decode": "pagefleet.benchmarks.decode",
+    "engine": "pagefleet.benchmarks.engine",
+    "kernels": "pagefleet.benchmarks.kernels",
+    "preemption": "pagefleet.benchmarks.preemption",
+    "scheduler": "pagefleet.benchmarks.fleet.scheduler",
+    "reliability": "pagefleet.benchmarks.reliability",
     "serve": "pagefleet.bench.serve",
     "sim-fit": "pagefleet.bench.sim_fit",
-    "study": "pagefleet.bench.study",
+    "study": "pagefleet.benchmarks.fleet.study",
     "token-path": "pagefleet.bench.token_path",
     "structured": "pagefleet.bench.structured",
 }

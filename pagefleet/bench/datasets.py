@@ -185,13 +185,24 @@ def add_dataset_args(p) -> None:
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random: lengths drawn from [L(1-r), L(1+r)]")
     g.add_argument("--random-prefix-len", type=int, default=0, help="random: tokens every prompt begins with")
-    g.add_argument("--gsp-num-groups", type=int, default=64, help="shared-prefix: system prompts")
-    g.add_argument("--gsp-prompts-per-group", type=int, default=16, help="shared-prefix: questions per system prompt")
-    g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="shared-prefix: system prompt tokens")
-    g.add_argument("--gsp-question-len", type=int, default=128, help="shared-prefix: question tokens")
-    g.add_argument("--gsp-output-len", type=int, default=256, help="shared-prefix: output tokens")
+    add_shared_prefix_args(g)
     g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt: output tokens of every request (default: the reply's)")
+
+
+def add_shared_prefix_args(parser, num_groups: int = 64, prompts_per_group: int | None = 16,
+                           system_prompt_len: int = 2048, question_len: int = 128, output_len: int = 256) -> None:
+    """The shared-prefix workload's flags, one spelling for every command: SGLang's ``--gsp-*``
+    (``args.gsp_num_groups`` ...); the older ``--sp-*`` spelling is still accepted.
+    ``prompts_per_group=None``: the caller sets it (no flag)."""
+    flags = [("num-groups", "groups", num_groups, "system prompts (groups)"),
+             ("prompts-per-group", "prompts-per-group", prompts_per_group, "questions per system prompt"),
+             ("system-prompt-len", "system-len", system_prompt_len, "tokens of a system prompt"),
+             ("question-len", "question-len", question_len, "tokens of a question"),
+             ("output-len", "output-len", output_len, "output tokens per request")]
+    for name, old, default, what in flags:
+        if default is not None:
+            parser.add_argument(f"--gsp-{name}", f"--sp-{old}", type=int, default=default, help=f"shared-prefix: {what}")
 
 
 def sample_requests(args, tok) -> list[SampleRequest]:

@@ -14,7 +14,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -196,6 +196,25 @@ class WorkerMetrics:
             self._totals[field] = total
 
 
+class SchedulerCounts(Protocol):
+    """The public state the scheduler's gauges read (``scheduler.ledger.Ledger`` has it)."""
+
+    @property
+    def num_waiting(self) -> int: ...  # requests in the global queue
+
+    @property
+    def num_known(self) -> int: ...  # requests taken in and not finished (their entries pending)
+
+    @property
+    def num_placed(self) -> int: ...  # requests placed on a worker
+
+    @property
+    def num_workers(self) -> int: ...  # live workers
+
+    @property
+    def num_prefix_index_keys(self) -> int: ...
+
+
 class SchedulerMetrics:
     """The global queue, the worker table and the scheduler's decisions."""
 
@@ -247,13 +266,13 @@ class SchedulerMetrics:
             "Each worker's prefix cache hits / queries (prompt tokens) since it started.", ["worker"], registry=r,
         )
 
-    def bind(self, core: Any) -> None:
+    def bind(self, state: SchedulerCounts) -> None:
         """Read the gauges from the active scheduler's state at every scrape."""
-        self.queue_length.set_function(lambda: len(core.queue))
-        self.pending_entries.set_function(lambda: len(core.known))
-        self.assigned.set_function(lambda: len(core.where))
-        self.workers.set_function(lambda: len(core.workers))
-        self.prefix_index_keys.set_function(lambda: core.index.num_keys)
+        self.queue_length.set_function(lambda: state.num_waiting)
+        self.pending_entries.set_function(lambda: state.num_known)
+        self.assigned.set_function(lambda: state.num_placed)
+        self.workers.set_function(lambda: state.num_workers)
+        self.prefix_index_keys.set_function(lambda: state.num_prefix_index_keys)
 
     def observe_report(self, worker_id: str, report: Any) -> None:
         """The per-worker gauges from one OccupancyReport."""

@@ -30,8 +30,8 @@ from pagefleet.client import Client, Completion
 from pagefleet.common.model_config import load_model_spec
 from pagefleet.protos import generation_pb2 as pb
 
-from .reliability_cluster import ReliabilityCluster, Row, Settings
-from .reliability_load import make_jobs, reference_tokens
+from .cluster import ReliabilityCluster, Row, Settings
+from .load import make_jobs, reference_tokens
 
 U32, U64, I32 = (1 << 32) - 1, (1 << 64) - 1, 1 << 31
 GENERATE = "/pagefleet.v1.Generation/Generate"

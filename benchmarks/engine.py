@@ -14,9 +14,10 @@ finished row keeps producing in a static batch. Also measured: KV waste at peak
 256 running sequences, each with prefix caching on (the default) and off.
 
 ``--trace shared-prefix`` measures prefix caching instead, on SGLang's
-``generated-shared-prefix`` shape: ``--sp-groups`` groups of ``--sp-prompts-per-group``
-prompts, each a group's system prompt of ``--sp-system-len`` tokens and a question of
-``--sp-question-len`` tokens, ``--sp-output-len`` tokens out, all arriving at once.
+``generated-shared-prefix`` shape: ``--gsp-num-groups`` groups of ``--gsp-prompts-per-group``
+prompts, each a group's system prompt of ``--gsp-system-prompt-len`` tokens and a question of
+``--gsp-question-len`` tokens, ``--gsp-output-len`` tokens out, all arriving at once (the
+flags of every shared-prefix workload; ``--sp-*`` still accepted).
 Caching on vs off: throughput, time to first token from the trace's start (p50, p90),
 hit rate; then the default trace on vs off (what caching costs when nothing is shared)
 and the step overhead on vs off.
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import random
 import statistics
 import tempfile
@@ -36,6 +36,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from pagefleet.bench.datasets import add_shared_prefix_args
+
+from .results import header
 
 
 @dataclass
@@ -273,11 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a 32-request trace, for a smoke run")
     p.add_argument("--trace", default="long-tailed", choices=("long-tailed", "shared-prefix"),
                    help="shared-prefix: prefix caching on vs off (see the module docstring)")
-    p.add_argument("--sp-groups", type=int, default=4, help="shared-prefix: groups (one system prompt each)")
-    p.add_argument("--sp-prompts-per-group", type=int, default=16, help="shared-prefix: as SGLang's default")
-    p.add_argument("--sp-system-len", type=int, default=1024, help="shared-prefix: tokens of a system prompt")
-    p.add_argument("--sp-question-len", type=int, default=32, help="shared-prefix: tokens of a question")
-    p.add_argument("--sp-output-len", type=int, default=16, help="shared-prefix: output tokens per request")
+    add_shared_prefix_args(p, num_groups=4, prompts_per_group=16, system_prompt_len=1024, question_len=32,
+                           output_len=16)
     p.add_argument("--repeats", type=int, default=2,
                    help="shared-prefix: on/off pairs of the default trace, interleaved (the best of each counts)")
     args = p.parse_args(argv)
@@ -316,10 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_overhead": overhead,
     }
     report = {
-        "benchmark": "engine",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch threads",
-        "torch": torch.__version__,
+        **header("engine", "pagefleet bench engine", torch=torch.__version__, torch_threads=torch.get_num_threads()),
         "trace": {"num_requests": args.num_requests, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
                   "long_fraction": args.long_fraction, "short": list(args.short), "long": list(args.long),
                   "block_size": args.block_size, "useful_tokens": trace.useful_tokens,
@@ -351,8 +349,8 @@ def run_shared_prefix(args) -> int:
     from pagefleet.worker.models.loader import save_tiny
 
     torch.manual_seed(0)
-    sp = Trace.shared_prefix(args.sp_groups, args.sp_prompts_per_group, args.sp_system_len,
-                             args.sp_question_len, args.sp_output_len, args.seed)
+    sp = Trace.shared_prefix(args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
+                             args.gsp_question_len, args.gsp_output_len, args.seed)
     lt = Trace.long_tailed(args.num_requests, args.seed, long_fraction=args.long_fraction,
                            short=tuple(args.short), long=tuple(args.long))
     cont = (args.max_num_seqs, args.block_size)
@@ -378,13 +376,11 @@ def run_shared_prefix(args) -> int:
         "step_overhead_on": overhead[True],
     }
     report = {
-        "benchmark": "engine-shared-prefix",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} torch threads",
-        "torch": torch.__version__,
-        "trace": {"groups": args.sp_groups, "prompts_per_group": args.sp_prompts_per_group,
-                  "system_len": args.sp_system_len, "question_len": args.sp_question_len,
-                  "output_len": args.sp_output_len, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
+        **header("engine-shared-prefix", "pagefleet bench engine --trace shared-prefix", torch=torch.__version__,
+                 torch_threads=torch.get_num_threads()),
+        "trace": {"groups": args.gsp_num_groups, "prompts_per_group": args.gsp_prompts_per_group,
+                  "system_len": args.gsp_system_prompt_len, "question_len": args.gsp_question_len,
+                  "output_len": args.gsp_output_len, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
                   "block_size": args.block_size, "useful_tokens": sp.useful_tokens,
                   "prompt_tokens": sum(len(x) for x in sp.prompts)},
         "default_trace": {"num_requests": args.num_requests, "useful_tokens": lt.useful_tokens,
@@ -396,8 +392,8 @@ def run_shared_prefix(args) -> int:
     out = Path(args.json or "bench-results/engine-shared-prefix.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print(f"\nshared-prefix trace: {args.sp_groups} groups x {args.sp_prompts_per_group} prompts, system "
-          f"{args.sp_system_len} + question {args.sp_question_len} tokens, {args.sp_output_len} out; "
+    print(f"\nshared-prefix trace: {args.gsp_num_groups} groups x {args.gsp_prompts_per_group} prompts, system "
+          f"{args.gsp_system_prompt_len} + question {args.gsp_question_len} tokens, {args.gsp_output_len} out; "
           f"max_num_seqs {args.max_num_seqs}, block_size {args.block_size}; all arrive at once")
     print("| prefix caching | seconds | output tok/s | TTFT p50 (s) | TTFT p90 (s) | hit rate |\n|---|---|---|---|---|---|")
     for on, r in shared.items():

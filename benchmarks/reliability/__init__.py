@@ -4,7 +4,7 @@ Every scenario starts its own cluster (``ReliabilityCluster``: ``redis-server`` 
 append-only file fsynced on every write, two gateways, two workers, an active scheduler
 and a standby), drives it, disturbs it, and reports a row: requests sent, completed and
 lost; tokens duplicated, missing and differing from an undisturbed run of the same
-requests (greedy and seeded; ``reliability_load``); and figures and goals of its own.
+requests (greedy and seeded; ``load``); and figures and goals of its own.
 Every scenario ends by waiting for the workers to hold nothing: blocks or requests still
 held, or entries left in the requests stream, are leaks.
 
@@ -17,9 +17,9 @@ Scenarios (``--scenario``, repeatable; default all):
 * ``worker-freeze``: SIGSTOP a worker past the dead timeout, then SIGCONT it;
 * ``scheduler-partition``: cut the active scheduler's link to Redis (a TCP proxy), not
   the workers'; it must stop before the standby takes over;
-* ``fuzz``: generated bad requests and raw bytes (``reliability_fuzz``);
-* ``cancels``: cancels at random moments (``reliability_cancels``);
-* ``overload``: ten times the sustainable rate (``reliability_overload``).
+* ``fuzz``: generated bad requests and raw bytes (``fuzz``);
+* ``cancels``: cancels at random moments (``cancels``);
+* ``overload``: ten times the sustainable rate (``overload``).
 
 ``--short`` is the CI form (small counts; tests/test_reliability.py runs it); the full
 form's figures are in docs/RELIABILITY.md. Exit status 1 when any row misses a goal.
@@ -30,17 +30,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import signal
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 
-from .reliability_cluster import ReliabilityCluster, Row, Settings, wait_for
-from .reliability_load import Load, Tally, make_jobs, reference_tokens
+from ..results import header
+from .cluster import ReliabilityCluster, Row, Settings, wait_for
+from .load import Load, Tally, make_jobs, reference_tokens
 from .tcp_proxy import TcpProxy
 
 # Faster than the defaults, so a scenario spends its time on the load rather than on timeouts.
@@ -231,19 +230,19 @@ def _stopped_before(c: ReliabilityCluster, old: str, new: str) -> bool:
 
 
 def fuzz(s: Settings) -> Row:
-    from .reliability_fuzz import run
+    from .fuzz import run
 
     return run(s)
 
 
 def cancels(s: Settings) -> Row:
-    from .reliability_cancels import run
+    from .cancels import run
 
     return run(s)
 
 
 def overload(s: Settings) -> Row:
-    from .reliability_overload import run
+    from .overload import run
 
     return run(s)
 
@@ -304,6 +303,5 @@ def main(argv: list[str]) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
-            "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
-            "short": args.short, "rows": [dict(asdict(r), ok=r.ok) for r in rows]}, indent=2))
+            **header("reliability", "pagefleet bench reliability"), "short": args.short, "rows": [dict(asdict(r), ok=r.ok) for r in rows]}, indent=2))
     return 0 if all(r.ok for r in rows) else 1

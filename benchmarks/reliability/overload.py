@@ -38,8 +38,8 @@ import grpc
 
 from pagefleet.client import AsyncClient
 
-from .reliability_cluster import ReliabilityCluster, Row, Settings
-from .reliability_load import (
+from .cluster import ReliabilityCluster, Row, Settings
+from .load import (
     CHANNEL_OPTIONS,
     Job,
     Load,

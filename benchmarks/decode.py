@@ -17,7 +17,6 @@ sizes, as a smoke test: no roofline there.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .scheduler import int_list
+from .results import header, int_list
 
 SHAPES = {
     # meta-llama/Llama-3.2-1B and Meta-Llama-3-8B config.json (the fields the model reads)
@@ -95,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default="bench-results/decode.json")
     args = p.parse_args(argv)
-    from .kernels import _device_peaks, _machine
+    from .kernels import device_peaks, torch_machine
 
     cuda = torch.cuda.is_available()
     peak, source = (None, None)
     if cuda:
-        peak, _, source = _device_peaks(torch.cuda.get_device_name())
+        peak, _, source = device_peaks(torch.cuda.get_device_name())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
@@ -122,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                             row["x_roofline"] = row["step_ms_p50"] / row["roofline_ms"]
                         rows.append(row)
                         print(_line(row), flush=True)
-    out = dict(date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), machine=_machine(),
-               peak_bandwidth=peak, peak_source=source, rows=rows)
+    out = dict(**header("decode", "pagefleet bench decode", **torch_machine()), peak_bandwidth=peak, peak_source=source,
+               rows=rows)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")

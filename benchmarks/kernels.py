@@ -18,11 +18,8 @@ references, fp32) and the GPU figures are reported as not measured.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from pagefleet.kernels import paged_attention, write_kv
+
+from .results import header
 
 # Peak HBM bandwidth (bytes/s) and dense bf16 tensor throughput (FLOP/s) by device name;
 # the first entry whose words all appear in the name wins. Unknown devices fall back to a
@@ -96,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer, smaller cases")
     args = parser.parse_args(argv)
 
-    result: dict = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "pagefleet bench kernels" + (" --quick" if args.quick else ""),
-        "machine": _machine(),
-    }
+    result: dict = header("kernels", "pagefleet bench kernels" + (" --quick" if args.quick else ""), **torch_machine())
     if torch.cuda.is_available():
         result["gpu"] = _gpu_suite(args.quick)
     else:
@@ -205,7 +200,7 @@ def _cpu_suite(quick: bool) -> dict:
 def _gpu_suite(quick: bool) -> dict:
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    peak_bw, peak_flops, source = _device_peaks(name)
+    peak_bw, peak_flops, source = device_peaks(name)
     shape, dtype = LayerShape(), torch.bfloat16
     timer = _cuda_timer
     decode = []
@@ -410,7 +405,7 @@ def _try_oom(measure):
         return None
 
 
-def _device_peaks(name: str) -> tuple[float, float | None, str]:
+def device_peaks(name: str) -> tuple[float, float | None, str]:
     for words, bandwidth, flops in _DEVICE_PEAKS:
         if all(w in name for w in words):
             return bandwidth, flops, "datasheet"
@@ -471,12 +466,9 @@ def _fmt(column: str, value) -> str:
     return str(value)
 
 
-def _machine() -> dict:
-    info = {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-    }
+def torch_machine() -> dict:
+    """What the kernel studies add to the shared header's machine."""
+    info = {"torch": torch.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

@@ -3,12 +3,11 @@
 What runs is the serving code itself, without its processes: per worker a ``SimEngine``
 (the worker-side scheduler, block pool, prefix cache; step times from its profile), its
 ``EngineStats`` turned into ``OccupancyReport``s as the worker does (``worker/report.py``,
-prefix-cache keys through ``KVEventLog``), and the cluster scheduler's parts: the global
-queue (``GlobalQueue``: fcfs / priority / deadline), the worker table and admission
-(``WorkerEntry``), placement (``Placer``: prefix / least-loaded / round-robin, with the
-``PrefixIndex``) and directed preemption (``pick_victims``). Events (arrivals, steps,
-reports, finishes, ticks) run in time order; nothing sleeps, so an hour of a 64-GPU fleet
-takes minutes of one core.
+prefix-cache keys through ``KVEventLog``), and the cluster scheduler's own ledger
+(``scheduler.ledger.Ledger``, the one the live scheduler drives: the global queue, the worker
+table and admission, placement with the prefix index, rounds and directed preemption) on the
+simulated clock. Events (arrivals, steps, reports, finishes, ticks) run in time order;
+nothing sleeps, so an hour of a 64-GPU fleet takes minutes of one core.
 
 What it leaves out, on purpose: gRPC and Redis. Each hop the real cluster makes through
 them (an Assign, a finish seen in the done stream, a report on its stream) costs
@@ -32,10 +31,9 @@ from dataclasses import dataclass, field
 from pagefleet.common.blocks import block_hashes
 from pagefleet.common.sampling_params import SamplingParams
 from pagefleet.protos import cluster_pb2, generation_pb2
-from pagefleet.scheduler.placement import Placement, PlacementConfig, Placer
-from pagefleet.scheduler.prefix_index import PrefixIndex
-from pagefleet.scheduler.queue import GlobalQueue, Pending
-from pagefleet.scheduler.workers import WorkerEntry, pick_victims
+from pagefleet.scheduler.ledger import Ledger, LedgerConfig
+from pagefleet.scheduler.placement import PlacementConfig
+from pagefleet.scheduler.workers import WorkerEntry
 from pagefleet.worker.kv_events import KVEventLog
 from pagefleet.worker.report import occupancy_report
 from pagefleet.worker.sim import SimEngine
@@ -110,13 +108,12 @@ class FleetSim:
         self._events: list = []
         self._seq = itertools.count()
         self.outcomes: dict[str, Outcome] = {}
+        self.ledger = Ledger(LedgerConfig(policy=cfg.policy, headroom_tokens=cfg.headroom_tokens, preempt=cfg.preempt,
+                                          placement=PlacementConfig(cfg.placement)),
+                             clock=self._clock, wall_clock=self._clock)
         n = 1 if cfg.ideal else cfg.num_workers
         self.workers = [self._make_worker(i) for i in range(n)]
-        self.queue = GlobalQueue(cfg.policy)
-        self.index = PrefixIndex()
-        self.placer = Placer(PlacementConfig(cfg.placement), self.index)
-        self.where: dict[str, _Worker] = {}
-        self._deadlines: list[tuple[float, str]] = []
+        self._by_id = {w.entry.worker_id: w for w in self.workers}
         self._left = 0  # requests not over yet
 
     def _make_worker(self, i: int) -> _Worker:
@@ -133,10 +130,15 @@ class FleetSim:
                            num_swap_blocks=0, preemption="recompute", **args)
         log = KVEventLog(engine.kv)
         w = _Worker(engine, WorkerEntry(f"w{i:03d}", "sim"), log.subscribe(), log)
-        self._report(w)
+        if not cfg.ideal:
+            self.ledger.add_worker(w.entry)
+            self.ledger.on_report(w.entry, self._report(w))
         return w
 
     # -- the clock -----------------------------------------------------------------------------
+    def _clock(self) -> float:
+        return self.now
+
     def _at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
@@ -169,54 +171,34 @@ class FleetSim:
         if self.cfg.ideal:  # no scheduler: straight into the one engine
             self._at(self.now, self._assign, self.workers[0], msg)
             return
-        self.queue.push(Pending(r.request_id, "", msg, next(self._seq), enqueued_at=self.now))
+        self.ledger.take(r.request_id, "", msg)
         self._dispatch()
 
     def _dispatch(self) -> None:
-        entries = [w.entry for w in self.workers]
-        rnd = self.placer.round(entries)
-        by_entry = {id(w.entry): w for w in self.workers}
-        headroom = self.cfg.headroom_tokens
-        while (p := self.queue.peek()) is not None:
-            placement = rnd.choose(p, headroom)
-            victims = None
-            if placement is None:
-                found = pick_victims(entries, p, headroom, now=self.now) if self.cfg.preempt else None
-                if found is None:
-                    return  # head of line: waits for room
-                entry, victims = found
-                placement = Placement(entry, "preempt")
-            w = by_entry[id(placement.worker)]
-            self.queue.remove(p.request_id)
-            w.entry.place(p, headroom, placement.num_shared_blocks)
-            if p.assign.block_hashes and p.assign.hash_block_size == w.entry.block_size:
-                self.index.hold(w.entry.worker_id, p.request_id, p.assign.block_hashes)
-            self.where[p.request_id] = w
-            if p.assign.deadline_unix_ms:
-                heapq.heappush(self._deadlines, (p.assign.deadline_unix_ms / 1000, p.request_id))
-            self._at(self.now + self.cfg.hop_s, self._assign, w, p.assign)
-            for pl in victims or ():
-                pl.preempted_at = self.now
+        """The ledger's rounds, as the live scheduler runs them: each claim's Assign lands a
+        hop later; a round that preempts marks its victims at once (the live scheduler decides
+        no further round before its Preempt calls are answered) and they are preempted a hop later."""
+        while True:
+            d = self.ledger.decide_round()
+            if not d.claims:
+                return  # empty, or head of line: it waits for room
+            for p, placement in d.claims:
+                self._at(self.now + self.cfg.hop_s, self._assign, self._by_id[placement.worker.worker_id], p)
+            for pl in d.victims:
+                self.ledger.preempted(pl)
+                w = self._by_id[d.claims[0][1].worker.worker_id]
                 self._at(self.now + self.cfg.hop_s, self._preempt, w, pl.pending.request_id)
-            if victims:
-                rnd = self.placer.round(entries)  # the victims' room is not in the round's view
-
-    def _forget(self, rid: str) -> None:
-        w = self.where.pop(rid, None)
-        if w is not None:
-            w.entry.unplace(rid)
-        self.index.release(rid)
-        self.queue.remove(rid)
 
     def _tick(self) -> None:
-        for p in self.queue.pop_expired(int(self.now * 1000)):
+        waited, running = self.ledger.expired()
+        for p in waited:
+            self.ledger.forget(p.request_id)
             self._end(p.request_id, "deadline")
-        while self._deadlines and self._deadlines[0][0] <= self.now:
-            _, rid = heapq.heappop(self._deadlines)
-            w = self.where.get(rid)
-            if w is not None:  # still running: cut off
-                self._at(self.now + self.cfg.hop_s, self._abort, w, rid)
-                self._forget(rid)
+        for rid in running:
+            wid = self.ledger.where.get(rid)
+            if wid is not None:  # still running: cut off
+                self._at(self.now + self.cfg.hop_s, self._abort, self._by_id[wid], rid)
+                self.ledger.forget(rid)
                 self._end(rid, "deadline")
         self._dispatch()
         self._at(self.now + self.cfg.tick_s, self._tick)
@@ -230,6 +212,9 @@ class FleetSim:
 
     # -- the workers ---------------------------------------------------------------------------
     def _assign(self, w: _Worker, msg) -> None:
+        if not self.cfg.ideal:  # msg is the ledger's claim: the worker accepts it
+            p, msg = msg, msg.assign
+            self.ledger.settled(p, w.entry, True)
         rid = msg.request_id
         if self.outcomes[rid].finish_reason:  # cut off (deadline) before it got here
             return
@@ -273,7 +258,7 @@ class FleetSim:
         self._at(done_at, self._step, w)
 
     def _forget_and_dispatch(self, rid: str) -> None:
-        self._forget(rid)
+        self.ledger.forget(rid)
         self._dispatch()
 
     def _report(self, w: _Worker) -> cluster_pb2.OccupancyReport:
@@ -281,23 +266,19 @@ class FleetSim:
         w.log.publish(e.kv)
         stored, evicted, reset = w.events.take()
         w.seq += 1
-        r = occupancy_report(e.stats(), worker_id=w.entry.worker_id, seq=w.seq, finished_request_ids=[],
-                             max_num_seqs=e.scheduler.max_num_seqs, max_model_len=e.max_model_len, draining=False,
-                             stored_block_hashes=stored, evicted_block_hashes=evicted, block_hashes_reset=reset)
-        if w.entry.report is None:
-            w.entry.apply_report(r)
-        return r
+        return occupancy_report(e.stats(), worker_id=w.entry.worker_id, seq=w.seq, finished_request_ids=[],
+                                max_num_seqs=e.scheduler.max_num_seqs, max_model_len=e.max_model_len, draining=False,
+                                stored_block_hashes=stored, evicted_block_hashes=evicted, block_hashes_reset=reset)
 
     def _report_tick(self, w: _Worker) -> None:
         self._at(self.now + self.cfg.hop_s, self._deliver, w, self._report(w))
         self._at(self.now + self.cfg.report_interval_s, self._report_tick, w)
 
     def _deliver(self, w: _Worker, r: cluster_pb2.OccupancyReport) -> None:
-        room = w.entry.num_available_blocks
-        vanished, _ = w.entry.apply_report(r)
-        self.index.apply_events(w.entry.worker_id, r.stored_block_hashes, r.evicted_block_hashes,
-                                r.block_hashes_reset)
-        for rid in vanished:  # gone from the worker before its done notice came (cut off): let it go
-            w.entry.unplace(rid)
-        if w.entry.num_available_blocks > room:
+        out = self.ledger.on_report(w.entry, r)
+        # Gone from the worker before its done notice came (it finished, or was cut off): the live
+        # scheduler would resume it, find its final write and forget it; here it is let go at once.
+        for p in out.resume:
+            self.ledger.forget(p.request_id)
+        if out.room:
             self._dispatch()

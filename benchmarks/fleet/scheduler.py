@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
@@ -47,6 +46,8 @@ import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
+
+from ..results import header, int_list
 
 DEFAULT_WORKERS = (16, 64, 256)
 DEFAULT_QUEUED = (1000, 10_000, 50_000)
@@ -360,11 +361,6 @@ def placement_core(num_workers: int, num_queued: int, *, rate: float = 5000.0, l
 
 
 # -- the command -------------------------------------------------------------------------------
-def int_list(text: str) -> list[int]:
-    """A comma-separated option's integers (``--workers 16,64``)."""
-    return [int(x) for x in text.split(",") if x]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagefleet bench scheduler", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -414,9 +410,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write(args, results: list[dict]) -> None:
     """The report so far (rewritten after every point)."""
     report = {
-        "benchmark": "scheduler",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        **header("scheduler", "pagefleet bench scheduler"),
         "config": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
                    for k, v in vars(args).items() if k not in ("json", "log_dir")},
         "targets": TARGETS,

@@ -34,8 +34,8 @@ import grpc
 from pagefleet.client import AsyncClient
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
-from .reliability_cluster import ReliabilityCluster, Row, Settings
-from .reliability_load import CHANNEL_OPTIONS, Job, Outcome, make_jobs, reference_tokens
+from .cluster import ReliabilityCluster, Row, Settings
+from .load import CHANNEL_OPTIONS, Job, Outcome, make_jobs, reference_tokens
 
 CONCURRENCY = 24
 WORKER_ARGS = ["--num-blocks", "32", "--num-swap-blocks", "512", "--preemption", "swap"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 import torch
 
 from pagefleet.common.blocks import num_blocks_for
+
+from .results import header
 
 MODES = ("swap", "recompute", "auto")
 
@@ -239,14 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     for v in verdicts:
         print(v)
     result = {
-        "suite": "preemption",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "platform": platform.platform(),
-            "torch_threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__,
-        },
+        **header("preemption", "pagefleet bench preemption", torch=torch.__version__,
+                 torch_threads=torch.get_num_threads(),
+                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"),
         "args": vars(args),
         "runs": [asdict(r) for r in runs],
         "verdicts": verdicts,

@@ -1,7 +1,7 @@
 """``pagefleet bench study``: goodput against request rate, by queue policy and placement.
 
 A fleet of ``--workers`` simulated workers (``--profile``; default Llama-3-8B on H100) run
-with the scheduler's own policies on one virtual clock (``fleet_sim.FleetSim``), under
+with the scheduler's own ledger on one virtual clock (``sim.FleetSim``), under
 traces generated from ``--seed``:
 
 * ``sharegpt``: ShareGPT-like lengths. No dataset can be downloaded here, so lengths are
@@ -10,8 +10,9 @@ traces generated from ``--seed``:
   PagedAttention", SOSP 2023, fig. 11) and pruned as ``vllm bench serve`` prunes ShareGPT
   (4..1024 prompt tokens, at most 2048 in all); prompts are random bytes (nothing shared).
 * ``shared-prefix``: SGLang's generated-shared-prefix shape through ``datasets.py``'s
-  generator: ``--sp-groups`` system prompts of ``--sp-system-len`` tokens, each followed
-  by a question of ``--sp-question-len``; ``--sp-output-len`` out.
+  generator: ``--gsp-num-groups`` system prompts of ``--gsp-system-prompt-len`` tokens, each
+  followed by a question of ``--gsp-question-len``; ``--gsp-output-len`` out (``--sp-*`` still
+  accepted).
 
 Arrivals are Poisson, or gamma with shape ``--burstiness`` (``loadgen.arrival_times``).
 For the policy suite, ``--priority-fraction`` of the requests have priority 1 and every
@@ -36,16 +37,17 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .fleet_sim import FleetConfig, FleetSim, Outcome, TraceRequest
-from .loadgen import arrival_times
+from pagefleet.bench.datasets import add_shared_prefix_args
+from pagefleet.bench.loadgen import arrival_times
+
+from ..results import header
+from .sim import FleetConfig, FleetSim, Outcome, TraceRequest
 
 SHAREGPT_MEAN_PROMPT, SHAREGPT_MEAN_OUTPUT = 161, 338
 BOS = 256
@@ -67,8 +69,8 @@ def sharegpt_like(n: int, seed: int) -> list[tuple[list[int], int]]:
 def shared_prefix(n: int, seed: int, groups: int, system_len: int, question_len: int,
                   output_len: int) -> list[tuple[list[int], int]]:
     """``n`` prompts from ``datasets.shared_prefix_requests`` (as many groups, cycled), byte tokens."""
-    from .datasets import shared_prefix_requests
-    from .tokenizer import ByteTokenizer
+    from pagefleet.bench.datasets import shared_prefix_requests
+    from pagefleet.bench.tokenizer import ByteTokenizer
 
     reqs = shared_prefix_requests(ByteTokenizer(), groups, math.ceil(n / groups), system_len, question_len,
                                   output_len, seed)[:n]
@@ -105,7 +107,8 @@ def make_trace(curve: Curve, rate: float, args) -> list[TraceRequest]:
     if curve.trace == "sharegpt":
         pairs = sharegpt_like(n, seed)
     else:
-        pairs = shared_prefix(n, seed, args.sp_groups, args.sp_system_len, args.sp_question_len, args.sp_output_len)
+        pairs = shared_prefix(n, seed, args.gsp_num_groups, args.gsp_system_prompt_len, args.gsp_question_len,
+                              args.gsp_output_len)
     arrivals = arrival_times(n, rate, curve.burstiness, seed)
     rng = np.random.default_rng(seed + 1)
     high = rng.random(n) < args.priority_fraction
@@ -170,6 +173,7 @@ def run_point(curve: Curve, rate: float, args, profile) -> dict:
     sim = FleetSim(cfg)
     outcomes = sim.run(trace, until_s=args.duration + args.drain)
     point = measure(list(outcomes.values()), rate, args.duration, args, sim.now)
+    point["num_preemptions"] = sim.ledger.num_preemptions
     point["cpu_s"] = time.process_time() - t0
     return point
 
@@ -204,10 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--knee-attainment", type=float, default=0.9)
     p.add_argument("--priority-fraction", type=float, default=0.2)
     p.add_argument("--burstiness", type=float, default=0.25, help="the bursty suite's gamma shape")
-    p.add_argument("--sp-groups", type=int, default=256, help="more system prompts than one worker's pool holds")
-    p.add_argument("--sp-system-len", type=int, default=2048)
-    p.add_argument("--sp-question-len", type=int, default=128)
-    p.add_argument("--sp-output-len", type=int, default=256)
+    # 256 groups: more system prompts than one worker's pool holds; each group's prompts: the trace's share.
+    add_shared_prefix_args(p, num_groups=256, prompts_per_group=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench-results/study.json")
     p.add_argument("--plot-dir", default="docs/results", help="where the PNGs go ('' for none)")
@@ -239,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                            "knee_rate": knee(points, args.knee_attainment)})
         suites[name] = curves
     report = {
-        "benchmark": "study",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs (simulated time; machine speed only sets how long it runs)",
+        **header("study", "pagefleet bench study", note="simulated time: the machine's speed only sets how long it runs"),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir")},
         "profile": profile.to_dict(),
         "suites": suites,
