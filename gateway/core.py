@@ -32,6 +32,7 @@ from pagefleet.common.redis import (
     encode_request_entry,
     retry,
 )
+from pagefleet.common.scripts import ADMIT_AND_QUEUE
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
 
@@ -46,29 +47,6 @@ DEADLINE_ERROR = "deadline exceeded"
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 # Redis calls that decide whether a request is queued: a few quick tries, then the caller hears of it.
 _ATTEMPTS = 5
-
-# A request is admitted and queued in one atomic step (``_ADMIT_AND_QUEUE``):
-# * the bound is exact: the requests stream's length (entries leave when their requests
-#   finish) and the scheduler's published queue length are read where the entry is added, so
-#   gateways racing each other (or one gateway's concurrent calls) never admit past it;
-# * a client-chosen id is claimed with its entry: a claim without an entry (Redis gone between
-#   the two) would make every retry wait for output that never comes. The entry first, so a
-#   failing XADD leaves no claim. A retry after a lost reply answers 0: queued already (and a
-#   request queued before is relayed even when the queue is full now).
-# KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
-# max queue, the claim's TTL, then the entry's field/value pairs.
-# {1}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
-_ADMIT_AND_QUEUE = """
-if #KEYS == 3 and redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
-local length = redis.call('XLEN', KEYS[1])
-local waiting = tonumber(redis.call('GET', KEYS[2]) or length)
-if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then return {-1, waiting, length} end
-local fields = {}
-for i = 4, #ARGV do fields[i - 3] = ARGV[i] end
-redis.call('XADD', KEYS[1], '*', unpack(fields))
-if #KEYS == 3 then redis.call('SET', KEYS[3], 1, 'EX', tonumber(ARGV[3])) end
-return {1}
-"""
 
 log = structlog.get_logger("gateway")
 
@@ -113,7 +91,7 @@ class GatewayCore:
         self.args = args
         self.limits = limits or Limits()
         self.metrics = GatewayMetrics()
-        self._admit_and_queue = redis.register_script(_ADMIT_AND_QUEUE)
+        self._admit_and_queue = redis.register_script(ADMIT_AND_QUEUE)
         self._cancels: set[asyncio.Task] = set()
         self.reader = StepReader(redis, keys)  # one read of every worker's steps for all relays
         self.stream_interval = max(1, getattr(args, "stream_interval", 1) or 1)
@@ -161,7 +139,7 @@ class GatewayCore:
         )
         with enqueue_span(msg, self.keys.requests):  # sets msg.traceparent when tracing
             # Never trimmed (no MAXLEN): the stream is a work queue whose entries leave when their
-            # requests finish; trimming would drop requests no one has read. ``_ADMIT_AND_QUEUE`` bounds it.
+            # requests finish; trimming would drop requests no one has read. ``ADMIT_AND_QUEUE`` bounds it.
             fields = encode_request_entry(msg, int(time.time() * 1000))
             keys = [self.keys.requests, self.keys.num_waiting]
             if client_id:

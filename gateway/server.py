@@ -22,7 +22,7 @@ import structlog
 
 from pagefleet.common.metrics import serve_metrics
 from pagefleet.common.model_config import load_model_spec
-from pagefleet.common.redis import Keys, add_password_flag, connect, retry
+from pagefleet.common.redis import Keys, add_redis_flags, connect, retry
 from pagefleet.common.service import (
     EnvArgumentParser,
     add_common_flags,
@@ -56,10 +56,7 @@ def build_parser() -> EnvArgumentParser:
                         "/v1/models) on this port (0: any free port; default: off)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the HTTP API (requests must name it; default: --model)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                   help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS)")
-    add_password_flag(p)
-    p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
+    add_redis_flags(p)
     p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory (tokenizer and config only)")
     p.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this")
     p.add_argument("--block-size", type=int, default=16,

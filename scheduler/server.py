@@ -26,7 +26,8 @@ import grpc
 import structlog
 
 from pagefleet.common.metrics import SchedulerMetrics, serve_metrics
-from pagefleet.common.redis import Keys, add_password_flag, connect, retry
+from pagefleet.common.redis import Keys, add_redis_flags, connect, retry
+from pagefleet.common.scripts import LEASE_RELEASE, LEASE_RENEW
 from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
@@ -56,18 +57,11 @@ from .queue import POLICIES
 SERVICE = "pagefleet.v1.Scheduler"
 log = structlog.get_logger("scheduler")
 
-# Renew if still ours; 1 when renewed, 0 when someone else holds it.
-_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-
-
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="pagefleet scheduler", description="Run the scheduler (one active, others standby).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="port of the Scheduler service and health (0: any free)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                   help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS)")
-    add_password_flag(p)
-    p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
+    add_redis_flags(p)
     p.add_argument("--policy", default="fcfs", choices=POLICIES, help="global queue order")
     p.add_argument("--aging-seconds", type=float, default=10.0,
                    help="priority policy: a waiting request gains one priority level per this many seconds")
@@ -153,7 +147,7 @@ class Lease:
             sent = time.monotonic()
             try:
                 held = await asyncio.wait_for(
-                    self.redis.eval(_RENEW, 1, self.keys.lease, self.me, self.lease_ms), self.lease_s / 6)
+                    self.redis.eval(LEASE_RENEW, 1, self.keys.lease, self.me, self.lease_ms), self.lease_s / 6)
             except Exception as e:  # cut off or slow: keep trying while the lease is surely ours
                 log.warning("scheduler.lease_renew_failed", error=repr(e))
                 held = None
@@ -219,8 +213,7 @@ async def serve(args) -> int:
         # Give the lease up at once so a standby need not wait for it to lapse.
         if rc == 0:
             with contextlib.suppress(Exception):
-                await redis.eval("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0",
-                                 1, keys.lease, me)
+                await redis.eval(LEASE_RELEASE, 1, keys.lease, me)
     for t in (lease, *waiters):
         t.cancel()
     await set_serving(health, names, False)

@@ -34,7 +34,7 @@ import structlog
 
 from pagefleet.common import telemetry
 from pagefleet.common.metrics import WorkerMetrics, serve_metrics
-from pagefleet.common.redis import Keys, add_password_flag, connect, retry
+from pagefleet.common.redis import Keys, add_redis_flags, connect, retry
 from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
@@ -68,10 +68,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     p.add_argument("--advertise-host", default=None,
                    help="host the scheduler dials (default: --host, or the hostname for 0.0.0.0)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                   help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS)")
-    add_password_flag(p)
-    p.add_argument("--namespace", default="pf", help="prefix of every Redis key")
+    add_redis_flags(p)
     p.add_argument("--worker-id", default=None, help="unique name (default: host-pid)")
     p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

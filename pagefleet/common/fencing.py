@@ -19,7 +19,7 @@ drops every request it holds, and writes on in a new incarnation's stream.
 the scheduler takes a new epoch for each assignment (``assign``: one script that also
 refuses a scheduler whose own epoch is no longer the current one, and stamps ``t``, the
 assignment's time on Redis's clock, from which the request's messages are read back). The
-epoch fences finishes: a request's **final** write goes through ``_FINISH`` (one script for
+epoch fences finishes: a request's **final** write goes through ``FINISH`` (one script for
 all the requests a write finishes): its final message is appended with the step only if
 the writer's epoch is still the request's and it is not done, and in the same atomic step
 the owner record is marked done, the request's record of everything it wrote is added to
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pagefleet.protos import cluster_pb2, generation_pb2
 
 from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, retry
+from .scripts import ASSIGN, FINISH, OWNS
 
 # A running request's owner record lives this long after its assignment (or the worker's refresh).
 REQUEST_TTL_S = 3600
@@ -62,68 +63,6 @@ STEPS_KEEP_MS = 60_000
 STEPS_TTL_S = 600
 # The id of the entry that closes a steps stream: nothing can be appended after it.
 FENCE_ID = "18446744073709551615-18446744073709551615"
-
-# KEYS: own, scheduler epoch key. ARGV: scheduler epoch, worker id ('': a new epoch only, the
-# last worker, its steps stream and the time kept for ``take_over``), ttl, the worker's steps stream.
-# Returns the new epoch; 0 if the request is done already; -1 if this scheduler is stale.
-_ASSIGN = """
-if (redis.call('GET', KEYS[2]) or '0') ~= ARGV[1] then return -1 end
-if redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
-local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-if ARGV[2] ~= '' then
-  local now = redis.call('TIME')
-  redis.call('HSET', KEYS[1], 'worker', ARGV[2], 't', now[1] * 1000 + math.floor(now[2] / 1000), 'steps', ARGV[4])
-end
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
-return epoch
-"""
-
-# A write that finishes requests: the step's other messages and each final message whose
-# writer still owns its request, in one steps entry; then, for those, the finish.
-# KEYS: steps stream, requests stream, done stream, then for each final: own, out, idempotency key.
-# ARGV: group, done maxlen, done ttl, the other messages (a StepOutputs), steps MINID, steps
-# ttl, n, then for each final: epoch, entry id ('' for none), request id, finish reason, its
-# message (a StepOutputs piece), its record (a StepOutputs piece).
-# Returns the steps entry's id and, per final, 1 if written, 0 if refused (stale epoch or done).
-# A fenced stream: an error.
-_FINISH = """
-local n = tonumber(ARGV[7])
-local ok, pieces = {}, {ARGV[4]}
-for i = 1, n do
-  local a = 8 + 6 * (i - 1)
-  local cur = redis.call('HMGET', KEYS[3 * i + 1], 'epoch', 'done')
-  ok[i] = ((cur[1] or '0') == ARGV[a] and cur[2] ~= '1') and 1 or 0
-  if ok[i] == 1 then pieces[#pieces + 1] = ARGV[a + 4] end
-end
-local id = redis.call('XADD', KEYS[1], 'MINID', '~', ARGV[5], '*', 'o', table.concat(pieces))
-if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6])) end
-local done_ttl = tonumber(ARGV[3])
-for i = 1, n do
-  if ok[i] == 1 then
-    local a = 8 + 6 * (i - 1)
-    local own, out, idem = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
-    redis.call('HSET', own, 'done', '1')
-    redis.call('EXPIRE', own, done_ttl)
-    redis.call('XADD', out, '*', 'o', ARGV[a + 5])
-    redis.call('EXPIRE', out, done_ttl)
-    if redis.call('EXISTS', idem) == 1 then redis.call('EXPIRE', idem, done_ttl) end
-    if ARGV[a + 1] ~= '' then
-      redis.call('XACK', KEYS[2], ARGV[1], ARGV[a + 1])
-      redis.call('XDEL', KEYS[2], ARGV[a + 1])
-    end
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'rid', ARGV[a + 2], 'epoch', ARGV[a], 'f', ARGV[a + 3])
-  end
-end
-return {id, ok}
-"""
-
-# KEYS: own. ARGV: epoch. Returns 1 when the epoch is still the request's and it is not done.
-_OWNS = """
-local cur = redis.call('HGET', KEYS[1], 'epoch') or '0'
-if cur ~= ARGV[1] or redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
-return 1
-"""
-
 
 class Fenced(Exception):
     """This writer's steps stream was fenced (it was declared dead): nothing it holds is its own."""
@@ -188,9 +127,9 @@ class Fencing:
         self.stream_of = stream_of
         self.steps_key = ""
         self.new_incarnation()
-        self._assign = redis.register_script(_ASSIGN)
-        self._finish = redis.register_script(_FINISH)
-        self._owns = redis.register_script(_OWNS)
+        self._assign = redis.register_script(ASSIGN)
+        self._finish = redis.register_script(FINISH)
+        self._owns = redis.register_script(OWNS)
 
     def new_incarnation(self) -> str:
         """A fresh steps stream for this writer (after its last one was fenced)."""

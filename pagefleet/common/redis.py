@@ -150,9 +150,14 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def add_password_flag(parser) -> None:
+def add_redis_flags(parser) -> None:
+    """The flags every component reaches Redis with: ``--redis-url``, ``--redis-password-file``
+    and ``--namespace`` (each also ``PAGEFLEET_<FLAG>``)."""
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                        help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS)")
     parser.add_argument("--redis-password-file", default=None, metavar="PATH",
                         help="Redis password (or the ACL user's, with the user in --redis-url) from this file")
+    parser.add_argument("--namespace", default="pf", help="prefix of every Redis key")
 
 
 def _transient() -> tuple[type[BaseException], ...]:

@@ -1,0 +1,105 @@
+"""Every Lua script of pagefleet, in one place: what each touches (KEYS), takes (ARGV) and returns.
+
+The protocol these scripts are part of (every key, every stream's entries) is written in
+docs/REDIS.md; the key names are ``pagefleet.common.redis.Keys``. Every script touches the keys
+of one shard only (all under its hash tag ``{<shard>}``), so each runs on one Redis Cluster slot.
+Users: the gateway (``ADMIT_AND_QUEUE``), the scheduler (``ASSIGN``, ``FINISH`` for its own final
+messages, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (``FINISH``, ``OWNS``), through
+``pagefleet.common.fencing`` where they fence.
+"""
+
+# -- the gateway -----------------------------------------------------------------------------------
+# A request is admitted and queued in one atomic step (``ADMIT_AND_QUEUE``):
+# * the bound is exact: the requests stream's length (entries leave when their requests
+#   finish) and the scheduler's published queue length are read where the entry is added, so
+#   gateways racing each other (or one gateway's concurrent calls) never admit past it;
+# * a client-chosen id is claimed with its entry: a claim without an entry (Redis gone between
+#   the two) would make every retry wait for output that never comes. The entry first, so a
+#   failing XADD leaves no claim. A retry after a lost reply answers 0: queued already (and a
+#   request queued before is relayed even when the queue is full now).
+# KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
+# max queue, the claim's TTL, then the entry's field/value pairs.
+# {1}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
+ADMIT_AND_QUEUE = """
+if #KEYS == 3 and redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
+local length = redis.call('XLEN', KEYS[1])
+local waiting = tonumber(redis.call('GET', KEYS[2]) or length)
+if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then return {-1, waiting, length} end
+local fields = {}
+for i = 4, #ARGV do fields[i - 3] = ARGV[i] end
+redis.call('XADD', KEYS[1], '*', unpack(fields))
+if #KEYS == 3 then redis.call('SET', KEYS[3], 1, 'EX', tonumber(ARGV[3])) end
+return {1}
+"""
+
+
+# -- ownership and output (pagefleet.common.fencing) --------------------------------------------------
+# KEYS: own, scheduler epoch key. ARGV: scheduler epoch, worker id ('': a new epoch only, the
+# last worker, its steps stream and the time kept for ``take_over``), ttl, the worker's steps stream.
+# Returns the new epoch; 0 if the request is done already; -1 if this scheduler is stale.
+ASSIGN = """
+if (redis.call('GET', KEYS[2]) or '0') ~= ARGV[1] then return -1 end
+if redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+if ARGV[2] ~= '' then
+  local now = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'worker', ARGV[2], 't', now[1] * 1000 + math.floor(now[2] / 1000), 'steps', ARGV[4])
+end
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+return epoch
+"""
+
+# A write that finishes requests: the step's other messages and each final message whose
+# writer still owns its request, in one steps entry; then, for those, the finish.
+# KEYS: steps stream, requests stream, done stream, then for each final: own, out, idempotency key.
+# ARGV: group, done maxlen, done ttl, the other messages (a StepOutputs), steps MINID, steps
+# ttl, n, then for each final: epoch, entry id ('' for none), request id, finish reason, its
+# message (a StepOutputs piece), its record (a StepOutputs piece).
+# Returns the steps entry's id and, per final, 1 if written, 0 if refused (stale epoch or done).
+# A fenced stream: an error.
+FINISH = """
+local n = tonumber(ARGV[7])
+local ok, pieces = {}, {ARGV[4]}
+for i = 1, n do
+  local a = 8 + 6 * (i - 1)
+  local cur = redis.call('HMGET', KEYS[3 * i + 1], 'epoch', 'done')
+  ok[i] = ((cur[1] or '0') == ARGV[a] and cur[2] ~= '1') and 1 or 0
+  if ok[i] == 1 then pieces[#pieces + 1] = ARGV[a + 4] end
+end
+local id = redis.call('XADD', KEYS[1], 'MINID', '~', ARGV[5], '*', 'o', table.concat(pieces))
+if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6])) end
+local done_ttl = tonumber(ARGV[3])
+for i = 1, n do
+  if ok[i] == 1 then
+    local a = 8 + 6 * (i - 1)
+    local own, out, idem = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+    redis.call('HSET', own, 'done', '1')
+    redis.call('EXPIRE', own, done_ttl)
+    redis.call('XADD', out, '*', 'o', ARGV[a + 5])
+    redis.call('EXPIRE', out, done_ttl)
+    if redis.call('EXISTS', idem) == 1 then redis.call('EXPIRE', idem, done_ttl) end
+    if ARGV[a + 1] ~= '' then
+      redis.call('XACK', KEYS[2], ARGV[1], ARGV[a + 1])
+      redis.call('XDEL', KEYS[2], ARGV[a + 1])
+    end
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'rid', ARGV[a + 2], 'epoch', ARGV[a], 'f', ARGV[a + 3])
+  end
+end
+return {id, ok}
+"""
+
+# KEYS: own. ARGV: epoch. Returns 1 when the epoch is still the request's and it is not done.
+OWNS = """
+local cur = redis.call('HGET', KEYS[1], 'epoch') or '0'
+if cur ~= ARGV[1] or redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
+return 1
+"""
+
+
+# -- the scheduler's lease ------------------------------------------------------------------------
+# KEYS: the lease. ARGV: this scheduler's instance id, the lease's length (ms).
+# Renew if still ours; 1 when renewed, 0 when someone else holds it.
+LEASE_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+
+# KEYS: the lease. ARGV: this scheduler's instance id. Deletes the lease if still ours (1), else 0.
+LEASE_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
