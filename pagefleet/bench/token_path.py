@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.workers_per_process = args.workers_per_process or args.workers
+    cwd = Path.cwd()
+    if args.log_dir:
+        args.log_dir = str(Path(args.log_dir).resolve())
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in ("stream", "fixed")]:
         print(f"--modes: unknown {bad} (stream, fixed)", file=sys.stderr)
@@ -296,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="pagefleet-token-path-") as d:
         tmp = Path(d)
+        # Not from a checkout: ``python -m`` puts the working directory first on the path, and a
+        # --python of another tree would import this checkout's package over its own.
+        os.chdir(tmp)
         if not args.no_floor:
             results.append(measure_floor(args, tmp))
             print(row(results[-1]), flush=True)
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "targets": TARGETS, "results": results,
     }
-    out = Path(args.json)
+    out = Path(args.json) if Path(args.json).is_absolute() else cwd / args.json
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"JSON: {out}", file=sys.stderr)
