@@ -38,3 +38,11 @@ def test_a_burst_of_streams_past_grpcs_pending_call_bound_is_served(tmp_path):
     report = _bench(tmp_path, "--modes", "", "--requests", "3000", "--concurrency", "3000", "--max-tokens", "2")
     floor, = report["results"]
     assert floor["num_whole"] == 3000, floor["errors"]
+
+
+def test_token_path_bench_over_the_http_door(tmp_path):
+    report = _bench(tmp_path, "--backend", "openai", "--workers", "2", "--requests", "16", "--concurrency", "8",
+                    "--max-tokens", "10", "--time-scale", "inf", "--modes", "stream")
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert by_mode["floor"]["num_whole"] == 16 and by_mode["stream"]["num_whole"] == 16
+    assert by_mode["stream"]["num_tokens"] == 160

@@ -53,8 +53,7 @@ def _sse_app():
 
     app = FastAPI()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request):
         body = await request.json()
         n, rid, created = int(body["max_tokens"]), "cmpl-0123456789abcdef0123456789abcdef", int(time.time())
 
@@ -74,6 +73,8 @@ def _sse_app():
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    completions.__annotations__ = {"request": Request}  # resolved here (this module's annotations are strings)
+    app.post("/v1/completions")(completions)
     return app
 
 
