@@ -153,28 +153,40 @@ def _finished(msg: pb.GenerateResponse, order: Reorder, num_prompt_tokens: int) 
 class StepRelay:
     """One request's messages as the reader hands them over (``StepReader.open``)."""
 
-    __slots__ = ("request_id", "buffer", "detached", "_wake")
+    __slots__ = ("request_id", "buffer", "detached", "wake_after", "_num_tokens", "_wake")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.buffer: collections.deque = collections.deque()
         self.detached = False  # past MAX_BUFFERED: read from the request's output stream instead
+        self.wake_after = 1  # tokens fed before its reader is woken (``--stream-interval``)
+        self._num_tokens = 0  # fed since the reader last took the buffer
         self._wake: asyncio.Future | None = None
 
     def feed(self, o) -> None:
         if self.detached:
             return
         self.buffer.append(o)
+        self._num_tokens += len(o.token_ids)
         if len(self.buffer) > MAX_BUFFERED:
             self.detached = True
             self.buffer.clear()
+        elif self._num_tokens < self.wake_after and not o.finish_reason:
+            return  # its reader would only hold these back: no wake-up per token
         w = self._wake
         if w is not None and not w.done():
             w.set_result(True)
 
+    def take(self):
+        """What was fed since the last take, oldest first."""
+        self._num_tokens = 0
+        while self.buffer:
+            yield self.buffer.popleft()
+
     async def wait(self, timeout_s: float) -> bool:
-        """Until something was fed (or the relay detached); False after ``timeout_s`` of nothing."""
-        if self.buffer or self.detached:
+        """Until ``wake_after`` tokens or a last message were fed (or the relay detached); False
+        after ``timeout_s`` of that not happening."""
+        if self.detached or self._num_tokens >= self.wake_after or (self.buffer and self.buffer[-1].finish_reason):
             return True
         loop = asyncio.get_running_loop()
         wake = self._wake = loop.create_future()
@@ -285,11 +297,12 @@ async def relay_steps(redis, keys: Keys, r: StepRelay, num_prompt_tokens: int,
     ``stream_interval``: hold tokens back until that many are waiting (or the request ends)."""
     order = Reorder()
     held: list[OutEntry] = []  # ready, held back for stream_interval
+    r.wake_after = stream_interval
     while True:
         fed = await r.wait(SILENCE_S)
         ready: list[OutEntry] = []
-        while r.buffer:
-            ready.extend(order.add(entry_of(r.buffer.popleft())))
+        for o in r.take():
+            ready.extend(order.add(entry_of(o)))
         held.extend(ready)
         behind = r.detached or (not fed and await _stream_ahead(redis, keys, r.request_id, order))
         if held and (behind or held[-1].finish_reason or _num_tokens(held) >= stream_interval):

@@ -150,7 +150,7 @@ def start_cluster(args, tmp: Path):
     cfg = ClusterConfig(port=0, http_port=0 if args.backend == "openai" else None, num_workers=args.workers,
                         worker_args=worker_args, gateway_args=gateway_args,
                         scheduler_args=["--dead-after", "10", "--lease-ms", "15000"],
-                        log_dir=str(args.log_dir or tmp), log_level="warning", metrics_port=0,
+                        log_dir=str(args.log_dir or tmp), log_level="info" if args.log_dir else "warning", metrics_port=0,
                         workers_per_process=args.workers_per_process, python=args.python,
                         env={"OMP_NUM_THREADS": "1"})
     return LocalCluster(cfg).start(timeout_s=180)
