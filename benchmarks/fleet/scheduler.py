@@ -43,9 +43,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
+
+from pagefleet.bench.prometheus import scrape
 
 from ..results import header, int_list
 
@@ -55,18 +56,6 @@ TARGETS = {"placements_per_s": 5000.0, "decision_p99_ms": 1.0, "scheduler_cpu_pe
 
 
 # -- reading the scheduler ---------------------------------------------------------------------
-def scrape(url: str) -> dict[str, float]:
-    """Prometheus text: ``name{labels}`` -> value (comments dropped)."""
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def histogram(sample: dict[str, float], name: str) -> list[tuple[float, float]]:
     """``(upper bound, cumulative count)`` of histogram ``name``, ascending."""
     prefix = f"{name}_bucket{{le=\""

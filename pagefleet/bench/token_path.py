@@ -35,8 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from pagefleet.bench import prometheus
 
 TARGETS = {"redis_commands_per_token": 0.25, "redis_cpu_us_per_token": 2.0,
            "gateway_cpu_vs_floor": 1.25, "worker_cpu_us_per_token": 8.0, "fixed_cpu_us_per_request": 300.0}
@@ -80,18 +81,11 @@ def redis_cpu(r) -> float:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Prometheus text: ``name{labels}`` -> value (None when the URL does not answer)."""
+    """A component's metrics; empty when it does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            text = resp.read().decode()
+        return prometheus.scrape(url)
     except OSError:
         return {}
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _pct(values: list[float], q: float) -> float | None:
