@@ -434,12 +434,15 @@ def test_responses_function_tools_and_reasoning_items(client):
     import jsonschema
 
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
-    r = client.responses.create(model=MODEL, input="weather?", tools=[tool], tool_choice="required", max_output_tokens=80)
+    # Greedy: a sampled walk through the grammar may not close its JSON within the token budget.
+    r = client.responses.create(model=MODEL, input="weather?", tools=[tool], tool_choice="required",
+                                max_output_tokens=200, temperature=0)
     (call,) = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), tool["parameters"])
-    events = list(client.responses.create(model=MODEL, input="weather?", tools=[tool], max_output_tokens=80,
-                                          tool_choice={"type": "function", "name": "get_weather"}, stream=True))
+    events = list(client.responses.create(model=MODEL, input="weather?", tools=[tool], max_output_tokens=200,
+                                          temperature=0, tool_choice={"type": "function", "name": "get_weather"},
+                                          stream=True))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and jsonschema.validate(json.loads(done[0].arguments), tool["parameters"]) is None
     # the tool's answer goes back as input items
