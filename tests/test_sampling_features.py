@@ -291,22 +291,6 @@ def lp(i: int, k: int = 2) -> TokenLogprobs:
     return TokenLogprobs(-0.5 * i, [i + j for j in range(k)], [-0.5 * i - 0.25 * j for j in range(k)])
 
 
-def as_stream(entry: OutEntry) -> dict[bytes, bytes]:
-    """What Redis hands back for ``entry``: every key and value as bytes."""
-    return {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in entry.encode().items()}
-
-
-def test_out_entry_carries_logprobs_and_reads_old_entries():
-    e = OutEntry(3, [7, 8], "ab", "", logprobs=[lp(7), lp(8)])
-    assert OutEntry.decode(as_stream(e)) == e
-    e0 = OutEntry(0, [7], "a", "stop", logprobs=[TokenLogprobs(-math.inf, [], [])])
-    assert OutEntry.decode(as_stream(e0)) == e0
-    old = {b"i": b"0", b"t": OutEntry(0, [7, 8]).encode()["t"], b"x": b"ab"}  # written before logprobs existed
-    assert OutEntry.decode(old) == OutEntry(0, [7, 8], "ab")
-    with pytest.raises(ValueError, match="^logprobs"):
-        OutEntry(0, [1, 2], logprobs=[lp(1, 2), lp(2, 3)]).encode()
-
-
 def test_reorder_cuts_logprobs_with_their_tokens():
     order = Reorder()
     assert order.add(OutEntry(4, [4], "e", logprobs=[lp(4)])) == []  # early: waits for the gap

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import TypeVar
 
 import structlog
 
-from pagefleet.common.logprobs import TokenLogprobs, pack_logprobs, unpack_logprobs
+from pagefleet.common.logprobs import TokenLogprobs
 
 GROUP = "scheduler"
 T = TypeVar("T")
@@ -222,19 +221,9 @@ async def retry(
 
 
 # -- entry formats --------------------------------------------------------------------------
-def pack_ids(ids) -> bytes:
-    return array("I", ids).tobytes()
-
-
-def unpack_ids(raw: bytes) -> list[int]:
-    a = array("I")
-    a.frombytes(raw)
-    return a.tolist()
-
-
 @dataclass(slots=True)
 class OutEntry:
-    """One message of a request's output stream (``<ns>:out:<id>``).
+    """One message of a request's output, in memory (in Redis it is a ``StepOutput``: ``fencing``).
 
     ``logprobs``: one entry per token of ``token_ids`` when the request asked for them, else None
     (entries written without them decode to None).
@@ -246,27 +235,6 @@ class OutEntry:
     finish_reason: str = ""  # "" | stop | length | abort | error
     error: str = ""
     logprobs: list[TokenLogprobs] | None = None
-
-    def encode(self) -> dict[str, bytes | str | int]:
-        fields: dict[str, bytes | str | int] = {"i": self.index, "t": pack_ids(self.token_ids), "x": self.text}
-        if self.finish_reason:
-            fields["f"] = self.finish_reason
-        if self.error:
-            fields["e"] = self.error
-        if self.logprobs:
-            fields.update(pack_logprobs(self.logprobs))
-        return fields
-
-    @classmethod
-    def decode(cls, fields: dict[bytes, bytes]) -> OutEntry:
-        return cls(
-            index=int(fields[b"i"]),
-            token_ids=unpack_ids(fields.get(b"t", b"")),
-            text=fields.get(b"x", b"").decode("utf-8", "replace"),
-            finish_reason=fields.get(b"f", b"").decode(),
-            error=fields.get(b"e", b"").decode("utf-8", "replace"),
-            logprobs=unpack_logprobs(fields),
-        )
 
 
 def encode_request_entry(p, enqueued_ms: int) -> dict[str, bytes | str | int]:
