@@ -125,9 +125,10 @@ def test_every_worker_declared_dead_while_alive_loses_nothing(cluster):
         return {k.decode(): json.loads(v)["steps"] for k, v in r.hgetall(keys.workers).items()}
 
     prompts = PROMPTS[6:12]
-    reference = _run_seeded(cluster.gateway_target, prompts, 60)
+    # Long enough that the freeze lands mid-generation (a short run can end between two looks).
+    reference = _run_seeded(cluster.gateway_target, prompts, 400)
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_run_seeded, cluster.gateway_target, prompts, 60)
+        fut = pool.submit(_run_seeded, cluster.gateway_target, prompts, 400)
         wait_for(lambda: any(r.num_running for r in worker_reports(cluster).values()), 30, "a worker to run something")
         before = streams()
         pids = [p.pid for n, p in cluster.procs.items() if n.startswith("worker")]
