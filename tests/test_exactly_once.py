@@ -87,9 +87,10 @@ def test_a_frozen_worker_declared_dead_cannot_splice_its_tokens(cluster):
     thawed worker's writes are refused and it drops them. Every client sees exactly the
     tokens an undisturbed run gives."""
     prompts = PROMPTS[:6]
-    reference = _run_seeded(cluster.gateway_target, prompts, 60)
+    # Long enough that the victim is mid-generation when frozen, and has writes to make after.
+    reference = _run_seeded(cluster.gateway_target, prompts, 400)
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_run_seeded, cluster.gateway_target, prompts, 60)
+        fut = pool.submit(_run_seeded, cluster.gateway_target, prompts, 400)
         victim = wait_for(lambda: next((w for w, r in worker_reports(cluster).items() if r.num_running), None),
                           30, "a worker to run something")
         pid = cluster.procs[victim].pid

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -52,6 +52,10 @@ class Emit:
         return Write(self.request_id, self.epoch, self.entry, self.entry_id or "", self.refresh_ttl, self.record)
 
 
+async def _nothing() -> None:
+    return None
+
+
 class OutputWriter:
     def __init__(
         self,
@@ -60,7 +64,7 @@ class OutputWriter:
         *,
         writer_id: str,
         on_refused: Callable[[str], None] = lambda rid: None,
-        on_fenced: Callable[[], None] = lambda: None,
+        on_fenced: Callable[[], Awaitable[None]] | None = None,
         on_failed: Callable[[str, str], None] = lambda rid, error: None,
         max_backlog: int = MAX_BACKLOG,
         on_written: Callable[[], None] = lambda: None,
@@ -70,7 +74,7 @@ class OutputWriter:
         self.keys = keys
         self.fencing = Fencing(redis, keys, writer_id)
         self.on_refused = on_refused
-        self.on_fenced = on_fenced
+        self.on_fenced = on_fenced or _nothing  # drops what the engine holds; done when it has
         self.on_failed = on_failed
         self.max_backlog = max_backlog
         self.on_written = on_written  # told of every round trip (a metric)
@@ -131,12 +135,17 @@ class OutputWriter:
                                   what="write_outputs")
         except Fenced:
             # Declared dead: every request here is being resumed elsewhere after what this
-            # stream holds. Drop them all, write nothing of theirs, go on in a new stream.
+            # stream holds. Drop them all and write nothing of theirs, not even what steps run
+            # before the engine dropped them made: those waiting here now are discarded once it
+            # has (a step's messages are queued before a command after it completes). Then go on
+            # in a new stream.
             self.num_fenced += 1
             log.warning("outputs.refused", fenced=True, steps=self.fencing.steps_key, num_messages=len(batch))
+            await self.on_fenced()
+            while not self._queue.empty():
+                self._backlog -= len(self._queue.get_nowait())
             self.fencing.new_incarnation()
             await self.fencing.publish_stream()
-            self.on_fenced()
             return
         except Exception as e:  # not a connection blip: find the requests it is about
             log.warning("outputs.batch_failed", num_messages=len(batch), error=str(e))
