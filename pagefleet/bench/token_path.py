@@ -44,12 +44,6 @@ TARGETS = {"redis_commands_per_token": 0.25, "redis_cpu_us_per_token": 2.0,
 
 
 # -- reading processes and Redis ----------------------------------------------------------------
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` and its children that it waited for (``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 def tree_pids(pid: int) -> list[int]:
     """``pid`` and every live descendant (a gateway's ``--processes`` children included)."""
     out, todo = [], [pid]

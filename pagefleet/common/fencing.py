@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pagefleet.protos import cluster_pb2, generation_pb2
 
 from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, retry
-from .scripts import ASSIGN, FINISH, OWNS
+from .scripts import ASSIGN, FINISH
 
 # A running request's owner record lives this long after its assignment (or the worker's refresh).
 REQUEST_TTL_S = 3600
@@ -129,7 +129,6 @@ class Fencing:
         self.new_incarnation()
         self._assign = redis.register_script(ASSIGN)
         self._finish = redis.register_script(FINISH)
-        self._owns = redis.register_script(OWNS)
 
     def new_incarnation(self) -> str:
         """A fresh steps stream for this writer (after its last one was fenced)."""
@@ -236,8 +235,6 @@ class Fencing:
         accepted = {id(w): bool(int(x)) for w, x in zip(finals, oks, strict=True)}
         return [accepted.get(id(w), True) for w in writes]
 
-    async def owns(self, request_id: str, epoch: int) -> bool:
-        return bool(await self._owns(keys=[self.keys.owner(request_id)], args=[epoch]))
 
 
 # -- reading back ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The protocol these scripts are part of (every key, every stream's entries) is wr
 docs/REDIS.md; the key names are ``pagefleet.common.redis.Keys``. Every script touches the keys
 of one shard only (all under its hash tag ``{<shard>}``), so each runs on one Redis Cluster slot.
 Users: the gateway (``ADMIT_AND_QUEUE``), the scheduler (``ASSIGN``, ``FINISH`` for its own final
-messages, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (``FINISH``, ``OWNS``), through
+messages, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (``FINISH``), through
 ``pagefleet.common.fencing`` where they fence.
 """
 
@@ -86,13 +86,6 @@ for i = 1, n do
   end
 end
 return {id, ok}
-"""
-
-# KEYS: own. ARGV: epoch. Returns 1 when the epoch is still the request's and it is not done.
-OWNS = """
-local cur = redis.call('HGET', KEYS[1], 'epoch') or '0'
-if cur ~= ARGV[1] or redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
-return 1
 """
 
 
