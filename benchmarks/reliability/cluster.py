@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from pagefleet.common.redis import RedisServer
+from pagefleet.common.redis import Keys, RedisServer
 from pagefleet.launcher import ClusterConfig, LocalCluster
 
 
@@ -191,19 +191,23 @@ class ReliabilityCluster:
                 return held
             time.sleep(0.2)
 
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.c.cfg.namespace)
+
     def stream_length(self) -> int:
         """Entries left in the requests stream: each is a request not finished (or not acknowledged)."""
         import redis
 
         with redis.Redis(port=self.redis.port, socket_timeout=5) as r:
-            return int(r.xlen(f"{self.c.cfg.namespace}:requests"))
+            return int(r.xlen(self.keys.requests))
 
     def stream_entries(self, count: int = 5) -> list[str]:
         """The first ``count`` entries of the requests stream, as ``kind:request_id``."""
         import redis
 
         with redis.Redis(port=self.redis.port, socket_timeout=5) as r:
-            entries = r.xrange(f"{self.c.cfg.namespace}:requests", count=count)
+            entries = r.xrange(self.keys.requests, count=count)
         return [f"{f.get(b'kind', b'').decode()}:{f.get(b'rid', b'').decode()}" for _, f in entries]
 
     def events(self, name: str, *events: str) -> list[dict]:
