@@ -62,6 +62,29 @@ def test_overload_refuses_with_retry_info_and_serves_the_admitted_exactly(tmp_pa
     assert "other errors" not in row.figures, row
 
 
+def test_soak_keeps_memory_fds_and_redis_bounded(tmp_path):
+    row = SCENARIOS["soak"](Settings(short=True, log_dir=tmp_path))
+    _exact(row)
+    assert all(row.goals.values()), row
+    # every process was sampled, Redis's keys the load left all expire or are capped streams
+    assert {"gateway", "scheduler", "worker-0", "redis-server"} <= set(row.figures["fds max first half -> second half"])
+    assert "keys with neither TTL nor cap" not in row.figures, row
+    assert any(k.endswith(":done") for k in row.figures["streams kept by design (length, bound, bytes)"]), row
+
+
+def test_soak_flatness_finds_growth():
+    from pagefleet.benchmarks.reliability.soak import flatness
+
+    def samples(mib, fds):
+        return [{"t": float(i), "procs": {"p": (m, f)}} for i, (m, f) in enumerate(zip(mib, fds, strict=True))]
+
+    flat = flatness(samples([100.0] * 10, [20] * 10), warm_until=2)
+    assert flat == ({"p": (100.0, 100.0, 0.0)}, {"p": (20, 20)})
+    memory, fds = flatness(samples([100.0 + 10 * i for i in range(10)], [20 + i for i in range(10)]), warm_until=2)
+    assert memory["p"][2] > 0.3 and fds["p"][1] > fds["p"][0]
+    assert flatness(samples([1.0] * 3, [1] * 3), warm_until=0) == ({}, {})  # too few samples: nothing judged
+
+
 def test_a_bad_sim_time_scale_is_refused_by_name(capsys):
     from pagefleet.benchmarks.reliability import main
 
@@ -69,6 +92,12 @@ def test_a_bad_sim_time_scale_is_refused_by_name(capsys):
         with pytest.raises(SystemExit) as e:
             main(["--scenario", "overload", "--sim-time-scale", bad])
         assert e.value.code == 2 and "--sim-time-scale must be positive" in capsys.readouterr().err
+    for flag, bad, message in (("--soak-load", "1.5", "--soak-load must be a fraction"),
+                               ("--soak-seconds", "-3", "--soak-seconds must be"),
+                               ("--soak-idle", "nan", "--soak-idle must be")):
+        with pytest.raises(SystemExit) as e:
+            main(["--scenario", "soak", flag, bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 # -- regressions the suite found ---------------------------------------------------------------

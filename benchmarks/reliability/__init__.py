@@ -19,7 +19,9 @@ Scenarios (``--scenario``, repeatable; default all):
   the workers'; it must stop before the standby takes over;
 * ``fuzz``: generated bad requests and raw bytes (``fuzz``);
 * ``cancels``: cancels at random moments (``cancels``);
-* ``overload``: ten times the sustainable rate (``overload``).
+* ``overload``: ten times the sustainable rate (``overload``);
+* ``soak``: 30 minutes at 70 % of capacity on simulated workers, then idle: memory and file
+  descriptors flat, Redis back to its baseline but for streams capped by design (``soak``).
 
 ``--short`` is the CI form (small counts; tests/test_reliability.py runs it); the full
 form's figures are in docs/RELIABILITY.md. Exit status 1 when any row misses a goal.
@@ -247,6 +249,12 @@ def overload(s: Settings) -> Row:
     return run(s)
 
 
+def soak(s: Settings) -> Row:
+    from .soak import run
+
+    return run(s)
+
+
 SCENARIOS: dict[str, Callable[[Settings], Row]] = {
     "worker-kill": worker_kill,
     "scheduler-kill": scheduler_kill,
@@ -257,6 +265,7 @@ SCENARIOS: dict[str, Callable[[Settings], Row]] = {
     "fuzz": fuzz,
     "cancels": cancels,
     "overload": overload,
+    "soak": soak,
 }
 
 
@@ -282,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-time-scale", type=float, default=1.0,
                    help="overload: simulated seconds per real second of its simulated workers (below 1: slower "
                         "steps, so ten times their rate fits a small machine's CPU)")
+    p.add_argument("--soak-seconds", type=float, default=None,
+                   help="soak: seconds of load (default 1800; --short 60)")
+    p.add_argument("--soak-load", type=float, default=0.7, help="soak: the load as a fraction of capacity")
+    p.add_argument("--soak-idle", type=float, default=None,
+                   help="soak: idle seconds after the load before Redis is compared with its baseline "
+                        "(default: past the finished requests' TTL; --short 5)")
     return p
 
 
@@ -290,8 +305,14 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.sim_time_scale > 0:
         parser.error(f"--sim-time-scale must be positive, got {args.sim_time_scale}")
+    for flag, value in (("--soak-seconds", args.soak_seconds), ("--soak-idle", args.soak_idle)):
+        if value is not None and not value >= 0:
+            parser.error(f"{flag} must be a number of seconds >= 0, got {value}")
+    if not 0 < args.soak_load <= 1:
+        parser.error(f"--soak-load must be a fraction of capacity in (0, 1], got {args.soak_load}")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagefleet-reliability-"))
-    s = Settings(short=args.short, log_dir=log_dir, sim_time_scale=args.sim_time_scale)
+    s = Settings(short=args.short, log_dir=log_dir, sim_time_scale=args.sim_time_scale,
+                 soak_seconds=args.soak_seconds, soak_load=args.soak_load, soak_idle_s=args.soak_idle)
     rows = []
     for name in args.scenario or list(SCENARIOS):
         print(f"== {name}", flush=True)

@@ -25,11 +25,15 @@ from pagefleet.launcher import ClusterConfig, LocalCluster
 @dataclass(frozen=True, slots=True)
 class Settings:
     """``short``: the CI form (small counts); ``log_dir``: one folder per scenario under it;
-    ``sim_time_scale``: the simulated workers' ``--time-scale`` where a scenario uses them."""
+    ``sim_time_scale``: the simulated workers' ``--time-scale`` where a scenario uses them;
+    ``soak_*``: the soak's load seconds (None: its default), fraction of capacity, idle seconds."""
 
     short: bool
     log_dir: Path
     sim_time_scale: float = 1.0
+    soak_seconds: float | None = None
+    soak_load: float = 0.7
+    soak_idle_s: float | None = None
 
     def pick(self, short, full):
         return short if self.short else full
