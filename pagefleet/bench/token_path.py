@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     cwd = Path.cwd()
     if args.log_dir:
         args.log_dir = str(Path(args.log_dir).resolve())
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in ("stream", "fixed")]:
         print(f"--modes: unknown {bad} (stream, fixed)", file=sys.stderr)
