@@ -98,3 +98,25 @@ def test_every_component_serves_its_own_metrics_only():
     assert g[("pagefleet:gateway_requests_total", (("code", "RESOURCE_EXHAUSTED"),))] == 1
     assert g[("pagefleet:gateway_shed_requests_total", ())] == 1
     assert not any(name.endswith("_created") for name, _ in g)
+
+
+def test_observe_many_is_observe_repeated():
+    """The worker observes equal inter-token gaps once per value; the histogram must read as
+    if each had been observed alone, at every bucket edge and between them."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from pagefleet.common.metrics import observe_many
+
+    def samples(registry):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in registry.collect() for s in family.samples if not s.name.endswith("_created")}
+
+    buckets = (0.001, 0.01, 0.1, 1.0)
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h_one = Histogram("gap", "gap", buckets=buckets, registry=one)
+    h_many = Histogram("gap", "gap", buckets=buckets, registry=many)
+    for value, count in ((0.0005, 3), (0.001, 2), (0.05, 1), (0.1, 4), (1.0, 5), (7.5, 2), (0.0, 3)):
+        for _ in range(count):
+            h_one.observe(value)
+        observe_many(h_many, value, count)
+    assert samples(one) == samples(many)

@@ -23,13 +23,13 @@ from concurrent.futures import Future
 
 import structlog
 
+from pagefleet.common.fencing import Write
 from pagefleet.common.redis import OutEntry
 from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import cluster_pb2
 
 from .kv_events import KVEventLog
 from .outputs import EngineStats
-from .redis_io import Emit
 
 log = structlog.get_logger("worker.engine")
 
@@ -50,7 +50,7 @@ MAX_UNREPORTED_FINISHED = 100_000
 
 
 class EngineLoop:
-    def __init__(self, engine, emit: Callable[[list[Emit]], None], notify: Callable[[], None],
+    def __init__(self, engine, emit: Callable[[list[Write]], None], notify: Callable[[], None],
                  observer=None, room: threading.Event | None = None) -> None:
         """``room``: cleared while the output writer is full; no step runs until it is set again."""
         self.engine = engine
@@ -155,7 +155,7 @@ class EngineLoop:
                 break
         self._refresh()
 
-    def _message(self, d) -> Emit | None:
+    def _message(self, d) -> Write | None:
         if not d.token_ids and not d.text and not d.finish_reason:
             return None
         rid = d.request_id
@@ -164,7 +164,7 @@ class EngineLoop:
             return self._final(rid, entry)
         n = self._record(rid, entry)
         epoch = self.assignments.get(rid, ("", 0))[1]
-        return Emit(rid, entry, None, epoch, refresh_ttl=n % TTL_REFRESH_MESSAGES == 0)
+        return Write(rid, epoch, entry, "", n % TTL_REFRESH_MESSAGES == 0)
 
     def _record(self, rid: str, e: OutEntry) -> int:
         """Add ``e`` to what this worker wrote for ``rid``; how many messages that makes."""
@@ -178,7 +178,7 @@ class EngineLoop:
         rec[4] += 1
         return rec[4]
 
-    def _final(self, rid: str, entry: OutEntry) -> Emit:
+    def _final(self, rid: str, entry: OutEntry) -> Write:
         """``rid``'s last message, with the record of everything written for it here (it is
         forgotten on this worker from here on)."""
         entry_id, epoch = self.assignments.pop(rid, ("", 0))
@@ -186,7 +186,7 @@ class EngineLoop:
         rec = self._records.pop(rid)
         record = OutEntry(rec[0], rec[1], "".join(rec[2]), entry.finish_reason, entry.error, rec[3] or None)
         self._finished(rid)
-        return Emit(rid, entry, entry_id or None, epoch, record=record)
+        return Write(rid, epoch, entry, entry_id, record=record)
 
     def _finished(self, request_id: str) -> None:
         self._records.pop(request_id, None)
@@ -232,7 +232,7 @@ class EngineLoop:
         except Exception as e:  # bad input (ValueError) or a bug: the request fails alone, visibly
             log.warning("request.refused", request_id=rid, error=str(e))
             entry = OutEntry(len(msg.output_token_ids), [], "", "error", str(e))
-            self.emit([Emit(rid, entry, msg.entry_id or None, msg.epoch, record=entry)])
+            self.emit([Write(rid, msg.epoch, entry, msg.entry_id, record=entry)])
             self._finished(rid)
             return
         self.assignments[rid] = (msg.entry_id, msg.epoch)

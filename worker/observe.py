@@ -43,29 +43,28 @@ class WorkerObserver:
 
     def before_step(self, engine: Any) -> tuple[int | None, dict[str, tuple[Any, int, str]]]:
         """Call right before ``engine.step()``; pass the result to :meth:`after_step`."""
-        before = {
-            rid: (req, req.num_computed_tokens, req.status.name) for rid, req in engine.requests.items()
-        }
+        before = {rid: (req, req.num_computed_tokens, req.status) for rid, req in engine.requests.items()}
         return self.spans.before_step(), before
 
     def after_step(self, token: tuple[int | None, dict], engine: Any, deltas: list[Any], stats: Any) -> None:
         """``stats``: the engine's ``EngineStats`` after the step."""
         started_ns, before = token
         scheduled, num_tokens = [], 0
+        traced = started_ns is not None
         for rid, (req, computed, status) in before.items():
             n = req.num_computed_tokens - computed
             if n > 0:
-                scheduled.append((rid, n, computed))
                 num_tokens += n
-            elif n < 0 and started_ns is not None:
+                if traced:
+                    scheduled.append((rid, n, computed))
+            elif n < 0 and traced:
                 self.spans.event(rid, "preempted", mode="recompute", num_dropped_tokens=computed)
-            now = req.status.name
-            if started_ns is not None and now != status and _SWAPPED in (now, status):
-                name = "swap_out" if now == _SWAPPED else "swap_in"
+            if traced and (now := req.status) != status and _SWAPPED in (now.name, status.name):
+                name = "swap_out" if now.name == _SWAPPED else "swap_in"
                 blocks = engine.kv.num_blocks_for(req.num_tokens)
                 self.spans.event(rid, name, num_blocks=blocks)
         self.spans.after_step(started_ns, scheduled)
-        for d in deltas:
+        for d in deltas if len(self.spans) else ():  # no request traced: nothing to tell the spans
             if d.token_ids:
                 self.spans.on_tokens(d.request_id, len(d.token_ids))
             if d.finish_reason is not None:

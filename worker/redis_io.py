@@ -23,33 +23,16 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 
 import structlog
 
 from pagefleet.common.fencing import Fenced, Fencing, Write
-from pagefleet.common.redis import Keys, OutEntry, retry
+from pagefleet.common.redis import Keys, retry
 
 log = structlog.get_logger("worker.redis")
 
 # Messages that may wait for Redis before the engine stops stepping.
 MAX_BACKLOG = 50_000
-
-
-@dataclass(slots=True)
-class Emit:
-    """One message for a request's output stream, written under ``epoch``; ``entry_id`` set:
-    acknowledge the request's entry in the requests stream too (its last message)."""
-
-    request_id: str
-    entry: OutEntry
-    entry_id: str | None = None
-    epoch: int = 0
-    refresh_ttl: bool = False  # renew the request's owner record with this message
-    record: OutEntry | None = None  # with a final message: all this worker wrote for the request
-
-    def write(self) -> Write:
-        return Write(self.request_id, self.epoch, self.entry, self.entry_id or "", self.refresh_ttl, self.record)
 
 
 async def _nothing() -> None:
@@ -79,7 +62,7 @@ class OutputWriter:
         self.max_backlog = max_backlog
         self.on_written = on_written  # told of every round trip (a metric)
         self.live = live  # the requests the engine holds (the steps stream keeps their entries)
-        self._queue: asyncio.Queue[list[Emit]] = asyncio.Queue()
+        self._queue: asyncio.Queue[list[Write]] = asyncio.Queue()
         self._backlog = 0  # messages queued or being written
         self._idle = asyncio.Event()
         self._idle.set()
@@ -94,7 +77,7 @@ class OutputWriter:
     def backlog(self) -> int:
         return self._backlog
 
-    def put(self, batch: list[Emit]) -> None:
+    def put(self, batch: list[Write]) -> None:
         """Queue one step's messages (call on the event loop thread)."""
         if batch:
             self._idle.clear()
@@ -129,9 +112,9 @@ class OutputWriter:
     def _live(self):
         return None if self.live is None else set(self.live())
 
-    async def _write_batch(self, batch: list[Emit]) -> None:
+    async def _write_batch(self, batch: list[Write]) -> None:
         try:
-            accepted = await retry(lambda: self.fencing.write([e.write() for e in batch], self._live()),
+            accepted = await retry(lambda: self.fencing.write(batch, self._live()),
                                   what="write_outputs")
         except Fenced:
             # Declared dead: every request here is being resumed elsewhere after what this
@@ -156,7 +139,7 @@ class OutputWriter:
             log.warning("outputs.refused", request_id=rid)
             self.on_refused(rid)
 
-    async def _write_alone(self, batch: list[Emit]) -> list[bool | None]:
+    async def _write_alone(self, batch: list[Write]) -> list[bool | None]:
         """Each request's messages in their own round trip; None where the write failed."""
         by_request: dict[str, list[int]] = {}
         for i, e in enumerate(batch):
@@ -164,7 +147,7 @@ class OutputWriter:
         result: list[bool | None] = [None] * len(batch)
         for rid, idx in by_request.items():
             try:
-                oks = await retry(lambda idx=idx: self.fencing.write([batch[i].write() for i in idx]),
+                oks = await retry(lambda idx=idx: self.fencing.write([batch[i] for i in idx]),
                                   what="write_outputs")
             except Fenced:
                 raise

@@ -68,7 +68,7 @@ class Fenced(Exception):
     """This writer's steps stream was fenced (it was declared dead): nothing it holds is its own."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Write:
     """One message for a request's output, written under ``epoch``.
 
@@ -89,10 +89,11 @@ class Write:
         return bool(self.entry.finish_reason)
 
 
-def step_output(request_id: str, e: OutEntry):
-    """``e`` as a ``StepOutput``."""
-    o = cluster_pb2.StepOutput(request_id=request_id, index=e.index, token_ids=e.token_ids, text=e.text,
-                               finish_reason=e.finish_reason, error=e.error)
+def add_step_output(steps, request_id: str, e: OutEntry):
+    """Append ``e`` to ``steps`` (a ``StepOutputs``), built in place; the new ``StepOutput``.
+    (Built in place, not built and appended: appending copies, and this runs for every token.)"""
+    o = steps.outputs.add(request_id=request_id, index=e.index, token_ids=e.token_ids, text=e.text,
+                          finish_reason=e.finish_reason, error=e.error)
     if e.logprobs:
         o.logprobs.extend(
             x if isinstance(x, generation_pb2.TokenLogprobs) else generation_pb2.TokenLogprobs(
@@ -105,7 +106,9 @@ def step_output(request_id: str, e: OutEntry):
 
 def step_piece(request_id: str, e: OutEntry) -> bytes:
     """``e`` as a one-message ``StepOutputs`` (pieces concatenated: the StepOutputs of all)."""
-    return cluster_pb2.StepOutputs(outputs=[step_output(request_id, e)]).SerializeToString()
+    steps = cluster_pb2.StepOutputs()
+    add_step_output(steps, request_id, e)
+    return steps.SerializeToString()
 
 
 def entry_of(o) -> OutEntry:
@@ -196,15 +199,14 @@ class Fencing:
             return []
         steps = cluster_pb2.StepOutputs()
         finals = []
-        for w in writes:
-            if w.final:
-                finals.append(w)
-            else:
-                steps.outputs.append(step_output(w.request_id, w.entry))
         pipe = self.redis.pipeline(transaction=False)
         for w in writes:
-            if w.refresh_ttl and not w.final:
-                pipe.expire(self.keys.owner(w.request_id), REQUEST_TTL_S)
+            if w.entry.finish_reason:
+                finals.append(w)
+            else:
+                add_step_output(steps, w.request_id, w.entry)
+                if w.refresh_ttl:
+                    pipe.expire(self.keys.owner(w.request_id), REQUEST_TTL_S)
         minid = self._trim_floor(live)
         ttl = self._steps_ttl()
         at = len(pipe.command_stack)  # the steps entry's command (its reply: the entry's id)
@@ -326,7 +328,7 @@ async def take_over(redis, keys: Keys, request_id: str, fence: bool | None = Non
     tokens, finish, whole = merged(record + found)
     before = len(merged(record)[0])
     if len(tokens) > before and whole is not None:
-        piece = cluster_pb2.StepOutputs(outputs=[step_output(request_id, whole)]).SerializeToString()
+        piece = step_piece(request_id, whole)
         pipe = redis.pipeline(transaction=False)
         pipe.xadd(keys.out(request_id), {"o": piece})
         pipe.expire(keys.out(request_id), REQUEST_TTL_S)

@@ -9,6 +9,7 @@ dashboards carry over.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ssl
 import time
@@ -150,34 +151,42 @@ class WorkerMetrics:
 
     def observe_step(self, deltas: Iterable[Any], stats: Any, num_scheduled_tokens: int = 0,
                      now: float | None = None) -> None:
-        """After one step: ``deltas`` are TokenDelta-like, ``stats`` EngineStats-like."""
+        """After one step: ``deltas`` are TokenDelta-like, ``stats`` EngineStats-like.
+
+        Runs for every step of every worker, so it touches each metric once a step, not once a
+        token: the tokens generated are counted once, and the inter-token gaps, most of them
+        equal (every request that made a token in the last step too), are observed once per value.
+        """
         now = time.monotonic() if now is None else now
         if num_scheduled_tokens:
             self.iteration_tokens.observe(num_scheduled_tokens)
+        generated = 0
+        gaps: dict[float, int] = {}
+        last_token, arrivals = self._last_token, self._arrival
         for d in deltas:
-            self._observe_delta(d, now)
-        self.observe_stats(stats)
-
-    def _observe_delta(self, delta: Any, now: float) -> None:
-        rid, n = delta.request_id, len(delta.token_ids)
-        if n:
-            self.generation_tokens.inc(n)
-            last = self._last_token.get(rid)
-            if last is None:
-                arrival = self._arrival.get(rid)
+            rid, n = d.request_id, len(d.token_ids)
+            if n:
+                generated += n
+                last = last_token.get(rid)
+                if last is None:
+                    arrival = arrivals.get(rid)
+                    if arrival is not None:
+                        self.ttft.observe(now - arrival)
+                else:
+                    gap = (now - last) / n
+                    gaps[gap] = gaps.get(gap, 0) + n
+                last_token[rid] = now
+            if d.finish_reason is not None:
+                arrival = arrivals.pop(rid, None)
+                last_token.pop(rid, None)
                 if arrival is not None:
-                    self.ttft.observe(now - arrival)
-            else:
-                gap = (now - last) / n
-                for _ in range(n):
-                    self.itl.observe(gap)
-            self._last_token[rid] = now
-        if delta.finish_reason is not None:
-            arrival = self._arrival.pop(rid, None)
-            self._last_token.pop(rid, None)
-            if arrival is not None:
-                self.e2e.observe(now - arrival)
-                self.request_success.labels(delta.finish_reason).inc()
+                    self.e2e.observe(now - arrival)
+                    self.request_success.labels(d.finish_reason).inc()
+        if generated:
+            self.generation_tokens.inc(generated)
+        for gap, count in gaps.items():
+            observe_many(self.itl, gap, count)
+        self.observe_stats(stats)
 
     def observe_stats(self, stats: Any) -> None:
         self.running.set(stats.num_running)
@@ -194,6 +203,16 @@ class WorkerMetrics:
             if grown > 0:
                 getattr(self, counter).inc(grown)
             self._totals[field] = total
+
+
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """``histogram.observe(value)`` ``count`` times, in one update of its sum and one bucket."""
+    if count == 1:
+        histogram.observe(value)
+        return
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(value * count)
+    histogram._buckets[bisect.bisect_left(histogram._upper_bounds, value)].inc(count)
 
 
 class SchedulerCounts(Protocol):
