@@ -27,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import secrets
 from collections.abc import AsyncIterator
 
 import structlog
 
-from pagefleet.common.fencing import entry_of, read_record
+from pagefleet.common.fencing import entry_of, outputs_of, read_record, steps_field
 from pagefleet.common.redis import SCHEDULER_STEPS, Keys, OutEntry, retry
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
@@ -131,10 +132,7 @@ async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int,
         for _, entries in resp or ():
             for entry_id, fields in entries:
                 cursor = entry_id
-                raw = fields.get(b"o")
-                if raw:
-                    ready += [m for o in cluster_pb2.StepOutputs.FromString(raw).outputs
-                              if o.request_id == request_id for m in order.add(entry_of(o))]
+                ready += [m for o in outputs_of(fields) if o.request_id == request_id for m in order.add(entry_of(o))]
         if ready:  # what this read found, in one message
             msg = _finished(_merged(request_id, ready), order, num_prompt_tokens)
             yield msg
@@ -207,6 +205,12 @@ def _expire(wake: asyncio.Future) -> None:
 class StepReader:
     """One blocking read of every worker's steps stream for all the relays of this process.
 
+    Each step entry carries a field per gateway process (``o:<reply_to>``, named in the
+    requests this process queues) and ``o`` for messages of no gateway's (the scheduler's
+    own): this process decodes those two only, so its work per token does not grow with the
+    number of gateway processes. (A retry relayed by another process reads its request alone:
+    ``relay``.)
+
     Started with the first relay. Every ``REFRESH_S`` it looks up the workers (one ``HKEYS``,
     and Redis's clock) and starts reading a new worker's stream ``LOOKBACK_MS`` before now, so
     a worker found late loses nothing a relay could want.
@@ -215,6 +219,8 @@ class StepReader:
     def __init__(self, redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
+        self.reply_to = secrets.token_hex(6)  # this process, in the requests it queues
+        self._fields = (b"o", steps_field(self.reply_to).encode())
         self.relays: dict[str, StepRelay] = {}
         self._cursors: dict[str, str] = {}  # steps stream -> last id read
         self._task: asyncio.Task | None = None
@@ -274,7 +280,10 @@ class StepReader:
                     key = key.decode() if isinstance(key, bytes) else key
                     for entry_id, fields in entries:
                         self._cursors[key] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                        self._dispatch(fields.get(b"o", b""))
+                        for field in self._fields:
+                            raw = fields.get(field)
+                            if raw:
+                                self._dispatch(raw)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug must not stop every relay: they fall back to their own streams

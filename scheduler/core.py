@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from pagefleet.common.fencing import Fencing, Write, is_fenced, take_over
+from pagefleet.common.fencing import Fencing, Write, is_fenced, steps_field, take_over
 from pagefleet.common.metrics import SchedulerMetrics
 from pagefleet.common.redis import GROUP, Keys, OutEntry, retry
 from pagefleet.common.service import CHANNEL_OPTIONS
@@ -329,7 +329,7 @@ class ClusterScheduler:
                 self.ledger.forget(rid)
                 return False
             entry = OutEntry(len(p.assign.output_token_ids) if p else 0, [], "", reason, error)
-            write = Write(rid, epoch, entry, p.entry_id if p else "")
+            write = Write(rid, epoch, entry, p.entry_id if p else "", field=steps_field(p.assign.reply_to if p else ""))
             if (await retry(lambda w=write: self.fencing.write([w]), what="finish"))[0]:
                 break
             # Refused: an assignment in flight took a newer epoch between our fence and our

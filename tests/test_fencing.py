@@ -55,6 +55,42 @@ def test_a_step_is_one_entry_in_the_workers_stream_whatever_its_requests(redis_u
     run(go())
 
 
+def test_each_gateways_messages_go_to_its_own_field_of_the_one_entry(redis_url):
+    """A step of requests relayed by two gateway processes (and one by none) is still one
+    entry; each gateway's messages are in its field, so a gateway decodes only its own. A
+    finishing step (the finish script) keeps them apart the same way, finals included."""
+    from pagefleet.common.fencing import outputs_of, steps_field
+
+    async def go():
+        r, keys = await _setup(redis_url, "fields")
+        f = await _worker(r, keys, "w1")
+        e = {rid: await f.assign(rid, 7, "w1") for rid in "abcd"}
+        g1, g2 = steps_field("g1"), steps_field("g2")
+        assert (g1, steps_field("")) == ("o:g1", "o")
+        assert await f.write([Write("a", e["a"], OutEntry(0, [1], "x"), field=g1),
+                              Write("b", e["b"], OutEntry(0, [2], "y"), field=g2),
+                              Write("c", e["c"], OutEntry(0, [3], "z"))]) == [True] * 3
+        ok = await f.write([Write("a", e["a"], OutEntry(1, [4], "u"), field=g1),
+                            Write("b", e["b"], OutEntry(1, [5], "v", "stop"), field=g2),
+                            Write("d", e["d"], OutEntry(0, [6], "w", "length"), field=g2)])
+        assert ok == [True, True, True]
+        entries = await r.xrange(f.steps_key)
+        assert len(entries) == 2
+
+        def seen(fields, field):
+            return [(o.request_id, list(o.token_ids), o.finish_reason) for o in outputs_of(fields, [field.encode()])]
+
+        (_, first), (_, second) = entries
+        assert seen(first, g1) == [("a", [1], "")] and seen(first, g2) == [("b", [2], "")]
+        assert seen(first, "o") == [("c", [3], "")]
+        assert seen(second, g1) == [("a", [4], "")]
+        assert seen(second, g2) == [("b", [5], "stop"), ("d", [6], "length")]
+        assert sorted(o.request_id for o in outputs_of(second)) == ["a", "b", "d"]
+        await r.aclose()
+
+    run(go())
+
+
 def test_a_stale_scheduler_cannot_assign(redis_url):
     async def go():
         r, keys = await _setup(redis_url, "t2")

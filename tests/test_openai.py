@@ -524,7 +524,7 @@ def test_x_request_id_is_the_idempotency_key(cluster, client):
 
 def _wrote_tokens(cluster, request_id: str) -> bool:
     """Whether the request's worker has written tokens of it (its steps stream, latest entries)."""
-    from pagefleet.protos import cluster_pb2
+    from pagefleet.common.fencing import outputs_of
 
     keys = Keys(cluster.cfg.namespace)
     r = sync_redis.Redis.from_url(cluster.redis_url)
@@ -534,8 +534,7 @@ def _wrote_tokens(cluster, request_id: str) -> bool:
         entries = r.xrevrange(steps, count=64) if steps else []
     finally:
         r.close()
-    return any(o.request_id == request_id and o.token_ids for _, f in entries if f.get(b"o")
-               for o in cluster_pb2.StepOutputs.FromString(f[b"o"]).outputs)
+    return any(o.request_id == request_id and o.token_ids for _, f in entries for o in outputs_of(f))
 
 
 @pytest.mark.parametrize("stream", [True, False])

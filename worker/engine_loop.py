@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 import structlog
 
-from pagefleet.common.fencing import Write
+from pagefleet.common.fencing import Write, steps_field
 from pagefleet.common.redis import OutEntry
 from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import cluster_pb2
@@ -48,6 +48,8 @@ TTL_REFRESH_MESSAGES = 512
 # (the scheduler then learns of those from the request ids its reports no longer carry).
 MAX_UNREPORTED_FINISHED = 100_000
 
+_UNASSIGNED = ("", 0, "o")
+
 
 class EngineLoop:
     def __init__(self, engine, emit: Callable[[list[Write]], None], notify: Callable[[], None],
@@ -59,8 +61,8 @@ class EngineLoop:
         self.notify = notify
         self.room = room
         # request id -> (its entry in the Redis requests stream, acknowledged with its last
-        # write; the epoch its writes are fenced with)
-        self.assignments: dict[str, tuple[str, int]] = {}
+        # write; the epoch its writes are fenced with; the steps entry field of its gateway)
+        self.assignments: dict[str, tuple[str, int, str]] = {}
         # request id -> everything this worker wrote for it since its assignment: the record its
         # final write keeps for a retry's replay ([index, token ids, text pieces, logprobs, messages])
         self._records: dict[str, list] = {}
@@ -163,8 +165,8 @@ class EngineLoop:
         if d.finish_reason:
             return self._final(rid, entry)
         n = self._record(rid, entry)
-        epoch = self.assignments.get(rid, ("", 0))[1]
-        return Write(rid, epoch, entry, "", n % TTL_REFRESH_MESSAGES == 0)
+        _, epoch, field = self.assignments.get(rid, _UNASSIGNED)
+        return Write(rid, epoch, entry, "", n % TTL_REFRESH_MESSAGES == 0, None, field)
 
     def _record(self, rid: str, e: OutEntry) -> int:
         """Add ``e`` to what this worker wrote for ``rid``; how many messages that makes."""
@@ -181,12 +183,12 @@ class EngineLoop:
     def _final(self, rid: str, entry: OutEntry) -> Write:
         """``rid``'s last message, with the record of everything written for it here (it is
         forgotten on this worker from here on)."""
-        entry_id, epoch = self.assignments.pop(rid, ("", 0))
+        entry_id, epoch, field = self.assignments.pop(rid, _UNASSIGNED)
         self._record(rid, entry)
         rec = self._records.pop(rid)
         record = OutEntry(rec[0], rec[1], "".join(rec[2]), entry.finish_reason, entry.error, rec[3] or None)
         self._finished(rid)
-        return Write(rid, epoch, entry, entry_id, record=record)
+        return Write(rid, epoch, entry, entry_id, record=record, field=field)
 
     def _finished(self, request_id: str) -> None:
         self._records.pop(request_id, None)
@@ -232,10 +234,10 @@ class EngineLoop:
         except Exception as e:  # bad input (ValueError) or a bug: the request fails alone, visibly
             log.warning("request.refused", request_id=rid, error=str(e))
             entry = OutEntry(len(msg.output_token_ids), [], "", "error", str(e))
-            self.emit([Write(rid, msg.epoch, entry, msg.entry_id, record=entry)])
+            self.emit([Write(rid, msg.epoch, entry, msg.entry_id, record=entry, field=steps_field(msg.reply_to))])
             self._finished(rid)
             return
-        self.assignments[rid] = (msg.entry_id, msg.epoch)
+        self.assignments[rid] = (msg.entry_id, msg.epoch, steps_field(msg.reply_to))
         if self.observer:
             self.observer.assigned(msg, parent)
         log.info("request.assigned", request_id=rid, traceparent=msg.traceparent,

@@ -83,10 +83,25 @@ class Write:
     entry_id: str = ""
     refresh_ttl: bool = False
     record: OutEntry | None = None
+    field: str = "o"  # the steps entry's field it goes to: its gateway's (``steps_field``)
 
     @property
     def final(self) -> bool:
         return bool(self.entry.finish_reason)
+
+
+def steps_field(reply_to: str) -> str:
+    """The field of a steps entry that carries the messages of the requests relayed by gateway
+    process ``reply_to`` (``AssignRequest.reply_to``); ``o`` for those of no gateway."""
+    return f"o:{reply_to}" if reply_to else "o"
+
+
+def outputs_of(fields: dict, only: Iterable[bytes] | None = None):
+    """Every ``StepOutput`` of one entry of a steps stream, field after field (``only``: just
+    those fields; default every field of messages)."""
+    for name, raw in fields.items():
+        if raw and (name in only if only is not None else name[:1] == b"o"):
+            yield from cluster_pb2.StepOutputs.FromString(raw).outputs
 
 
 def add_step_output(steps, request_id: str, e: OutEntry):
@@ -197,14 +212,17 @@ class Fencing:
 
         if not writes:
             return []
-        steps = cluster_pb2.StepOutputs()
+        steps: dict[str, object] = {}  # field -> its StepOutputs
         finals = []
         pipe = self.redis.pipeline(transaction=False)
         for w in writes:
             if w.entry.finish_reason:
                 finals.append(w)
             else:
-                add_step_output(steps, w.request_id, w.entry)
+                outs = steps.get(w.field)
+                if outs is None:
+                    outs = steps[w.field] = cluster_pb2.StepOutputs()
+                add_step_output(outs, w.request_id, w.entry)
                 if w.refresh_ttl:
                     pipe.expire(self.keys.owner(w.request_id), REQUEST_TTL_S)
         minid = self._trim_floor(live)
@@ -212,15 +230,19 @@ class Fencing:
         at = len(pipe.command_stack)  # the steps entry's command (its reply: the entry's id)
         if finals:
             keys = [self.steps_key, self.keys.requests, self.keys.done]
-            args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, steps.SerializeToString(), minid, ttl, len(finals)]
+            args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, minid, ttl, len(steps)]
+            for field, outs in steps.items():
+                args += [field, outs.SerializeToString()]
+            args.append(len(finals))
             for w in finals:
                 rid = w.request_id
                 keys += [self.keys.owner(rid), self.keys.out(rid), self.keys.idempotency(rid)]
-                args += [w.epoch, w.entry_id, rid, w.entry.finish_reason, step_piece(rid, w.entry),
+                args += [w.epoch, w.entry_id, rid, w.entry.finish_reason, w.field, step_piece(rid, w.entry),
                          step_piece(rid, w.record or w.entry)]
             await self._finish(keys=keys, args=args, client=pipe)
         else:
-            pipe.xadd(self.steps_key, {"o": steps.SerializeToString()}, minid=minid, approximate=True)
+            pipe.xadd(self.steps_key, {f: outs.SerializeToString() for f, outs in steps.items()},
+                      minid=minid, approximate=True)
             if ttl:
                 pipe.expire(self.steps_key, ttl)
         results = await pipe.execute(raise_on_error=False)
@@ -267,10 +289,7 @@ async def messages_in(redis, key: str, request_id: str, since: str = "0-0", unti
     while True:
         entries = await retry(lambda s=start: redis.xrange(key, s, until, count=1000), what="xrange_steps")
         for _, fields in entries:
-            raw = fields.get(b"o")
-            if raw:
-                out.extend(entry_of(o) for o in cluster_pb2.StepOutputs.FromString(raw).outputs
-                           if o.request_id == request_id)
+            out.extend(entry_of(o) for o in outputs_of(fields) if o.request_id == request_id)
         if len(entries) < 1000:
             return out
         last = entries[-1][0]

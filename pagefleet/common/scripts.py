@@ -50,32 +50,59 @@ return epoch
 """
 
 # A write that finishes requests: the step's other messages and each final message whose
-# writer still owns its request, in one steps entry; then, for those, the finish.
+# writer still owns its request, in one steps entry (a field per gateway process: each
+# message in the field of the gateway that relays its request); then, for those, the finish.
 # KEYS: steps stream, requests stream, done stream, then for each final: own, out, idempotency key.
-# ARGV: group, done maxlen, done ttl, the other messages (a StepOutputs), steps MINID, steps
-# ttl, n, then for each final: epoch, entry id ('' for none), request id, finish reason, its
-# message (a StepOutputs piece), its record (a StepOutputs piece).
+# ARGV: group, done maxlen, done ttl, steps MINID, steps ttl, m, then m pairs (field, the other
+# messages of that field: a StepOutputs), n, then for each final: epoch, entry id ('' for
+# none), request id, finish reason, its field, its message (a StepOutputs piece), its record
+# (a StepOutputs piece).
 # Returns the steps entry's id and, per final, 1 if written, 0 if refused (stale epoch or done).
 # A fenced stream: an error.
 FINISH = """
-local n = tonumber(ARGV[7])
-local ok, pieces = {}, {ARGV[4]}
+local m = tonumber(ARGV[6])
+local pieces, order = {}, {}
+for j = 1, m do
+  local f = ARGV[5 + 2 * j]
+  pieces[f] = {ARGV[6 + 2 * j]}
+  order[j] = f
+end
+local base = 7 + 2 * m
+local n = tonumber(ARGV[base])
+local ok = {}
 for i = 1, n do
-  local a = 8 + 6 * (i - 1)
+  local a = base + 1 + 7 * (i - 1)
   local cur = redis.call('HMGET', KEYS[3 * i + 1], 'epoch', 'done')
   ok[i] = ((cur[1] or '0') == ARGV[a] and cur[2] ~= '1') and 1 or 0
-  if ok[i] == 1 then pieces[#pieces + 1] = ARGV[a + 4] end
+  if ok[i] == 1 then
+    local f = ARGV[a + 4]
+    if pieces[f] == nil then
+      pieces[f] = {}
+      order[#order + 1] = f
+    end
+    local p = pieces[f]
+    p[#p + 1] = ARGV[a + 5]
+  end
 end
-local id = redis.call('XADD', KEYS[1], 'MINID', '~', ARGV[5], '*', 'o', table.concat(pieces))
-if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6])) end
+local xadd = {KEYS[1], 'MINID', '~', ARGV[4], '*'}
+for _, f in ipairs(order) do
+  xadd[#xadd + 1] = f
+  xadd[#xadd + 1] = table.concat(pieces[f])
+end
+if #order == 0 then
+  xadd[#xadd + 1] = 'o'
+  xadd[#xadd + 1] = ''
+end
+local id = redis.call('XADD', unpack(xadd))
+if ARGV[5] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5])) end
 local done_ttl = tonumber(ARGV[3])
 for i = 1, n do
   if ok[i] == 1 then
-    local a = 8 + 6 * (i - 1)
+    local a = base + 1 + 7 * (i - 1)
     local own, out, idem = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
     redis.call('HSET', own, 'done', '1')
     redis.call('EXPIRE', own, done_ttl)
-    redis.call('XADD', out, '*', 'o', ARGV[a + 5])
+    redis.call('XADD', out, '*', 'o', ARGV[a + 6])
     redis.call('EXPIRE', out, done_ttl)
     if redis.call('EXISTS', idem) == 1 then redis.call('EXPIRE', idem, done_ttl) end
     if ARGV[a + 1] ~= '' then
