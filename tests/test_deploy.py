@@ -289,7 +289,7 @@ def test_compose_validates_against_compose_spec(compose):
 
 def test_compose_has_the_whole_stack(compose):
     services = compose["services"]
-    assert {"redis", "scheduler", "gateway", "jaeger", "prometheus"} <= set(services)
+    assert {"redis", "scheduler", "gateway", "jaeger", "prometheus", "grafana"} <= set(services)
     assert "--appendonly" in services["redis"]["command"]
     cpu = [s for s in services.values() if "cpu" in s.get("profiles", ())]
     gpu = [s for s in services.values() if "gpu" in s.get("profiles", ())]
@@ -506,14 +506,31 @@ def test_secure_component_gives_every_process_its_secrets(rendered, monkeypatch)
             assert auth["name"] == "pagefleet-redis" and auth["key"] in OPERATOR_SECRETS["pagefleet-redis"]
 
 
-def test_compose_commands_flags_env_and_ports_exist(compose, monkeypatch):
+def test_compose_commands_flags_env_and_ports_exist(compose, compose_variants, monkeypatch):
     metrics_ports = {}
-    for sname, svc in compose["services"].items():
+    for where, services in [("docker-compose.yml", compose["services"]),
+                            *((f"docker-compose.yml + {f}", v["services"]) for f, v in compose_variants.items())]:
+        metrics_ports |= _compose_processes(where, services, monkeypatch)
+    prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets
+    for target in targets:  # what one of the files runs (a service not running shows as down)
+        host, port = target.rsplit(":", 1)
+        assert host in metrics_ports, f"prometheus.yml scrapes {host}, which no docker-compose file runs"
+        assert int(port) == metrics_ports[host], f"prometheus.yml scrapes {target}; {host} serves metrics on {metrics_ports[host]}"
+    assert set(metrics_ports) <= {t.rsplit(":", 1)[0] for t in targets}, "a component is not scraped"
+
+
+def _compose_processes(where: str, services: dict, monkeypatch) -> dict[str, int | None]:
+    """Checks every pagefleet service's command, variables, published ports and health check;
+    ``{host name: metrics port}`` of each."""
+    metrics_ports = {}
+    for sname, svc in services.items():
         argv = svc.get("command")
         if not argv or argv[0] != "pagefleet":
             continue
         env = {k: str(v) for k, v in svc.get("environment", {}).items()}
-        proc = Process(f"docker-compose.yml: {sname}", argv, env)
+        proc = Process(f"{where}: {sname}", argv, env)
         values = resolve(proc, monkeypatch)
         listening = set(listening_ports(values).values())
         for mapping in svc.get("ports", []):
@@ -524,14 +541,7 @@ def test_compose_commands_flags_env_and_ports_exist(compose, monkeypatch):
             assert int(port) == values["port"], f"{proc.where}: healthcheck dials {port}"
         metrics_ports[svc.get("hostname", sname)] = values.get("metrics_port")
         metrics_ports[sname] = values.get("metrics_port")
-    prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
-    assert targets
-    for target in targets:
-        host, port = target.rsplit(":", 1)
-        assert host in metrics_ports, f"prometheus.yml scrapes {host}, which docker-compose.yml does not run"
-        assert int(port) == metrics_ports[host], f"prometheus.yml scrapes {target}; {host} serves metrics on {metrics_ports[host]}"
-    assert set(metrics_ports) <= {t.rsplit(":", 1)[0] for t in targets}, "a component is not scraped"
+    return metrics_ports
 
 
 def compose_merge(base, override, key: str = ""):
@@ -547,6 +557,79 @@ def compose_merge(base, override, key: str = ""):
         target = {str(v).split(":")[1]: v for v in override}
         return [v for v in base if str(v).split(":")[1] not in target] + list(override)
     return override
+
+
+# Files to run over docker-compose.yml (`docker compose -f docker-compose.yml -f FILE`).
+COMPOSE_VARIANTS = ("docker-compose.two-models.yml", "docker-compose.redis-cluster.yml")
+
+
+@pytest.fixture(scope="module")
+def compose_variants(compose) -> dict[str, dict]:
+    return {f: compose_merge(compose, yaml.safe_load(interpolate((REPO / f).read_text()))) for f in COMPOSE_VARIANTS}
+
+
+def test_compose_variants_validate(compose_variants):
+    import jsonschema
+
+    validator = jsonschema.Draft201909Validator(compose_schema())
+    for name, merged in compose_variants.items():
+        errors = sorted(validator.iter_errors(merged), key=lambda e: list(e.path))
+        assert not errors, name + "\n" + "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+        for sname, svc in merged["services"].items():
+            for dep in svc.get("depends_on", {}):
+                assert dep in merged["services"], f"{name}: {sname} depends on {dep}, which is not a service"
+
+
+def test_compose_two_models_run_a_shard_each(compose_variants):
+    services = compose_variants["docker-compose.two-models.yml"]["services"]
+    pagefleet = {n: s for n, s in services.items() if s.get("command", [])[:1] == ["pagefleet"]}
+    schedulers = {s["environment"]["PAGEFLEET_SHARD"] for s in pagefleet.values() if s["command"][1] == "scheduler"}
+    models: dict[str, set[str]] = {}
+    for sname, svc in pagefleet.items():
+        if svc["command"][1] == "worker":
+            models.setdefault(svc["environment"]["PAGEFLEET_SHARD"], set()).add(svc["environment"]["PAGEFLEET_MODEL"])
+    assert len(schedulers) == 2 and set(models) == schedulers, (schedulers, models)
+    assert all(len(m) == 1 for m in models.values()), "a shard serves one model"
+    served = {a.split("=", 1)[1] for a in services["gateway"]["command"] if a.startswith("--model=")}
+    assert served == set().union(*models.values())
+    for sname, svc in pagefleet.items():  # a checkpoint directory is mounted where it is read
+        for model in [svc["environment"].get("PAGEFLEET_MODEL"), *(served if sname == "gateway" else ())]:
+            if model and model.startswith("/"):
+                assert any(str(v).split(":")[1] == model for v in svc.get("volumes", [])), f"{sname}: {model}"
+
+
+def test_compose_redis_cluster_has_three_primaries_with_a_replica_each(compose_variants):
+    services = compose_variants["docker-compose.redis-cluster.yml"]["services"]
+    nodes = {n: s for n, s in services.items() if "--cluster-enabled" in s.get("command", [])}
+    assert len(nodes) == 6 and "redis" in nodes
+    create = " ".join(services["redis-cluster-create"]["command"])
+    assert "--cluster-replicas 1" in create and "cluster_state:ok" in create
+    assert {h.split(":")[0] for h in re.findall(r"[\w-]+:6379", create)} == set(nodes)
+    volumes = [v for s in nodes.values() for v in s.get("volumes", [])]
+    assert len({str(v).split(":")[0] for v in volumes}) == 6, "each node keeps its own nodes.conf and AOF"
+    for sname, svc in services.items():
+        if svc.get("command", [])[:1] == ["pagefleet"]:
+            assert svc["environment"]["PAGEFLEET_REDIS_CLUSTER"] == "true", sname
+            assert svc["depends_on"]["redis-cluster-create"]["condition"] == "service_completed_successfully"
+
+
+def test_grafana_is_provisioned_beside_prometheus(compose):
+    grafana = compose["services"]["grafana"]
+    mounts = {str(v).split(":")[1]: REPO / str(v).split(":")[0] for v in grafana["volumes"]}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus"
+    prometheus_port = compose["services"]["prometheus"]["ports"][0].rsplit(":", 1)[-1]
+    assert source["url"] == f"http://prometheus:{prometheus_port}"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "pagefleet.yml").read_text())["providers"]
+    folder = next(host for path, host in mounts.items() if path == provider["options"]["path"])
+    dashboards = sorted(folder.glob("*.json"))
+    assert [d.name for d in dashboards] == ["pagefleet.json"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/pagefleet.json"
+    dashboard = json.loads(dashboards[0].read_text())
+    datasource = next(v for v in dashboard["templating"]["list"] if v["type"] == "datasource")
+    assert datasource["query"] == source["type"]
 
 
 @pytest.fixture(scope="module")
