@@ -585,7 +585,7 @@ def test_compose_two_models_run_a_shard_each(compose_variants):
     pagefleet = {n: s for n, s in services.items() if s.get("command", [])[:1] == ["pagefleet"]}
     schedulers = {s["environment"]["PAGEFLEET_SHARD"] for s in pagefleet.values() if s["command"][1] == "scheduler"}
     models: dict[str, set[str]] = {}
-    for sname, svc in pagefleet.items():
+    for svc in pagefleet.values():
         if svc["command"][1] == "worker":
             models.setdefault(svc["environment"]["PAGEFLEET_SHARD"], set()).add(svc["environment"]["PAGEFLEET_MODEL"])
     assert len(schedulers) == 2 and set(models) == schedulers, (schedulers, models)
