@@ -7,7 +7,11 @@
   own ``--shard`` and pods no other shard's selectors take; the gateway serves both models;
 * the redis-cluster component runs 6 nodes (3 primaries + 1 replica each, formed by a Job)
   and gives every component ``--redis-cluster`` and a ``--redis-url`` naming a node;
-* ``docker-compose.yml`` validates against the compose-spec JSON schema;
+* ``docker-compose.yml`` validates against the compose-spec JSON schema, and so does each of
+  docker-compose.two-models.yml (a scheduler and a worker service per model, the gateway
+  serving both) and docker-compose.redis-cluster.yml (6 nodes, 3 primaries + 1 replica each)
+  merged over it; Grafana is provisioned with the Prometheus it runs beside and the dashboard
+  it mounts;
 * every command a manifest runs is a ``pagefleet`` command whose parser takes its flags,
   every ``PAGEFLEET_*`` variable a container gets is one of its flags (with a value the
   flag accepts), every ``OTEL_*`` variable is one the SDK reads, and every port a manifest
