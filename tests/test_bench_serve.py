@@ -21,8 +21,10 @@ from pagefleet.bench.datasets import (
     SampleRequest,
     add_dataset_args,
     random_requests,
+    sample_requests,
     shared_prefix_requests,
     sharegpt_requests,
+    short_chat_requests,
 )
 from pagefleet.bench.loadgen import arrival_times
 from pagefleet.bench.serve_metrics import (
@@ -97,6 +99,42 @@ def test_shared_prefix_groups_share_their_system_prompt_tokens(tok):
         by_group.setdefault(r.group, set()).add(tuple(ids[:48]))
     assert all(len(prefixes) == 1 for prefixes in by_group.values())
     assert len({p for prefixes in by_group.values() for p in prefixes}) == 3
+
+
+def test_short_chat_turns_are_seeded_and_short(tok):
+    reqs = short_chat_requests(tok, 400, seed=5)
+    assert reqs == short_chat_requests(tok, 400, seed=5)
+    assert reqs != short_chat_requests(tok, 400, seed=6)
+    words = [len(r.prompt.split()) for r in reqs]
+    assert min(words) == 10 and max(words) == 90  # 400 draws of 81 values reach both ends
+    assert len(set(words)) > 50
+    assert all(r.prompt_len == seen_by_server(tok, r.prompt) for r in reqs)
+    outs = np.array([r.expected_output_len for r in reqs])
+    most = (outs >= 8) & (outs <= 48)
+    assert 0.8 <= most.mean() <= 0.97 and outs.min() == 8
+    assert outs[~most].min() > 48 and outs.max() <= 4 * 48
+    assert len({r.prompt for r in reqs}) == len(reqs)
+    narrow = short_chat_requests(tok, 50, min_words=3, max_words=3, min_output=2, max_output=2, seed=0)
+    assert {len(r.prompt.split()) for r in narrow} == {3}
+    assert {r.expected_output_len for r in narrow} <= {2, *range(3, 9)}
+
+
+def test_short_chat_rejects_bad_ranges(tok):
+    with pytest.raises(ValueError, match="short-chat-min-words"):
+        short_chat_requests(tok, 4, min_words=20, max_words=10)
+    with pytest.raises(ValueError, match="short-chat-min-output"):
+        short_chat_requests(tok, 4, min_output=0)
+    with pytest.raises(ValueError, match="num-prompts"):
+        short_chat_requests(tok, 0)
+
+
+def test_short_chat_from_the_command_line(tok):
+    p = argparse.ArgumentParser()
+    add_dataset_args(p)
+    args = p.parse_args(["--dataset", "short-chat", "--num-prompts", "12", "--seed", "2",
+                         "--short-chat-max-words", "20"])
+    reqs = sample_requests(args, tok)
+    assert reqs == short_chat_requests(tok, 12, 10, 20, 8, 48, seed=2)
 
 
 def _conversation(human: str, gpt: str | None) -> dict:

