@@ -104,7 +104,7 @@ for i = 1, n do
     redis.call('EXPIRE', own, done_ttl)
     redis.call('XADD', out, '*', 'o', ARGV[a + 6])
     redis.call('EXPIRE', out, done_ttl)
-    if redis.call('EXISTS', idem) == 1 then redis.call('EXPIRE', idem, done_ttl) end
+    redis.call('EXPIRE', idem, done_ttl)  -- the client's claim, if it made one (a no-op if not)
     if ARGV[a + 1] ~= '' then
       redis.call('XACK', KEYS[2], ARGV[1], ARGV[a + 1])
       redis.call('XDEL', KEYS[2], ARGV[a + 1])
