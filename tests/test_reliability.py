@@ -67,7 +67,7 @@ def test_soak_keeps_memory_fds_and_redis_bounded(tmp_path):
     _exact(row)
     assert all(row.goals.values()), row
     # every process was sampled, Redis's keys the load left all expire or are capped streams
-    assert {"gateway", "scheduler", "worker-0", "redis-server"} <= set(row.figures["fds max first half -> second half"])
+    assert {"gateway", "scheduler", "worker-0", "redis-server"} <= set(row.figures["fds: max in the first half of the load -> once idle"])
     assert "keys with neither TTL nor cap" not in row.figures, row
     assert any(k.endswith(":done") for k in row.figures["streams kept by design (length, bound, bytes)"]), row
 
