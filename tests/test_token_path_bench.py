@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _bench(tmp_path, *args: str) -> dict:
     out = tmp_path / "tp.json"
@@ -46,3 +48,14 @@ def test_token_path_bench_over_the_http_door(tmp_path):
     by_mode = {r["mode"]: r for r in report["results"]}
     assert by_mode["floor"]["num_whole"] == 16 and by_mode["stream"]["num_whole"] == 16
     assert by_mode["stream"]["num_tokens"] == 160
+
+
+def test_host_path_bench_counts_every_token_and_splits_the_cost():
+    from pagefleet.benchmarks.host_path import main, measure
+
+    r = measure(batch=4, max_tokens=8)
+    assert r["tokens"] == 4 * 8
+    assert r["us_per_token"] > 0 and all(r[k] >= 0 for k in ("step_us", "message_us", "encode_us"))
+    assert abs(r["step_us"] + r["message_us"] + r["encode_us"] - r["us_per_token"]) < 0.05
+    with pytest.raises(SystemExit):
+        main(["--batch", "0"])

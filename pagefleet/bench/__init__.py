@@ -9,6 +9,7 @@ import sys
 SUITES = {
     "decode": "pagefleet.benchmarks.decode",
     "engine": "pagefleet.benchmarks.engine",
+    "host-path": "pagefleet.benchmarks.host_path",
     "kernels": "pagefleet.benchmarks.kernels",
     "preemption": "pagefleet.benchmarks.preemption",
     "scheduler": "pagefleet.benchmarks.fleet.scheduler",
