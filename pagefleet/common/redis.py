@@ -171,23 +171,21 @@ async def cancellable(aw: Awaitable[T]) -> T:
     redis-py sends every command through ``asyncio.wait_for``, and Python 3.11's ``wait_for``
     drops a cancel that lands as the send completes (fixed in 3.12): the command goes on, and
     a relay whose client went away kept reading to the request's end, so the request was
-    never cancelled. On 3.11 the command runs in a task of its own, shielded: the caller's
-    cancel raises at once and cancels that task (whatever the task does with it).
+    never cancelled. A dropped cancel still counts in the task's ``cancelling()``: when it
+    grew while the command ran and no ``CancelledError`` came, it is raised here, once the
+    command (which completed) has returned. No task of its own a command: this runs for every
+    Redis call, the steps reader's and the workers' writes included.
     """
     if sys.version_info >= (3, 12):
         return await aw
-    task = asyncio.ensure_future(aw)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.cancel()
-        task.add_done_callback(_retrieved)  # its error (a broken connection, say) is nobody's now
-        raise
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
+    task = asyncio.current_task()
+    if task is None:
+        return await aw
+    before = task.cancelling()
+    result = await aw
+    if task.cancelling() > before:
+        raise asyncio.CancelledError  # the cancel wait_for dropped
+    return result
 
 
 async def retry(
