@@ -5,13 +5,24 @@ whichever uvicorn picks) with three bounds:
 
 * ``--http-header-timeout``: a request's headers must all arrive within this many seconds of
   the connection opening (or of the previous response on a kept-alive connection); a client
-  sending them a byte at a time is answered 408 and closed.
+  sending them a byte at a time is answered 408 and closed. It is also how long a kept-alive
+  connection may sit idle: one on which no byte came since its last response is closed
+  quietly then (no 408, not counted as a cut).
 * ``--http-body-timeout``: while a body is being read, the gap between two of its pieces;
   past it, 408 and closed (the route sees a disconnect).
 * ``--max-connections``: a connection past this many open ones is answered 503 and closed
   at once, before anything is read from it.
 
 Each answer is a whole HTTP/1.1 response with ``Connection: close``.
+
+uvicorn's own keep-alive timer (5 s) is not used: a server that closes an idle connection at
+the very moment the client reuses it makes the client's request meet a reset (the client's
+``ReadError``, a request lost). httpx expires its idle connections after 5 s of its own clock,
+which starts when it has read the response, later than the server's; with both at 5 s a busy
+client reused connections the server was closing (``bench token-path --backend openai``: the
+server's FIN 5.000 s after the last chunk, the client's next request 7 ms later, then RST). The
+idle bound is the header timeout (10 s by default): keep it above the clients' keep-alive
+expiry.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, b
         _reading: str | None = None  # "headers", "body" or None (a request is being answered)
         _timer: asyncio.TimerHandle | None = None
         _seen_cycle = None
+        _idle = False  # kept alive after a response, and no byte of a next request came yet
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -49,6 +61,7 @@ def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, b
             self._await_headers()
 
         def data_received(self, data: bytes) -> None:
+            self._idle = False
             super().data_received(data)
             if self.transport.is_closing():
                 return
@@ -65,9 +78,17 @@ def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, b
                     self._disarm()
 
         def on_response_complete(self) -> None:
+            cycle, pipelined = self.cycle, bool(getattr(self, "pipeline", ()))  # httptools queues them
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._await_headers()
+            if self.transport.is_closing():
+                return
+            self._unset_keepalive_if_required()  # the idle bound is this guard's (see above)
+            if pipelined or self.cycle is not cycle:  # a next request, read already, is being answered
+                self._seen_cycle, self._reading = self.cycle, None
+                self._disarm()
+                return
+            self._await_headers()
+            self._idle = True
 
         def connection_lost(self, exc) -> None:
             self._disarm()
@@ -89,6 +110,9 @@ def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, b
         def _timed_out(self) -> None:
             self._timer = None
             if self._reading is None or self.transport.is_closing():
+                return
+            if self._idle:  # a kept-alive connection nobody reused: closed, as a keep-alive timeout does
+                self.transport.close()
                 return
             cycle = self.cycle
             answered = cycle is not None and cycle is self._seen_cycle and cycle.response_started
