@@ -5,13 +5,26 @@ whichever uvicorn picks) with three bounds:
 
 * ``--http-header-timeout``: a request's headers must all arrive within this many seconds of
   the connection opening (or of the previous response on a kept-alive connection); a client
-  sending them a byte at a time is answered 408 and closed.
+  sending them a byte at a time is answered 408 and closed. On a kept-alive connection it
+  counts from the first byte of the next request.
+* Idle kept-alive connections: one on which no byte came since its last response is closed
+  quietly after ``KEEP_ALIVE_S`` (30 s; the header timeout where that is longer): no 408,
+  not counted as a cut.
 * ``--http-body-timeout``: while a body is being read, the gap between two of its pieces;
   past it, 408 and closed (the route sees a disconnect).
 * ``--max-connections``: a connection past this many open ones is answered 503 and closed
   at once, before anything is read from it.
 
 Each answer is a whole HTTP/1.1 response with ``Connection: close``.
+
+uvicorn's own keep-alive timer (5 s) is not used: a server that closes an idle connection at
+the very moment the client reuses it makes the client's request meet a reset (the client's
+``ReadError``, a request lost). httpx expires its idle connections after 5 s of its own clock,
+which starts when it has read the response, later than the server's; with both at 5 s a busy
+client reused connections the server was closing (``bench token-path --backend openai``: the
+server's FIN 5.000 s after the last chunk, the client's next request 7 to 20 ms later, then
+RST). The idle bound is well above the clients' keep-alive expiry (httpx 5 s, aiohttp 15 s)
+and any lag of a busy client, so the client is the one that gives an idle connection up.
 """
 
 from __future__ import annotations
@@ -29,17 +42,20 @@ def _answer(status: str) -> bytes:
 
 
 TIMEOUT = _answer("408 Request Timeout")
+KEEP_ALIVE_S = 30.0
 FULL = _answer("503 Service Unavailable")
 
 
 def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, body_timeout_s: float,
-                     max_connections: int, on_refused=None) -> type[asyncio.Protocol]:
+                     max_connections: int, on_refused=None,
+                     keep_alive_s: float = KEEP_ALIVE_S) -> type[asyncio.Protocol]:
     """``base`` with the bounds above (``on_refused(reason)`` counts each connection cut)."""
 
     class Guarded(base):  # type: ignore[misc, valid-type]
         _reading: str | None = None  # "headers", "body" or None (a request is being answered)
         _timer: asyncio.TimerHandle | None = None
         _seen_cycle = None
+        _idle = False  # kept alive after a response, and no byte of a next request came yet
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -49,6 +65,9 @@ def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, b
             self._await_headers()
 
         def data_received(self, data: bytes) -> None:
+            if self._idle:  # the next request's first byte: its headers are due within the timeout
+                self._idle = False
+                self._await_headers()
             super().data_received(data)
             if self.transport.is_closing():
                 return
@@ -65,9 +84,17 @@ def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, b
                     self._disarm()
 
         def on_response_complete(self) -> None:
+            cycle, pipelined = self.cycle, bool(getattr(self, "pipeline", ()))  # httptools queues them
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._await_headers()
+            if self.transport.is_closing():
+                return
+            self._unset_keepalive_if_required()  # the idle bound is this guard's (see above)
+            if pipelined or self.cycle is not cycle:  # a next request, read already, is being answered
+                self._seen_cycle, self._reading = self.cycle, None
+                self._disarm()
+                return
+            self._idle, self._reading = True, "headers"
+            self._arm(max(keep_alive_s, header_timeout_s))
 
         def connection_lost(self, exc) -> None:
             self._disarm()
@@ -90,8 +117,12 @@ def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, b
             self._timer = None
             if self._reading is None or self.transport.is_closing():
                 return
+            if self._idle:  # a kept-alive connection nobody reused: closed, as a keep-alive timeout does
+                self.transport.close()
+                return
             cycle = self.cycle
-            answered = cycle is not None and cycle is self._seen_cycle and cycle.response_started
+            answered = (self._reading == "body" and cycle is not None and cycle is self._seen_cycle
+                        and cycle.response_started)
             self._cut(None if answered else TIMEOUT, f"{self._reading}_timeout")
 
         def _cut(self, answer: bytes | None, reason: str) -> None:

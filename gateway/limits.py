@@ -16,8 +16,9 @@ flag                        default      bounds
                                          ``STREAM_HEADROOM`` more streams, for Cancel and health
 ``--max-connections``       1024         HTTP connections open at once; one past it is answered
                                          503 and closed before anything is read (http_conn.py)
-``--http-header-timeout``   10 s         a request's headers, from the connection (or the last
-                                         response) to their end; past it, 408 and closed
+``--http-header-timeout``   10 s         a request's headers, from the connection (or, kept
+                                         alive, from their first byte) to their end; past it,
+                                         408 and closed (an idle kept-alive connection: 30 s)
 ``--http-body-timeout``     30 s         the gap between two pieces of a body; past it, 408
 =========================== ============ ==========================================================
 

@@ -33,7 +33,8 @@ def _stream_record(ok: bool, t0: float, times: list[tuple[float, int]], error: s
     for (a, _), (b, k) in zip(times, times[1:], strict=False):
         itl.extend([(b - a) / max(1, k)] * max(1, k))
     return {"ok": ok, "ttft_s": ttft, "itl_s": itl, "num_messages": len(times),
-            "num_tokens": sum(k for _, k in times), "error": error}
+            "num_tokens": sum(k for _, k in times), "error": error,
+            "span_unix": [time.time() - (time.perf_counter() - t0), time.time()]}
 
 
 async def _grpc(cfg: dict) -> list[dict]:

@@ -112,6 +112,10 @@ def summarize(streams: list[dict]) -> dict:
         "num_whole": sum(s["ok"] for s in streams),
         "errors": errors,
         "error_examples": examples,
+        # The first failed streams: where each ended (tokens and messages seen) and when (unix s).
+        "failures": [{"stream": i, "error": s["error"][:300], "num_tokens": s["num_tokens"],
+                      "num_messages": s["num_messages"], "ttft_s": s["ttft_s"], "span_unix": s.get("span_unix")}
+                     for i, s in enumerate(streams) if not s["ok"]][:20],
         "num_tokens": sum(s["num_tokens"] for s in streams),
         "num_messages": sum(s["num_messages"] for s in streams),
         "ttft_p50_ms": _ms(_pct(ttft, 0.5)), "ttft_p99_ms": _ms(_pct(ttft, 0.99)),
