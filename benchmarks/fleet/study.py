@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=64)
     p.add_argument("--profile", default="llama-3-8b-h100", help="the workers' sim profile")
     p.add_argument("--suites", default="policy,placement,bursty", help="comma-separated: " + ", ".join(SUITES))
+    p.add_argument("--curves", default="",
+                   help="comma-separated curve names to run (e.g. 'prefix,ideal (one pool)'); default: every "
+                        "curve of each suite")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per point (simulated)")
     p.add_argument("--drain", type=float, default=8.0, help="seconds after the last arrival before a run stops")
     p.add_argument("--rate-factors", default="0.6,0.85,1.0,1.15,1.3",
@@ -219,7 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from pagefleet.worker.sim_profile import load_profile
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.suites.split(",") if n not in SUITES]
+    if unknown:
+        parser.error(f"--suites: unknown {', '.join(unknown)} (choose from {', '.join(SUITES)})")
+    wanted = [c for c in args.curves.split(",") if c]
+    names = {c.name for n in args.suites.split(",") for c in SUITES[n]}
+    if [c for c in wanted if c not in names]:
+        parser.error(f"--curves: unknown {', '.join(c for c in wanted if c not in names)} in suites {args.suites} "
+                     f"(choose from {', '.join(sorted(names))})")
     profile = load_profile(args.profile)
     factors = [float(x) for x in args.rate_factors.split(",")]
     base = {"sharegpt": args.sharegpt_rate, "shared-prefix": args.shared_prefix_rate}
@@ -227,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.suites.split(","):
         curves = []
         for c in SUITES[name]:
+            if wanted and c.name not in wanted:
+                continue
             if c.burstiness != 1.0:
                 c = dataclasses.replace(c, burstiness=args.burstiness)
             points = []
