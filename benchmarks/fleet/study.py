@@ -235,25 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile(args.profile)
     factors = [float(x) for x in args.rate_factors.split(",")]
     base = {"sharegpt": args.sharegpt_rate, "shared-prefix": args.shared_prefix_rate}
-    suites = {}
-    for name in args.suites.split(","):
-        curves = []
-        for c in SUITES[name]:
-            if wanted and c.name not in wanted:
-                continue
-            if c.burstiness != 1.0:
-                c = dataclasses.replace(c, burstiness=args.burstiness)
-            points = []
-            for f in factors:
-                pt = run_point(c, base[c.trace] * f, args, profile)
-                points.append(pt)
-                print(f"{name:9} {c.name:17} rate {pt['rate']:7.1f}/s: goodput {pt['goodput']:7.1f}/s "
-                      f"({pt['attainment']:.0%}), TTFT p99 {pt['ttft_p99_s']:.2f}s, TPOT p99 "
-                      f"{pt['tpot_p99_ms']:.0f}ms [{pt['cpu_s']:.0f}s CPU]", flush=True)
-            curves.append({"name": c.name, "trace": c.trace, "policy": c.policy, "placement": c.placement,
-                           "burstiness": c.burstiness, "ideal": c.ideal, "points": points,
-                           "knee_rate": knee(points, args.knee_attainment)})
-        suites[name] = curves
+    suites: dict[str, list[dict]] = {}
     report = {
         **header("study", "pagefleet bench study", note="simulated time: the machine's speed only sets how long it runs"),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir")},
@@ -262,7 +244,25 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    for name in args.suites.split(","):
+        curves = suites[name] = []
+        for c in SUITES[name]:
+            if wanted and c.name not in wanted:
+                continue
+            if c.burstiness != 1.0:
+                c = dataclasses.replace(c, burstiness=args.burstiness)
+            points: list[dict] = []
+            curves.append({"name": c.name, "trace": c.trace, "policy": c.policy, "placement": c.placement,
+                           "burstiness": c.burstiness, "ideal": c.ideal, "points": points, "knee_rate": None})
+            for f in factors:
+                pt = run_point(c, base[c.trace] * f, args, profile)
+                points.append(pt)
+                curves[-1]["knee_rate"] = knee(points, args.knee_attainment)
+                print(f"{name:9} {c.name:17} rate {pt['rate']:7.1f}/s: goodput {pt['goodput']:7.1f}/s "
+                      f"({pt['attainment']:.0%}), TTFT p99 {pt['ttft_p99_s']:.2f}s, TPOT p99 "
+                      f"{pt['tpot_p99_ms']:.0f}ms [{pt['cpu_s']:.0f}s CPU]", flush=True)
+                # Written after every point: a long study stopped early keeps what it measured.
+                out.write_text(json.dumps(report, indent=2) + "\n")
     print(summary(report))
     if args.plot_dir:
         for path in plot(report, Path(args.plot_dir)):
