@@ -151,6 +151,16 @@ class Ledger:
     def finished_recently(self, request_id: str) -> bool:
         return request_id in self._done_recently
 
+    def placed_on(self, request_id: str) -> WorkerEntry | None:
+        """The live worker ``request_id`` is placed on; None if it is queued, in hand or unknown."""
+        wid = self.where.get(request_id)
+        return self.workers.get(wid) if wid is not None else None
+
+    def is_new(self, request_id: str) -> bool:
+        """Whether an entry naming ``request_id`` is a request to take in: neither known nor
+        finished recently (a re-read entry of one whose final write landed is not run again)."""
+        return request_id not in self.known and request_id not in self._done_recently
+
     def is_placed(self, request_id: str, worker_id: str) -> bool:
         """Whether ``request_id`` is still placed on ``worker_id`` (not moved, finished or dead)."""
         return self.where.get(request_id) == worker_id
@@ -218,10 +228,9 @@ class Ledger:
         self._in_hand.discard(request_id)
         self.queue.remove(request_id)
         self.index.release(request_id)
-        wid = self.where.pop(request_id, None)
-        w = self.workers.get(wid) if wid else None
-        if w is not None:
+        if (w := self.placed_on(request_id)) is not None:
             w.unplace(request_id)
+        self.where.pop(request_id, None)
 
     # -- placing ---------------------------------------------------------------------------------
     def decide_round(self) -> Decision:

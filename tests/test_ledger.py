@@ -296,6 +296,11 @@ def test_the_public_counts_read_the_structures():
     ledger.decide_round()
     ledger.take("q", "eq", assign("q", [9] * 40))
     assert (ledger.num_waiting, ledger.num_known, ledger.num_placed, ledger.num_workers) == (1, 4, 3, 2)
+    assert ledger.placed_on("r0") is ledger.workers[ledger.where["r0"]] and ledger.placed_on("q") is None
+    assert not ledger.is_new("q") and not ledger.is_new("r0") and ledger.is_new("x")
+    ledger.forget("r0")
+    assert ledger.placed_on("r0") is None and not ledger.is_new("r0")  # finished recently: not taken again
+    ledger.check_integrity()
 
 
 # -- random event sequences ------------------------------------------------------------------------
