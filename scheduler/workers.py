@@ -186,13 +186,15 @@ class WorkerEntry:
     def place(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0, *,
               reflected: bool = False, now: float | None = None) -> Placed:
         """``reflected``: a report already shows it here (a takeover adopting it); so does
-        holding device blocks for it in the latest report (a delta names it no more).
+        holding device blocks for it in the latest report (a delta names it no more), and
+        holding it at all makes it ``listed``.
         ``now``: the clock ``Placed.placed_at`` is on (default ``time.monotonic()``)."""
         rid = p.request_id
         self.unplace(rid)
-        shown = reflected or self.held.get(rid, 0) > 0
         pl = self.placed[rid] = Placed(p, self.blocks_needed(p, headroom_tokens), num_shared_blocks,
-                                       reflected=shown, listed=shown, placed_at=time.monotonic() if now is None else now)
+                                       reflected=reflected or self.held.get(rid, 0) > 0,
+                                       listed=reflected or rid in self.held,
+                                       placed_at=time.monotonic() if now is None else now)
         self.num_owed_blocks_total += self.num_owed_blocks(rid, pl)
         self._priorities[p.priority] += 1
         self.num_assigned += 1
