@@ -29,6 +29,9 @@ Suites (``--suites``): ``policy`` (fcfs, priority, deadline; prefix placement; s
 ``placement`` (prefix, least-loaded, round-robin; fcfs; shared-prefix), ``bursty``
 (fcfs + prefix vs round-robin; sharegpt with ``--burstiness``). Rates are multiples
 (``--rate-factors``) of the suite's base rate (``--sharegpt-rate``, ``--shared-prefix-rate``).
+``--curves`` runs only the named curves of those suites (each point is a simulated run, so a
+point re-run alone gives the figures it gives among the others). The JSON is written after every
+point: a study stopped early keeps what it measured.
 """
 
 from __future__ import annotations
