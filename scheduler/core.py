@@ -228,7 +228,7 @@ class ClusterScheduler:
         n = 0
         async for entry_id, fields in self._pending_entries():
             rid = fields.get(b"rid", b"").decode()
-            if fields.get(b"kind") == b"generate" and (rid in self.ledger.known or self.ledger.finished_recently(rid)):
+            if fields.get(b"kind") == b"generate" and not self.ledger.is_new(rid):
                 continue  # taken in already, or finished with its ack still on its way
             n += 1
             await self._on_entry(entry_id, fields, None)
@@ -293,17 +293,16 @@ class ClusterScheduler:
         """Finish ``rid`` (aborted, by default) wherever it is: queued, placed, or being
         resumed. The fence makes its worker's next write fail, so the worker drops it; the
         Cancel call only frees its blocks sooner."""
-        wid = self.ledger.where.get(rid)
+        w = self.ledger.placed_on(rid)
         if not await self._finish(rid, reason, error):
             return
-        w = self.ledger.workers.get(wid) if wid else None
-        if w is not None:
+        if w is not None and w.alive:
             # Not awaited: the worker answers between two of its steps, and this is the intake's
             # path (a storm of cancels would hold every new request back a step each).
             call = asyncio.create_task(self._tell_cancel(w, rid))
             self._cancel_calls.add(call)
             call.add_done_callback(self._cancel_calls.discard)
-            log.info("request.cancel_sent", request_id=rid, worker_id=wid)
+            log.info("request.cancel_sent", request_id=rid, worker_id=w.worker_id)
 
     async def _tell_cancel(self, w: WorkerEntry, rid: str) -> None:
         """Best effort: ask ``w`` to drop ``rid`` now and free its blocks (its writes are fenced

@@ -25,6 +25,14 @@ Clocks are passed in: ``clock`` (seconds, monotonic: report times, placement tim
 preemption cooldowns, queue aging) and ``wall_clock`` (seconds since the epoch: the
 requests' deadlines are absolute). The simulator passes its virtual clock for both.
 
+Drops: a worker lets a placed request go without a finish only when it is told to (a cancel,
+or a write of its refused: the request was moved or finished) or when its steps stream is
+fenced (it was declared dead: it drops everything and writes on in a new stream). Its reports
+show each drop (``dropped``: a request a report named held, with or without device blocks,
+that a later one no longer names, unfinished); a drop before any report named the request
+shows only in its worker's stream (declared dead, or a new stream in its row:
+``worker_dead`` hands back everything placed there, named or not).
+
 Rounds: ``decide_round`` claims placements for the queue's heads while they fit, up to a
 round (at least ``ROUND``, ``ROUND_PER_WORKER`` a worker in a larger fleet), each recorded on
 its worker at once so the next decision sees it. A head that fits nowhere ends the round; if
@@ -143,6 +151,16 @@ class Ledger:
     def finished_recently(self, request_id: str) -> bool:
         return request_id in self._done_recently
 
+    def placed_on(self, request_id: str) -> WorkerEntry | None:
+        """The live worker ``request_id`` is placed on; None if it is queued, in hand or unknown."""
+        wid = self.where.get(request_id)
+        return self.workers.get(wid) if wid is not None else None
+
+    def is_new(self, request_id: str) -> bool:
+        """Whether an entry naming ``request_id`` is a request to take in: neither known nor
+        finished recently (a re-read entry of one whose final write landed is not run again)."""
+        return request_id not in self.known and request_id not in self._done_recently
+
     def is_placed(self, request_id: str, worker_id: str) -> bool:
         """Whether ``request_id`` is still placed on ``worker_id`` (not moved, finished or dead)."""
         return self.where.get(request_id) == worker_id
@@ -210,10 +228,9 @@ class Ledger:
         self._in_hand.discard(request_id)
         self.queue.remove(request_id)
         self.index.release(request_id)
-        wid = self.where.pop(request_id, None)
-        w = self.workers.get(wid) if wid else None
-        if w is not None:
+        if (w := self.placed_on(request_id)) is not None:
             w.unplace(request_id)
+        self.where.pop(request_id, None)
 
     # -- placing ---------------------------------------------------------------------------------
     def decide_round(self) -> Decision:
@@ -300,16 +317,26 @@ class Ledger:
         vanished, orphans = w.apply_report(report, now=self.clock())
         self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
                                 report.block_hashes_reset)
-        resume = []
-        for rid in vanished:  # dropped without a finish reported: resume (or forget) it
-            pl = w.unplace(rid)
-            self.index.release(rid)
-            if self.where.get(rid) == w.worker_id:
-                del self.where[rid]
-                self._in_hand.add(rid)
-                resume.append(pl.pending)
+        resume = self.dropped(w, vanished)
         withdraw = [] if self.adopting else self._orphans(orphans)
         return ReportOutcome(resume, withdraw, room is None or bool(vanished) or w.num_available_blocks > room)
+
+    def dropped(self, w: WorkerEntry, request_ids: list[str]) -> list[Pending]:
+        """``w`` let these requests go without a finish (its report no longer names them, or
+        names them released): each still placed there, and not reported finished, leaves it
+        with its prefix holds and is in hand, returned for the caller to resume from its
+        output. The others (moved, finished, never placed there) stay as they are."""
+        resume = []
+        for rid in request_ids:
+            pl = w.placed.get(rid)
+            if pl is None or pl.finished or self.where.get(rid) != w.worker_id:
+                continue
+            w.unplace(rid)
+            self.index.release(rid)
+            del self.where[rid]
+            self._in_hand.add(rid)
+            resume.append(pl.pending)
+        return resume
 
     def _orphans(self, rids: list[str]) -> list[str]:
         """A finished request a stale report still lists is no orphan."""

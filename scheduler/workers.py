@@ -48,7 +48,11 @@ class Placed:
     pending: Pending
     num_reserved_blocks: int  # its tokens plus headroom: the block table it grows into
     num_shared_blocks: int = 0  # of those, blocks expected shared with sequences running there
-    reflected: bool = False  # seen in a report since it was sent
+    reflected: bool = False  # a report showed it holding device blocks since it was sent
+    # A report named it held since it was sent (with or without device blocks): from then on
+    # a report that no longer names it, unfinished, shows it dropped. Before, not naming it
+    # says nothing: the Assign may not have reached the worker's engine yet.
+    listed: bool = False
     # The worker reported it finished; it stays placed (owed nothing) until its final write
     # is seen in Redis, so a worker dying before that write landed has it resumed.
     finished: bool = False
@@ -182,12 +186,14 @@ class WorkerEntry:
     def place(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0, *,
               reflected: bool = False, now: float | None = None) -> Placed:
         """``reflected``: a report already shows it here (a takeover adopting it); so does
-        holding device blocks for it in the latest report (a delta names it no more).
+        holding device blocks for it in the latest report (a delta names it no more), and
+        holding it at all makes it ``listed``.
         ``now``: the clock ``Placed.placed_at`` is on (default ``time.monotonic()``)."""
         rid = p.request_id
         self.unplace(rid)
         pl = self.placed[rid] = Placed(p, self.blocks_needed(p, headroom_tokens), num_shared_blocks,
                                        reflected=reflected or self.held.get(rid, 0) > 0,
+                                       listed=reflected or rid in self.held,
                                        placed_at=time.monotonic() if now is None else now)
         self.num_owed_blocks_total += self.num_owed_blocks(rid, pl)
         self._priorities[p.priority] += 1
@@ -229,9 +235,10 @@ class WorkerEntry:
                      now: float | None = None) -> tuple[list[str], list[str]]:
         """Take a report in; ``(vanished, orphans)``.
 
-        ``vanished``: placed requests the worker held and no longer holds without having
-        reported them finished (dropped, or their notice lost): the caller resumes them from
-        their output (or forgets them if it is complete). ``orphans``: requests the worker
+        ``vanished``: placed requests a report named held (``Placed.listed``) that the
+        worker no longer holds without having reported them finished (dropped, or their
+        notice lost): the caller resumes them from their output (or forgets them if it is
+        complete). ``orphans``: requests the worker
         holds that were not placed there. Requests reported finished stay placed, owed
         nothing, until the caller sees their final write in Redis.
 
@@ -260,11 +267,12 @@ class WorkerEntry:
                 continue
             num_blocks = held.get(rid)
             if num_blocks is None:
-                if pl.reflected:
+                if pl.listed:
                     vanished.append(rid)
-            elif num_blocks > 0:
+                continue
+            pl.listed = True
+            if num_blocks > 0:
                 pl.reflected = True
-        # (A vanished request is owed nothing: reflected, and no blocks held.)
         self.num_owed_blocks_total += sum(self.num_owed_blocks(rid, placed[rid]) for rid in checked)
         return vanished, [rid for rid in report.request_ids if rid not in placed] if delta else self.orphans()
 

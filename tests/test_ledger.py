@@ -1,7 +1,7 @@
 """The scheduler's ledger, driven directly: no Redis, no gRPC, no sleeps; a clock of our own.
 
 Hand-written sequences check each operation's answer; a property test runs random event
-sequences (arrive, place, answer, report, finish, drop, die, cancel, deadline, preempt) and
+sequences (arrive, place, answer, report, finish, drop, fenced, die, cancel, deadline, preempt) and
 checks the invariants after every step and that every request ends exactly once."""
 
 from __future__ import annotations
@@ -165,6 +165,43 @@ def test_a_vanished_request_is_handed_back_and_the_round_may_gain():
     ledger.check_integrity()
 
 
+def test_a_request_dropped_while_waiting_on_its_worker_is_handed_back():
+    ledger = ledger_with("a")
+    ledger.take("r", "e", assign("r", [1] * 40))
+    ((p, pl),) = ledger.decide_round().claims
+    ledger.settled(p, pl.worker, True)
+    w = ledger.workers["a"]
+    # Not named yet (the Assign may not have reached the engine): nothing is concluded.
+    assert ledger.on_report(w, report("a", holdings_delta=True)).resume == []
+    # Named held without device blocks (waiting in the worker's own queue), then released unfinished.
+    assert ledger.on_report(w, report("a", holdings_delta=True, request_ids=["r"])).resume == []
+    ledger.check_integrity()
+    out = ledger.on_report(w, report("a", holdings_delta=True, released_request_ids=["r"]))
+    assert [q.request_id for q in out.resume] == ["r"] and out.room
+    assert not ledger.where and not w.placed and ledger.index.holder("r") is None
+    ledger.check_integrity()
+    assert ledger.resume(p, []) and [q.request_id for q in ledger.queue.ordered()] == ["r"]
+    ledger.check_integrity()
+
+
+def test_dropped_hands_back_only_what_is_still_placed_there_and_unfinished():
+    ledger = ledger_with("a")
+    for rid in ("r", "s"):
+        ledger.take(rid, f"e{rid}", assign(rid, [1] * 40))
+    assert place_all(ledger) == [("r", "a"), ("s", "a")]
+    a = ledger.workers["a"]
+    ledger.on_report(a, report("a", holdings_delta=True, request_ids=["r", "s"], finished_request_ids=["s"]))
+    ledger.add_worker(WorkerEntry("b", "b-addr"))
+    b = ledger.workers["b"]
+    ledger.on_report(b, report("b"))
+    assert ledger.dropped(b, ["r", "s", "never-placed"]) == []  # placed on a, not b
+    out = ledger.dropped(a, ["r", "s", "never-placed"])
+    assert [p.request_id for p in out] == ["r"]
+    assert ledger.where == {"s": "a"}  # reported finished: it waits for its final write there
+    assert ledger.dropped(a, ["r"]) == []  # in hand already
+    ledger.check_integrity()
+
+
 def test_deadlines_take_waiting_requests_out_and_name_running_ones():
     clock = Clock()
     ledger = ledger_with("a", clock=clock)
@@ -259,6 +296,11 @@ def test_the_public_counts_read_the_structures():
     ledger.decide_round()
     ledger.take("q", "eq", assign("q", [9] * 40))
     assert (ledger.num_waiting, ledger.num_known, ledger.num_placed, ledger.num_workers) == (1, 4, 3, 2)
+    assert ledger.placed_on("r0") is ledger.workers[ledger.where["r0"]] and ledger.placed_on("q") is None
+    assert not ledger.is_new("q") and not ledger.is_new("r0") and ledger.is_new("x")
+    ledger.forget("r0")
+    assert ledger.placed_on("r0") is None and not ledger.is_new("r0")  # finished recently: not taken again
+    ledger.check_integrity()
 
 
 # -- random event sequences ------------------------------------------------------------------------
@@ -281,6 +323,7 @@ event = st.one_of(
     st.tuples(st.just("cancel"), st.sampled_from(RIDS)),
     st.tuples(st.just("resume"), st.integers(0, 3)),
     st.tuples(st.just("die"), st.sampled_from(WIDS)),
+    st.tuples(st.just("fenced"), st.sampled_from(WIDS)),
     st.tuples(st.just("revive"), st.sampled_from(WIDS)),
     st.tuples(st.just("tick"), st.floats(0.0, 1.5)),
 )
@@ -373,9 +416,11 @@ class World:
                 held[rid] = held[rid] or e[2]
         elif kind in ("finish", "drop") and e[1] in ledger.workers:
             w, held = ledger.workers[e[1]], self.running[e[1]]
-            # A worker drops (without a finish) only what a report showed it holding: one never
-            # seen there is still on its way as far as the ledger knows.
-            rids = [rid for rid in held if rid in w.placed and (kind == "finish" or w.placed[rid].reflected)]
+            # A drop (without a finish) the reports show: of a request a report named held, with
+            # or without device blocks (one never named there is still on its way as far as the
+            # reports tell; see "fenced" for the drop of that one), or of an orphan.
+            rids = [rid for rid in held if kind == "finish" and rid in w.placed
+                    or kind == "drop" and (rid not in w.placed or w.placed[rid].listed)]
             if rids:
                 rid = rids[e[2] % len(rids)]
                 del held[rid]
@@ -384,6 +429,14 @@ class World:
                     self.done_by_worker.add(rid)
         elif kind == "report":
             self.report(e[1], e[2])
+        elif kind == "fenced" and e[1] in ledger.workers:
+            # Its steps stream was fenced: it drops everything it holds, reported or not, before
+            # any report shows it, and writes on in a new stream, which discovery finds in its
+            # row: the old incarnation is dead, the new one joins.
+            self.running[e[1]].clear()
+            self.handed_back(ledger.worker_dead(ledger.workers[e[1]]))
+            ledger.check_integrity()
+            self.revive(e[1])
         elif kind == "durable":  # the worker's final write landed: only a request it finished
             if e[1] in self.done_by_worker and e[1] in ledger.known:
                 self.end(e[1])

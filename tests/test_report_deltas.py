@@ -82,8 +82,8 @@ def test_deltas_give_the_table_whole_reports_give(steps, full_every):
             assert delta.held == whole.held == worker
             assert delta.num_owed_blocks_total == whole.num_owed_blocks_total
             assert delta.num_available_blocks == whole.num_available_blocks
-            assert {rid: (pl.reflected, pl.finished) for rid, pl in delta.placed.items()} == \
-                   {rid: (pl.reflected, pl.finished) for rid, pl in whole.placed.items()}
+            assert {rid: (pl.reflected, pl.listed, pl.finished) for rid, pl in delta.placed.items()} == \
+                   {rid: (pl.reflected, pl.listed, pl.finished) for rid, pl in whole.placed.items()}
             assert sorted(delta.full_report().request_ids) == sorted(whole.report.request_ids)
             assert dict(delta.full_report().blocks_per_request) == dict(whole.report.blocks_per_request)
 

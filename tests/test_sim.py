@@ -345,3 +345,19 @@ def test_the_study_finds_knees_and_writes_its_report(tmp_path):
         (p,) = c["points"]
         assert p["rate"] == 10 and p["num_requests"] == 20 and 0 <= p["attainment"] <= 1
     assert (tmp_path / "study-policy.png").exists()
+
+
+def test_the_study_runs_only_the_named_curves_and_refuses_unknown_ones(tmp_path, capsys):
+    from pagefleet.benchmarks.fleet import study
+
+    out = tmp_path / "study.json"
+    assert study.main(["--workers", "2", "--duration", "2", "--drain", "4", "--rate-factors", "1,1.5", "--suites",
+                       "bursty", "--curves", "round-robin", "--sharegpt-rate", "10", "--json", str(out),
+                       "--plot-dir", ""]) == 0
+    curves = json.loads(out.read_text())["suites"]["bursty"]
+    assert [c["name"] for c in curves] == ["round-robin"] and [p["rate"] for p in curves[0]["points"]] == [10, 15]
+    for argv in (["--suites", "nope"], ["--suites", "policy", "--curves", "round-robin"]):
+        with pytest.raises(SystemExit):
+            study.main([*argv, "--json", str(tmp_path / "x.json")])
+        assert "unknown" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

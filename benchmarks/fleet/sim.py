@@ -195,9 +195,9 @@ class FleetSim:
             self.ledger.forget(p.request_id)
             self._end(p.request_id, "deadline")
         for rid in running:
-            wid = self.ledger.where.get(rid)
-            if wid is not None:  # still running: cut off
-                self._at(self.now + self.cfg.hop_s, self._abort, self._by_id[wid], rid)
+            w = self.ledger.placed_on(rid)
+            if w is not None:  # still running: cut off
+                self._at(self.now + self.cfg.hop_s, self._abort, self._by_id[w.worker_id], rid)
                 self.ledger.forget(rid)
                 self._end(rid, "deadline")
         self._dispatch()

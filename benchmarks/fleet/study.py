@@ -29,6 +29,9 @@ Suites (``--suites``): ``policy`` (fcfs, priority, deadline; prefix placement; s
 ``placement`` (prefix, least-loaded, round-robin; fcfs; shared-prefix), ``bursty``
 (fcfs + prefix vs round-robin; sharegpt with ``--burstiness``). Rates are multiples
 (``--rate-factors``) of the suite's base rate (``--sharegpt-rate``, ``--shared-prefix-rate``).
+``--curves`` runs only the named curves of those suites (each point is a simulated run, so a
+point re-run alone gives the figures it gives among the others). The JSON is written after every
+point: a study stopped early keeps what it measured.
 """
 
 from __future__ import annotations
@@ -197,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=64)
     p.add_argument("--profile", default="llama-3-8b-h100", help="the workers' sim profile")
     p.add_argument("--suites", default="policy,placement,bursty", help="comma-separated: " + ", ".join(SUITES))
+    p.add_argument("--curves", default="",
+                   help="comma-separated curve names to run (e.g. 'prefix,ideal (one pool)'); default: every "
+                        "curve of each suite")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per point (simulated)")
     p.add_argument("--drain", type=float, default=8.0, help="seconds after the last arrival before a run stops")
     p.add_argument("--rate-factors", default="0.6,0.85,1.0,1.15,1.3",
@@ -219,27 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from pagefleet.worker.sim_profile import load_profile
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.suites.split(",") if n not in SUITES]
+    if unknown:
+        parser.error(f"--suites: unknown {', '.join(unknown)} (choose from {', '.join(SUITES)})")
+    wanted = [c for c in args.curves.split(",") if c]
+    names = {c.name for n in args.suites.split(",") for c in SUITES[n]}
+    if [c for c in wanted if c not in names]:
+        parser.error(f"--curves: unknown {', '.join(c for c in wanted if c not in names)} in suites {args.suites} "
+                     f"(choose from {', '.join(sorted(names))})")
     profile = load_profile(args.profile)
     factors = [float(x) for x in args.rate_factors.split(",")]
     base = {"sharegpt": args.sharegpt_rate, "shared-prefix": args.shared_prefix_rate}
-    suites = {}
-    for name in args.suites.split(","):
-        curves = []
-        for c in SUITES[name]:
-            if c.burstiness != 1.0:
-                c = dataclasses.replace(c, burstiness=args.burstiness)
-            points = []
-            for f in factors:
-                pt = run_point(c, base[c.trace] * f, args, profile)
-                points.append(pt)
-                print(f"{name:9} {c.name:17} rate {pt['rate']:7.1f}/s: goodput {pt['goodput']:7.1f}/s "
-                      f"({pt['attainment']:.0%}), TTFT p99 {pt['ttft_p99_s']:.2f}s, TPOT p99 "
-                      f"{pt['tpot_p99_ms']:.0f}ms [{pt['cpu_s']:.0f}s CPU]", flush=True)
-            curves.append({"name": c.name, "trace": c.trace, "policy": c.policy, "placement": c.placement,
-                           "burstiness": c.burstiness, "ideal": c.ideal, "points": points,
-                           "knee_rate": knee(points, args.knee_attainment)})
-        suites[name] = curves
+    suites: dict[str, list[dict]] = {}
     report = {
         **header("study", "pagefleet bench study", note="simulated time: the machine's speed only sets how long it runs"),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir")},
@@ -248,7 +247,25 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    for name in args.suites.split(","):
+        curves = suites[name] = []
+        for c in SUITES[name]:
+            if wanted and c.name not in wanted:
+                continue
+            if c.burstiness != 1.0:
+                c = dataclasses.replace(c, burstiness=args.burstiness)
+            points: list[dict] = []
+            curves.append({"name": c.name, "trace": c.trace, "policy": c.policy, "placement": c.placement,
+                           "burstiness": c.burstiness, "ideal": c.ideal, "points": points, "knee_rate": None})
+            for f in factors:
+                pt = run_point(c, base[c.trace] * f, args, profile)
+                points.append(pt)
+                curves[-1]["knee_rate"] = knee(points, args.knee_attainment)
+                print(f"{name:9} {c.name:17} rate {pt['rate']:7.1f}/s: goodput {pt['goodput']:7.1f}/s "
+                      f"({pt['attainment']:.0%}), TTFT p99 {pt['ttft_p99_s']:.2f}s, TPOT p99 "
+                      f"{pt['tpot_p99_ms']:.0f}ms [{pt['cpu_s']:.0f}s CPU]", flush=True)
+                # Written after every point: a long study stopped early keeps what it measured.
+                out.write_text(json.dumps(report, indent=2) + "\n")
     print(summary(report))
     if args.plot_dir:
         for path in plot(report, Path(args.plot_dir)):
