@@ -244,13 +244,9 @@ class StepReader:
             return
         self._refreshed_at = loop.time()
 
-        async def look():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hgetall(self.keys.workers)
-            pipe.time()
-            return await pipe.execute()
-
-        rows, (now_s, now_us) = await retry(look, what="steps_refresh")
+        # Two calls, not one pipeline: TIME names no key (a Redis Cluster pipeline refuses it).
+        rows = await retry(lambda: self.redis.hgetall(self.keys.workers), what="steps_refresh")
+        now_s, now_us = await retry(self.redis.time, what="steps_refresh_time")
         start = f"{max(0, now_s * 1000 + now_us // 1000 - LOOKBACK_MS)}-0"
         streams = {self.keys.steps(SCHEDULER_STEPS)}
         for wid, raw in rows.items():

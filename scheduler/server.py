@@ -26,7 +26,7 @@ import grpc
 import structlog
 
 from pagefleet.common.metrics import SchedulerMetrics, serve_metrics
-from pagefleet.common.redis import Keys, add_redis_flags, connect, retry
+from pagefleet.common.redis import Keys, add_redis_flags, add_shard_flag, check_shard, connect_args, retry
 from pagefleet.common.scripts import LEASE_RELEASE, LEASE_RENEW
 from pagefleet.common.service import (
     SERVER_OPTIONS,
@@ -62,6 +62,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="port of the Scheduler service and health (0: any free)")
     add_redis_flags(p)
+    add_shard_flag(p)
     p.add_argument("--policy", default="fcfs", choices=POLICIES, help="global queue order")
     p.add_argument("--aging-seconds", type=float, default=10.0,
                    help="priority policy: a waiting request gains one priority level per this many seconds")
@@ -163,8 +164,8 @@ class Lease:
 
 
 async def serve(args) -> int:
-    keys = Keys(args.namespace)
-    redis = connect(args.redis_url, args.redis_password_file)
+    keys = Keys(args.namespace, args.shard)
+    redis = connect_args(args)
     tls = cluster_tls(args)
     me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     servicer = SchedulerService()
@@ -206,7 +207,7 @@ async def serve(args) -> int:
         if lease in done or run in done:
             rc = 1
             if run in done and not run.cancelled() and run.exception() is not None:
-                log.error("scheduler.failed", error=repr(run.exception()))
+                log.error("scheduler.failed", error=repr(run.exception()), exc_info=run.exception())
         run.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await run
@@ -236,6 +237,10 @@ def main(argv: list[str]) -> int:
         placement_config(args)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        check_shard(args.shard)
+    except ValueError as e:
+        parser.error(f"--shard: {e}")
     if args.prefix_index_size < 1:
         parser.error(f"--prefix-index-size must be at least 1, got {args.prefix_index_size}")
     try:
