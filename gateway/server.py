@@ -151,7 +151,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             core = self.core_for(request)
         except UnknownModel as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            code = grpc.StatusCode.NOT_FOUND if e.requested else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
         async for msg in self._generate(core, request, context):
             yield msg
 
