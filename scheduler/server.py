@@ -27,7 +27,7 @@ import structlog
 
 from pagefleet.common.metrics import SchedulerMetrics, serve_metrics
 from pagefleet.common.redis import Keys, add_redis_flags, add_shard_flag, check_shard, connect_args, retry
-from pagefleet.common.scripts import LEASE_RELEASE, LEASE_RENEW
+from pagefleet.common.scripts import LEASE_RELEASE, LEASE_RENEW, TAKE_EPOCH
 from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
@@ -140,7 +140,7 @@ class Lease:
                 self._renewed_at = sent
                 break
             await asyncio.sleep(self.lease_s / 6)
-        self.epoch = int(await retry(lambda: self.redis.incr(self.keys.scheduler_epoch), what="epoch"))
+        self.epoch = int(await retry(lambda: self.redis.eval(TAKE_EPOCH, 1, self.keys.scheduler_epoch), what="epoch"))
         acquired.set()
         log.info("scheduler.lease_acquired", instance=self.me, epoch=self.epoch)
         while True:

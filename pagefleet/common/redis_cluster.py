@@ -6,9 +6,11 @@
 ``--redis-url`` is given), ``bench token-path --primaries N`` and the tests; nothing here is
 needed to *use* a cluster: components only take ``--redis-cluster`` and a node's URL.
 
-Failover helpers (``replica_of``, ``pause``, ``resume``, ``takeover``) are for tests that make
-a primary's acknowledged writes go missing on purpose: stop its replica, write, kill the
-primary, resume the replica and promote it (``CLUSTER FAILOVER TAKEOVER``).
+Failover helpers (``replica_port``, ``pause``, ``cut_replicas``, ``kill``, ``resume``,
+``takeover``) are for tests that make a primary's acknowledged writes go missing on purpose:
+stop its replica, cut the replication link (else the stopped replica's kernel still buffers
+what the primary sends, and nothing is lost), write, kill the primary, resume the replica and
+promote it (``CLUSTER FAILOVER TAKEOVER``).
 """
 
 from __future__ import annotations
@@ -204,6 +206,12 @@ class RedisClusterServer:
     def resume(self, port: int) -> None:
         """SIGCONT the node on ``port``."""
         os.killpg(self.server(port).proc.pid, signal.SIGCONT)
+
+    def cut_replicas(self, primary_port: int) -> None:
+        """Close the primary's replication links (``CLIENT KILL TYPE replica``): what it writes
+        next reaches no replica (a stopped replica would still read what its kernel buffered)."""
+        with self._client(primary_port) as c:
+            c.execute_command("CLIENT", "KILL", "TYPE", "replica")
 
     def kill(self, port: int) -> None:
         """SIGKILL the node on ``port`` (nothing of it is kept: it had no persistence)."""
