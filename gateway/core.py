@@ -64,14 +64,17 @@ class QueueUnavailable(Exception):
     """The request queue (Redis) did not answer; nothing was queued."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Queued:
     """A request in the requests stream (``fresh`` False: a client-chosen id queued before,
-    whose output is relayed rather than generated again)."""
+    whose output is relayed rather than generated again). ``entry_id`` and ``fields``: its
+    entry, queued again if a Redis failover loses it (``GatewayCore.requeue_if_lost``)."""
 
     request_id: str
     num_prompt_tokens: int
     fresh: bool
+    entry_id: str = ""
+    fields: dict | None = None
 
 
 def traceparent_or_new(value: str | None) -> str:
@@ -198,7 +201,25 @@ class GatewayCore:
                 return Queued(rid, len(prompt_ids), fresh=False)
         log.info("request.enqueued", request_id=rid, num_prompt_tokens=len(prompt_ids),
                  priority=request.priority, traceparent=msg.traceparent, model=self.name, shard=keys.shard)
-        return Queued(rid, len(prompt_ids), fresh=True)
+        entry_id = answer[1].decode() if isinstance(answer[1], bytes) else str(answer[1])
+        return Queued(rid, len(prompt_ids), fresh=True, entry_id=entry_id, fields=fields)
+
+    async def requeue_if_lost(self, q: Queued) -> None:
+        """Queue ``q``'s entry again if Redis lost it: neither its entry nor an owner record is
+        there (a failover rolled back the write that queued it, before its scheduler read it).
+        Called by a relay that has heard nothing of its request for a while. A request the
+        scheduler took in has an owner record from its assignment until after its finish, and
+        its entry until its finish; one queued twice is taken once (the scheduler knows its id)."""
+        if not q.fresh or q.fields is None:
+            return
+        keys = self.shard_of(q.request_id)
+        if await retry(lambda: self.redis.exists(keys.owner(q.request_id)), what="exists_own"):
+            return
+        if await retry(lambda: self.redis.xrange(keys.requests, q.entry_id, q.entry_id), what="xrange_entry"):
+            return
+        entry_id = await retry(lambda: self.redis.xadd(keys.requests, q.fields), what="requeue")
+        log.warning("request.requeued_lost", request_id=q.request_id, entry_id=q.entry_id, shard=keys.shard)
+        q.entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def relay(self, queued: Queued) -> AsyncIterator[pb.GenerateResponse]:
         """The request's messages, in order, to the last one; closing it early (the caller
@@ -209,7 +230,8 @@ class GatewayCore:
         reader = self.readers[keys.shard]
         step_relay = reader.relays.get(rid) if queued.fresh else None
         if step_relay is not None:
-            messages = relay_steps(self.redis, keys, step_relay, queued.num_prompt_tokens, self.stream_interval)
+            messages = relay_steps(self.redis, keys, step_relay, queued.num_prompt_tokens, self.stream_interval,
+                                   on_silence=lambda: self.requeue_if_lost(queued))
         else:  # queued before (a retry): replayed from its own output stream
             messages = relay(self.redis, keys, rid, queued.num_prompt_tokens)
         try:

@@ -6,6 +6,12 @@ N workers and a gateway, each a ``pagefleet <component>`` process in its own pro
 group. Prints one line when the cluster is ready; SIGINT/SIGTERM stops everything it
 started (SIGTERM, then SIGKILL after a grace period), leaving no process behind.
 
+Several models: ``--model A --model NAME=PATH`` starts ``--workers`` workers for each model,
+``--shards-per-model`` shards each (model i: ``s<i*N>``..), a scheduler per shard (the first
+shard's is ``scheduler``, the others ``scheduler-<shard>``), and one gateway serving them all.
+``--redis-cluster``: every component on a Redis Cluster (``--redis-url`` a node of it; without
+one, a throwaway cluster of 3 primaries with a replica each, ``redis_cluster.py``).
+
 HTTP: ``--http-port N`` (default 8000; 0: a free port) serves the OpenAI-compatible API
 from the gateway process too; the ready line gives its URL (``LocalCluster.http_url``).
 
@@ -289,6 +295,7 @@ class LocalCluster:
         shard = self.scheduler_shards.setdefault(name, shard or self.shards[0][0])
         metrics = self._metrics_port("scheduler", 1) if name == "scheduler" else None
         flags = ["--shard", shard] if len(self.shards) > 1 or shard != "s0" else []
+        flags += ["--served-model-name", next(m for s, m, _ in self.shards if s == shard)]
         return self._spawn(name, ["scheduler", "--port", str(port), *flags, *self.cfg.scheduler_args],
                            metrics, redis_url)
 
@@ -298,11 +305,12 @@ class LocalCluster:
         seq = self._worker_seq
         name = f"worker-{seq}"
         self._worker_seq += 1
-        shard, _, path = next(p for p in self.shards if p[0] == (shard or self.shards[0][0]))
+        shard, model, path = next(p for p in self.shards if p[0] == (shard or self.shards[0][0]))
         self.worker_shards[name] = shard
         self.num_workers_of[shard] = self.num_workers_of.get(shard, 0) + count
         several = ["--count", str(count)] if count > 1 else []
         flags = ["--shard", shard] if len(self.shards) > 1 or shard != "s0" else []
+        flags += ["--served-model-name", model] if model != path else []
         self._spawn(name, ["worker", "--worker-id", name, "--model", path, "--device", self.cfg.device,
                            "--drain-timeout", "5", *flags, *several, *self.cfg.worker_args, *(extra or [])],
                     self._metrics_port(name, 2 + seq))

@@ -25,7 +25,7 @@ import uuid
 import grpc
 import structlog
 
-from pagefleet.common.metrics import SchedulerMetrics, serve_metrics
+from pagefleet.common.metrics import SchedulerMetrics, serve_metrics, with_labels
 from pagefleet.common.redis import Keys, add_redis_flags, add_shard_flag, check_shard, connect_args, retry
 from pagefleet.common.scripts import LEASE_RELEASE, LEASE_RENEW, TAKE_EPOCH
 from pagefleet.common.service import (
@@ -63,6 +63,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--port", type=int, default=0, help="port of the Scheduler service and health (0: any free)")
     add_redis_flags(p)
     add_shard_flag(p)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model this shard serves: the `model` label of this scheduler's metrics")
     p.add_argument("--policy", default="fcfs", choices=POLICIES, help="global queue order")
     p.add_argument("--aging-seconds", type=float, default=10.0,
                    help="priority policy: a waiting request gains one priority level per this many seconds")
@@ -174,7 +176,7 @@ async def serve(args) -> int:
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = add_port(server, f"{args.host}:{args.port}", tls)
     metrics = SchedulerMetrics()
-    serve_metrics(args, metrics.registry, "scheduler",
+    serve_metrics(args, with_labels(metrics.registry, model=args.served_model_name, shard=args.shard), "scheduler",
                   tls=tls.server_context(verify_clients=not open_to_all(args, "metrics")) if tls else None)
     await server.start()
     health_port = await start_health_port(health, args.host, args.health_port)

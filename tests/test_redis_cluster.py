@@ -39,7 +39,7 @@ def redis_cluster():
 def fleet(redis_cluster, llama_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("cluster-logs")
     c = start_cluster(log_dir, num_workers=1, redis_url=redis_cluster.url, redis_cluster=True,
-                      models=["tiny", f"llama={llama_dir}"], http_port=0, num_gateways=2,
+                      models=["tiny", f"llama={llama_dir}"], http_port=0, num_gateways=2, metrics_port=0,
                       worker_args=["--num-blocks", "128"], env={"OMP_NUM_THREADS": "1"})
     yield c
     c.stop()
@@ -150,3 +150,14 @@ def test_cancel_by_id_alone_reaches_the_shard_through_another_gateway(fleet):
     assert sum(len(m.token_ids) for m in got) < 400
     wait_for(lambda: fleet.scheduler_state(shard="s1").workers[0].report.num_free_blocks == 128, 30,
              "the cancelled request's blocks freed")
+
+
+def test_worker_and_scheduler_metrics_carry_the_model_and_the_shard(fleet):
+    from test_metrics import scrape
+
+    worker = scrape(fleet.metrics_url("worker-1"), shard_labels=True)
+    labels = {dict(k[1]).get("model") for k in worker}, {dict(k[1]).get("shard") for k in worker}
+    assert labels == ({"llama"}, {"s1"}), labels
+    assert worker[("pagefleet:num_gpu_blocks", (("model", "llama"), ("shard", "s1")))] == 128
+    scheduler = scrape(fleet.metrics_url("scheduler"), shard_labels=True)
+    assert scheduler[("pagefleet:scheduler_workers", (("model", "tiny"), ("shard", "s0")))] == 1

@@ -35,21 +35,29 @@ def wait_replicated(cluster: RedisClusterServer, primary: int, replica: int, tim
             time.sleep(0.02)
 
 
-def lose_writes(cluster: RedisClusterServer, key: str, write) -> tuple[int, int]:
+def _offset(port: int) -> int:
+    with sync_redis.Redis(port=port) as c:
+        return c.info("replication")["master_repl_offset"]
+
+
+def lose_writes(cluster: RedisClusterServer, key: str, write) -> int:
     """Stop the replica of ``key``'s primary, run ``write()`` (acknowledged by the primary
-    alone), kill the primary, resume the replica and promote it. ``(old primary, new primary)``."""
+    alone), kill the primary, resume the replica and promote it. Returns how many bytes of
+    acknowledged writes the primary had not replicated when it died: the loss."""
     primary = cluster.primary_port(key)
     replica = cluster.replica_port(primary)
     wait_replicated(cluster, primary, replica)
     cluster.pause(replica)
     cluster.cut_replicas(primary)  # else the stopped replica's kernel buffers the writes: nothing lost
+    replicated = _offset(primary)
     try:
         write()
+        lost = _offset(primary) - replicated
     finally:
         cluster.kill(primary)
         cluster.resume(replica)
     cluster.takeover(replica)
-    return primary, replica
+    return lost
 
 
 def test_fencing_epochs_never_go_backwards_when_acknowledged_writes_are_lost():
@@ -73,7 +81,7 @@ def test_fencing_epochs_never_go_backwards_when_acknowledged_writes_are_lost():
                 lost["b"] = await f.assign("b", lost["scheduler"], "w2")
             loop.run_until_complete(w())
 
-        lose_writes(cluster, keys.requests, write)
+        assert lose_writes(cluster, keys.requests, write) > 0
         assert lost["scheduler"] > epoch and lost["a"] > first > 0 and lost["b"] > 0
 
         async def after():
@@ -91,3 +99,63 @@ def test_fencing_epochs_never_go_backwards_when_acknowledged_writes_are_lost():
 
         loop.run_until_complete(after())
         loop.close()
+
+
+def _engine_reference(prompts: list[str], max_tokens: int, seeds: list[int | None]) -> list[list[int]]:
+    """Tokens of the in-process engine: greedy where the seed is None, else sampled with it."""
+    from pagefleet import Engine, SamplingParams
+
+    engine = Engine(model="tiny", device="cpu", num_blocks=128)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True) if seed is None else
+              SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed, ignore_eos=True) for seed in seeds]
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def test_a_failover_that_loses_acknowledged_writes_under_load_loses_doubles_and_changes_nothing(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster_fixtures import PROMPTS, start_cluster
+
+    from pagefleet.client import Client
+
+    max_tokens = 48
+    prompts = PROMPTS[:12]
+    seeds = [None if i % 2 == 0 else 1000 + i for i in range(len(prompts))]
+    first = 8  # running before the loss; the others are queued while the primary acknowledges alone
+    want = _engine_reference(prompts, max_tokens, seeds)
+    with RedisClusterServer(auto_failover=False, node_timeout_ms=1000) as redis_cluster:
+        fleet = start_cluster(tmp_path, num_workers=2, redis_url=redis_cluster.url, redis_cluster=True,
+                              worker_args=["--num-blocks", "128"], env={"OMP_NUM_THREADS": "1"})
+        try:
+            seen: list[int] = [0] * len(prompts)
+
+            def one(c, i):
+                kwargs = {"temperature": 0} if seeds[i] is None else {"temperature": 0.9, "seed": seeds[i]}
+                tokens, finish = [], ""
+                for msg in c.generate_stream(prompts[i], max_tokens=max_tokens, ignore_eos=True, timeout=180,
+                                             **kwargs):
+                    assert msg.index == len(tokens), "a token shown twice or skipped"
+                    tokens.extend(msg.token_ids)
+                    seen[i] = len(tokens)
+                    if msg.finish_reason:
+                        finish = msg.finish_reason
+                return tokens, finish
+
+            with Client(fleet.gateway_target) as c, ThreadPoolExecutor(len(prompts)) as pool:
+                futures = [pool.submit(one, c, i) for i in range(first)]
+                deadline = time.monotonic() + 60
+                while sum(seen) < first * 4 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+
+                def write():
+                    # The shard's primary acknowledges ~1.5 s of token writes, new requests'
+                    # entries and their assignments, which its replica never gets.
+                    futures.extend(pool.submit(one, c, i) for i in range(first, len(prompts)))
+                    time.sleep(1.5)
+
+                assert lose_writes(redis_cluster, Keys("pf", "s0").requests, write) > 0
+                results = [f.result(timeout=180) for f in futures]
+        finally:
+            fleet.stop()
+    assert [t for t, _ in results] == want
+    assert all(f == 2 for _, f in results)  # FINISH_REASON_LENGTH

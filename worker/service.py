@@ -33,7 +33,7 @@ import grpc
 import structlog
 
 from pagefleet.common import telemetry
-from pagefleet.common.metrics import WorkerMetrics, serve_metrics
+from pagefleet.common.metrics import WorkerMetrics, serve_metrics, with_labels
 from pagefleet.common.redis import Keys, add_redis_flags, add_shard_flag, check_shard, connect_args, retry
 from pagefleet.common.service import (
     SERVER_OPTIONS,
@@ -70,6 +70,8 @@ def build_parser() -> EnvArgumentParser:
                    help="host the scheduler dials (default: --host, or the hostname for 0.0.0.0)")
     add_redis_flags(p)
     add_shard_flag(p)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in requests: the `model` label of this worker's metrics (default: --model)")
     p.add_argument("--worker-id", default=None, help="unique name (default: host-pid)")
     p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -294,7 +296,9 @@ async def serve(args) -> int:
     workers = [Worker(args, e, worker_id=wid, redis=redis) for e, wid in zip(engines, worker_ids(args), strict=True)]
     tls = cluster_tls(args)
     metrics_tls = tls.server_context(verify_clients=not open_to_all(args, "metrics")) if tls else None
-    serve_metrics(args, workers[0].metrics.registry, "worker", tls=metrics_tls)  # the first worker's, with --count
+    # The first worker's, with --count; every sample labelled with the model and shard.
+    registry = with_labels(workers[0].metrics.registry, model=args.served_model_name or args.model, shard=args.shard)
+    serve_metrics(args, registry, "worker", tls=metrics_tls)
     await retry(redis.ping, what="ping")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

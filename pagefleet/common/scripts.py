@@ -19,7 +19,7 @@ messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (`
 #   request queued before is relayed even when the queue is full now).
 # KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
 # max queue, the claim's TTL, then the entry's field/value pairs.
-# {1}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
+# {1, entry id}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
 ADMIT_AND_QUEUE = """
 if #KEYS == 3 and redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
 local length = redis.call('XLEN', KEYS[1])
@@ -27,9 +27,9 @@ local waiting = tonumber(redis.call('GET', KEYS[2]) or length)
 if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then return {-1, waiting, length} end
 local fields = {}
 for i = 4, #ARGV do fields[i - 3] = ARGV[i] end
-redis.call('XADD', KEYS[1], '*', unpack(fields))
+local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 if #KEYS == 3 then redis.call('SET', KEYS[3], 1, 'EX', tonumber(ARGV[3])) end
-return {1}
+return {1, id}
 """
 
 
