@@ -159,3 +159,41 @@ def test_a_failover_that_loses_acknowledged_writes_under_load_loses_doubles_and_
             fleet.stop()
     assert [t for t, _ in results] == want
     assert all(f == 2 for _, f in results)  # FINISH_REASON_LENGTH
+
+
+def test_a_relay_queues_its_request_again_only_when_redis_lost_both_its_entry_and_owner():
+    """What a gateway does when a failover loses a request's entry before its scheduler read
+    it (the forced-loss test above queues new requests during the loss, but its scheduler
+    usually reads them first): with the entry or an owner record there, nothing; with neither,
+    the same entry again."""
+    from argparse import Namespace
+
+    from pagefleet.common.model_config import load_model_spec
+    from pagefleet.common.redis import RedisServer
+    from pagefleet.gateway.core import GatewayCore
+    from pagefleet.protos import generation_pb2 as pb
+
+    with RedisServer() as server:
+        async def go():
+            r = connect(server.url)
+            keys = Keys("t")
+            args = Namespace(max_model_len=None, max_queue=1024, max_stream_len=100, block_size=16, retry_after=1.0)
+            core = GatewayCore(r, keys, load_model_spec("tiny"), args)
+            req = pb.GenerateRequest(request_id="lost", prompt_token_ids=pb.TokenIds(ids=[5, 6, 7]))
+            q, = await core.enqueue([(req, [5, 6, 7])], "", client_ids=False)
+            first = q.entry_id
+            assert [e[0].decode() for e in await r.xrange(keys.requests)] == [first]
+            await core.requeue_if_lost(q)  # its entry is there
+            await r.xdel(keys.requests, first)
+            await r.hset(keys.owner("lost"), "epoch", 1)
+            await core.requeue_if_lost(q)  # an owner record: its scheduler took it in
+            assert await r.xlen(keys.requests) == 0
+            await r.delete(keys.owner("lost"))
+            await core.requeue_if_lost(q)  # neither: lost, queued again
+            entries = await r.xrange(keys.requests)
+            assert len(entries) == 1 and entries[0][0].decode() == q.entry_id != first
+            assert entries[0][1][b"rid"] == b"lost" and entries[0][1][b"payload"]
+            await core.stop()
+            await r.aclose()
+
+        asyncio.run(go())
