@@ -125,6 +125,7 @@ class RedisClusterServer:
             if out.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
             self.wait_ok(timeout_s)
+            self._wait_settled(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -149,6 +150,19 @@ class RedisClusterServer:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the Redis Cluster was not ok within {timeout_s}s")
+            time.sleep(0.1)
+
+    def _wait_settled(self, timeout_s: float) -> None:
+        """Until every node sees every primary and replica as such (gossip spreads the roles
+        ``--cluster create`` set)."""
+        want = (self.num_primaries, self.num_primaries * self.replicas)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            views = [self.nodes(p) for p in self.live_ports()]
+            if all((sum(n.primary for n in v), sum(not n.primary for n in v)) == want for v in views):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Redis Cluster's roles did not settle within {timeout_s}s")
             time.sleep(0.1)
 
     def _node_ok(self, port: int) -> bool:
