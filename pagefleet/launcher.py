@@ -483,13 +483,14 @@ def _metrics_summary(ports: dict[str, int]) -> str:
     return ", metrics " + ", ".join(f"{name} :{port}" for name, port in ports.items())
 
 
-def _demo(target: str, prompt: str, max_tokens: int, material: ClusterMaterial | None = None) -> int:
+def _demo(target: str, prompt: str, max_tokens: int, material: ClusterMaterial | None = None,
+          model: str | None = None) -> int:
     from pagefleet.client import Client, Completion
 
     done = Completion()
     secure = {"api_key": material.api_key, "ca": material.ca} if material else {}
     with Client(target, **secure) as c:
-        for msg in c.generate_stream(prompt, max_tokens=max_tokens, temperature=0):
+        for msg in c.generate_stream(prompt, max_tokens=max_tokens, temperature=0, model=model):
             done.add(msg)
             sys.stdout.write(msg.text)
             sys.stdout.flush()
@@ -577,7 +578,8 @@ def main(argv: list[str]) -> int:
                   f"  pagefleet generate --target {cluster.gateway_target} --ca {material.ca} --api-key <key> \"Hello\"",
                   flush=True)
         if args.demo is not None:
-            rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens, material)
+            first = cluster.shards[0][1] if len(models) > 1 else None  # several models: the first one's
+            rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens, material, first)
         else:
             while True:
                 cluster.check_alive()
