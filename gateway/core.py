@@ -17,6 +17,7 @@ import contextlib
 import re
 import secrets
 import time
+import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -63,14 +64,17 @@ class QueueUnavailable(Exception):
     """The request queue (Redis) did not answer; nothing was queued."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Queued:
     """A request in the requests stream (``fresh`` False: a client-chosen id queued before,
-    whose output is relayed rather than generated again)."""
+    whose output is relayed rather than generated again). ``entry_id`` and ``fields``: its
+    entry, queued again if a Redis failover loses it (``GatewayCore.requeue_if_lost``)."""
 
     request_id: str
     num_prompt_tokens: int
     fresh: bool
+    entry_id: str = ""
+    fields: dict | None = None
 
 
 def traceparent_or_new(value: str | None) -> str:
@@ -83,18 +87,45 @@ def traceparent_or_new(value: str | None) -> str:
 class GatewayCore:
     """What a gateway does for a request, whichever door it came through."""
 
-    def __init__(self, redis, keys: Keys, model: ModelSpec, args, limits: Limits | None = None) -> None:
+    def __init__(self, redis, keys: Keys | Sequence[Keys], model: ModelSpec, args, limits: Limits | None = None,
+                 *, name: str | None = None, metrics: GatewayMetrics | None = None) -> None:
+        """``keys``: the shard (or shards: requests spread over them by id) of this model;
+        ``name``: the model's name in requests (default: ``model.name``)."""
         self.redis = redis
-        self.keys = keys
+        self.shards = [keys] if isinstance(keys, Keys) else list(keys)
+        if not self.shards:
+            raise ValueError("a model is served by at least one shard")
+        self.keys = self.shards[0]
         self.model = model
+        self.name = name or model.name
         self.max_model_len = model.max_model_len(args.max_model_len)
         self.args = args
         self.limits = limits or Limits()
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics()
         self._admit_and_queue = redis.register_script(ADMIT_AND_QUEUE)
         self._cancels: set[asyncio.Task] = set()
-        self.reader = StepReader(redis, keys)  # one read of every worker's steps for all relays
+        # One read of every worker's steps for all relays, per shard (a shard's streams share a slot).
+        self.readers = {k.shard: StepReader(redis, k) for k in self.shards}
+        self.reader = self.readers[self.keys.shard]
         self.stream_interval = max(1, getattr(args, "stream_interval", 1) or 1)
+        # Claim every request id in its shard (``req:<id>``), not only clients' own: set by a
+        # gateway serving several models, whose Cancel looks a request's shard up by it.
+        self.claim_every_id = False
+
+    def shard_of(self, request_id: str) -> Keys:
+        """The shard of ``request_id``: its hash picks one of the model's shards, the same in
+        every gateway (a retry with a client's id lands where its claim is)."""
+        if len(self.shards) == 1:
+            return self.keys
+        return self.shards[zlib.crc32(request_id.encode()) % len(self.shards)]
+
+    def relaying(self, request_id: str) -> bool:
+        """Whether this process relays ``request_id``."""
+        return request_id in self.readers[self.shard_of(request_id).shard].relays
+
+    async def stop(self) -> None:
+        for r in self.readers.values():
+            await r.stop()
 
     def check(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids; ``BadField`` naming what is wrong."""
@@ -124,6 +155,8 @@ class GatewayCore:
     async def _enqueue_one(self, request: pb.GenerateRequest, prompt_ids: list[int], traceparent: str,
                            client_id: bool) -> Queued:
         rid = request.request_id
+        keys = self.shard_of(rid)
+        reader = self.readers[keys.shard]
         deadline = int(time.time() * 1000) + request.deadline_ms if request.HasField("deadline_ms") else 0
         size = self.args.block_size
         sampling = pb.SamplingParams()
@@ -137,29 +170,29 @@ class GatewayCore:
             priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
             block_hashes=block_hashes(prompt_ids, size), hash_block_size=size, reply_to=self.reader.reply_to,
         )
-        with enqueue_span(msg, self.keys.requests):  # sets msg.traceparent when tracing
+        with enqueue_span(msg, keys.requests):  # sets msg.traceparent when tracing
             # Never trimmed (no MAXLEN): the stream is a work queue whose entries leave when their
             # requests finish; trimming would drop requests no one has read. ``ADMIT_AND_QUEUE`` bounds it.
             fields = encode_request_entry(msg, int(time.time() * 1000))
-            keys = [self.keys.requests, self.keys.num_waiting]
-            if client_id:
+            script_keys = [keys.requests, keys.num_waiting]
+            if client_id or self.claim_every_id:
                 # The claim has the lifetime of the request's output stream (the final write
                 # shortens both): past it, a retry with this id is a new request.
-                keys.append(self.keys.idempotency(rid))
+                script_keys.append(keys.idempotency(rid))
             args = [self.args.max_stream_len, self.args.max_queue, REQUEST_TTL_S,
                     *(x for kv in fields.items() for x in kv)]
             # Its relay is open before it is queued: its first tokens can come right after.
-            opened = rid not in self.reader.relays
-            self.reader.open(rid)
+            opened = rid not in reader.relays
+            reader.open(rid)
             try:
-                answer = await retry(lambda: self._admit_and_queue(keys=keys, args=args), what="enqueue",
+                answer = await retry(lambda: self._admit_and_queue(keys=script_keys, args=args), what="enqueue",
                                      attempts=_ATTEMPTS)
             except BaseException:
                 if opened:
-                    self.reader.close(rid)
+                    reader.close(rid)
                 raise
             if answer[0] != 1 and opened:  # not queued now: nothing of ours relays it from the steps
-                self.reader.close(rid)
+                reader.close(rid)
             if answer[0] == -1:
                 _, waiting, length = answer
                 raise Shed(f"queue is full ({waiting} waiting to be placed, {length} requests in the system); "
@@ -167,26 +200,47 @@ class GatewayCore:
             if answer[0] == 0:
                 return Queued(rid, len(prompt_ids), fresh=False)
         log.info("request.enqueued", request_id=rid, num_prompt_tokens=len(prompt_ids),
-                 priority=request.priority, traceparent=msg.traceparent)
-        return Queued(rid, len(prompt_ids), fresh=True)
+                 priority=request.priority, traceparent=msg.traceparent, model=self.name, shard=keys.shard)
+        entry_id = answer[1].decode() if isinstance(answer[1], bytes) else str(answer[1])
+        return Queued(rid, len(prompt_ids), fresh=True, entry_id=entry_id, fields=fields)
+
+    async def requeue_if_lost(self, q: Queued) -> None:
+        """Queue ``q``'s entry again if Redis lost it: neither its entry nor an owner record is
+        there (a failover rolled back the write that queued it, before its scheduler read it).
+        Called by a relay that has heard nothing of its request for a while. A request the
+        scheduler took in has an owner record from its assignment until after its finish, and
+        its entry until its finish; one queued twice is taken once (the scheduler knows its id)."""
+        if not q.fresh or q.fields is None:
+            return
+        keys = self.shard_of(q.request_id)
+        if await retry(lambda: self.redis.exists(keys.owner(q.request_id)), what="exists_own"):
+            return
+        if await retry(lambda: self.redis.xrange(keys.requests, q.entry_id, q.entry_id), what="xrange_entry"):
+            return
+        entry_id = await retry(lambda: self.redis.xadd(keys.requests, q.fields), what="requeue")
+        log.warning("request.requeued_lost", request_id=q.request_id, entry_id=q.entry_id, shard=keys.shard)
+        q.entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def relay(self, queued: Queued) -> AsyncIterator[pb.GenerateResponse]:
         """The request's messages, in order, to the last one; closing it early (the caller
         went away) queues a cancel so the worker frees the request's blocks."""
         finished = False
         rid = queued.request_id
-        step_relay = self.reader.relays.get(rid) if queued.fresh else None
+        keys = self.shard_of(rid)
+        reader = self.readers[keys.shard]
+        step_relay = reader.relays.get(rid) if queued.fresh else None
         if step_relay is not None:
-            messages = relay_steps(self.redis, self.keys, step_relay, queued.num_prompt_tokens, self.stream_interval)
+            messages = relay_steps(self.redis, keys, step_relay, queued.num_prompt_tokens, self.stream_interval,
+                                   on_silence=lambda: self.requeue_if_lost(queued))
         else:  # queued before (a retry): replayed from its own output stream
-            messages = relay(self.redis, self.keys, rid, queued.num_prompt_tokens)
+            messages = relay(self.redis, keys, rid, queued.num_prompt_tokens)
         try:
             async for msg in messages:
                 finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 yield msg
         finally:
             if step_relay is not None:
-                self.reader.close(rid)
+                reader.close(rid)
             if not finished:
                 log.info("request.client_gone", request_id=queued.request_id)
                 self.cancel_soon(queued.request_id)
@@ -198,7 +252,7 @@ class GatewayCore:
     def cancel_soon(self, request_id: str) -> None:
         """Queue a cancel entry in the background (the caller may be gone already); nothing
         relays the request from here on."""
-        self.reader.close(request_id)
+        self.readers[self.shard_of(request_id).shard].close(request_id)
         task = asyncio.ensure_future(self._send_cancel(request_id))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
@@ -209,7 +263,8 @@ class GatewayCore:
 
     async def cancel(self, request_id: str, attempts: int = _ATTEMPTS) -> None:
         """Queue a cancel entry for ``request_id`` (Redis errors propagate)."""
-        await retry(lambda: self.redis.xadd(self.keys.requests, encode_cancel_entry(request_id)),
+        keys = self.shard_of(request_id)
+        await retry(lambda: self.redis.xadd(keys.requests, encode_cancel_entry(request_id)),
                     what="xadd_cancel", attempts=attempts)
 
     async def ping(self, timeout_s: float = 2.0) -> bool:

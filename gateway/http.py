@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import socket
 import ssl
 import time
@@ -41,6 +42,7 @@ from .core import GatewayCore
 from .guard import Doors
 from .http_conn import guarded_protocol
 from .limits import Limits, TooLarge
+from .models import Router, UnknownModel
 from .openai_door import ApiError, OpenAIDoor
 from .openai_request import parse_chat, parse_completion
 from .openai_tokenize import detokenize, tokenize
@@ -66,8 +68,44 @@ def add_http_flags(parser) -> None:
                         help="split <think>...</think> output into reasoning_content")
 
 
-def build_app(core: GatewayCore, served_model_name: str, keys: ApiKeys | None = None) -> FastAPI:
-    door = OpenAIDoor(core, served_model_name, load_chat_template(core.model))
+class ModelDoors:
+    """An ``OpenAIDoor`` per served model; a request goes to the door of the model its body
+    names (``model``). With one model that door takes everything (it refuses other names
+    itself); with several, a body that names no served model is a 404 naming them."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.doors = {name: OpenAIDoor(core, name, load_chat_template(core.model))
+                      for name, core in router.cores.items()}
+        self.default = self.doors[router.default.name]
+
+    async def pick(self, request: Request) -> OpenAIDoor | Response:
+        """The door of the body's model, or a 404 / 400 to answer with."""
+        if len(self.doors) == 1:
+            return self.default
+        try:
+            body = json.loads(await request.body())
+        except Exception:  # too large, not JSON, the client gone: the door's own parse answers
+            return self.default
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str):
+            return self.default  # a missing or mistyped model: the door's parse explains
+        try:
+            return self.doors[self.router.core_for(model).name]
+        except UnknownModel as e:
+            return ApiError(404, str(e), "invalid_request_error", "model", "model_not_found").response()
+
+
+def build_app(core: GatewayCore | Router, served_model_name: str | None = None,
+              keys: ApiKeys | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``core`` (one model, named ``served_model_name``) or a
+    ``Router`` (every model it serves)."""
+    if isinstance(core, GatewayCore):
+        core.name = served_model_name or core.name
+        core = Router([core])
+    router = core
+    doors = ModelDoors(router)
+    core = router.default
     app = FastAPI(title="pagefleet", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   **_NO_NATIVE_TELEMETRY)
     # The last added runs first: count every response, then the key, then the body's size.
@@ -76,36 +114,41 @@ def build_app(core: GatewayCore, served_model_name: str, keys: ApiKeys | None = 
         app.add_middleware(RequireApiKey, keys=keys, on_refused=core.metrics.unauthenticated.labels("http").inc)
     app.add_middleware(CountResponses, counter=core.metrics.http_requests)
 
+    async def routed(request: Request, serve) -> Response:
+        picked = await doors.pick(request)
+        return picked if isinstance(picked, Response) else await serve(picked)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await door.completion(request, "/v1/completions", parse_completion)
+        return await routed(request, lambda d: d.completion(request, "/v1/completions", parse_completion))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await door.completion(request, "/v1/chat/completions", parse_chat)
+        return await routed(request, lambda d: d.completion(request, "/v1/chat/completions", parse_chat))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await door.completion(request, "/v1/responses", parse_responses)
+        return await routed(request, lambda d: d.completion(request, "/v1/responses", parse_responses))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        return await tokenize(door, request)
+        return await routed(request, lambda d: tokenize(d, request))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        return await detokenize(door, request)
+        return await routed(request, lambda d: detokenize(d, request))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return await door.models()
+        return {"object": "list", "data": [d.model_card() for d in doors.doors.values()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        if model != served_model_name:
-            return ApiError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+        found = doors.doors.get(model)
+        if found is None:
+            return ApiError(404, str(UnknownModel(model, router.names)), "invalid_request_error", "model",
                             "model_not_found").response()
-        return JSONResponse(door.model_card())
+        return JSONResponse(found.model_card())
 
     @app.get("/health")
     async def health() -> Response:
@@ -223,8 +266,9 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """The HTTP door on ``--host``:``--http-port`` (0: a free port; ``port`` is the bound one)."""
 
-    def __init__(self, core: GatewayCore, args, doors: Doors | None = None) -> None:
-        app = build_app(core, args.served_model_name or args.model, doors.keys if doors else None)
+    def __init__(self, router: Router, args, doors: Doors | None = None) -> None:
+        app = build_app(router, None, doors.keys if doors else None)
+        core = router.default
         tls = doors.tls if doors else None
         files = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.ca,
                                         "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.ca else ssl.CERT_NONE}

@@ -88,6 +88,15 @@ class CallObserver:
         span.end()
 
 
+def _model_name(servicer, request) -> str:
+    """The name of the model ``request`` asks for (the servicer's only one if it names none)."""
+    core_for = getattr(servicer, "core_for", None)
+    try:
+        return (core_for(request) if core_for else servicer.core).name
+    except LookupError:  # a model not served: the call is refused with NOT_FOUND
+        return request.model
+
+
 def observed_generate(method):
     """Wrap the gateway's gRPC ``Generate`` (an async generator): its SERVER span and metrics.
 
@@ -102,7 +111,7 @@ def observed_generate(method):
         span = None
         if telemetry.enabled():
             attrs = telemetry.request_attributes(
-                model=self.core.model.name,
+                model=_model_name(self, request),
                 max_tokens=request.sampling.max_tokens,
                 temperature=request.sampling.temperature if request.sampling.HasField("temperature") else None,
                 prompt=request.prompt if request.WhichOneof("input") == "prompt" else None,

@@ -250,13 +250,9 @@ class StepReader:
             return
         self._refreshed_at = loop.time()
 
-        async def look():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hgetall(self.keys.workers)
-            pipe.time()
-            return await pipe.execute()
-
-        rows, (now_s, now_us) = await retry(look, what="steps_refresh")
+        # Two calls, not one pipeline: TIME names no key (a Redis Cluster pipeline refuses it).
+        rows = await retry(lambda: self.redis.hgetall(self.keys.workers), what="steps_refresh")
+        now_s, now_us = await retry(self.redis.time, what="steps_refresh_time")
         start = f"{max(0, now_s * 1000 + now_us // 1000 - LOOKBACK_MS)}-0"
         streams = {self.keys.steps(SCHEDULER_STEPS)}
         for wid, raw in rows.items():
@@ -299,11 +295,13 @@ class StepReader:
 
 
 async def relay_steps(redis, keys: Keys, r: StepRelay, num_prompt_tokens: int,
-                      stream_interval: int = 1) -> AsyncIterator[pb.GenerateResponse]:
+                      stream_interval: int = 1, on_silence=None) -> AsyncIterator[pb.GenerateResponse]:
     """Yield ``r``'s request's messages until (and including) its last one: what the reader
     fed it, merged into one message while its client was away; from the request's own output
     stream once detached or when it saw nothing for ``SILENCE_S`` while that stream holds more.
-    ``stream_interval``: hold tokens back until that many are waiting (or the request ends)."""
+    ``stream_interval``: hold tokens back until that many are waiting (or the request ends).
+    ``on_silence``: awaited after each ``SILENCE_S`` without a message while none was relayed
+    yet (the gateway checks the request was not lost)."""
     order = Reorder()
     held: list[OutEntry] = []  # ready, held back for stream_interval
     r.wake_after = stream_interval
@@ -313,6 +311,8 @@ async def relay_steps(redis, keys: Keys, r: StepRelay, num_prompt_tokens: int,
         for o in r.take():  # a StepOutput has the fields an OutEntry has: no copy on the way
             ready.extend(order.add(o))
         held.extend(ready)
+        if not fed and on_silence is not None and order.next_index == 0 and not held:
+            await on_silence()
         behind = r.detached or (not fed and await _stream_ahead(redis, keys, r.request_id, order))
         if held and (behind or held[-1].finish_reason or _num_tokens(held) >= stream_interval):
             msg = _finished(_merged(r.request_id, held), order, num_prompt_tokens)

@@ -20,9 +20,9 @@ import uuid
 import grpc
 import structlog
 
-from pagefleet.common.metrics import serve_metrics
+from pagefleet.common.metrics import GatewayMetrics, serve_metrics
 from pagefleet.common.model_config import load_model_spec
-from pagefleet.common.redis import Keys, add_redis_flags, connect, retry
+from pagefleet.common.redis import Keys, add_redis_flags, connect_args, retry
 from pagefleet.common.service import (
     EnvArgumentParser,
     add_common_flags,
@@ -39,6 +39,7 @@ from pagefleet.protos import generation_pb2_grpc
 from . import guard
 from .core import DEADLINE_ERROR, GatewayCore, QueueUnavailable, Shed, traceparent_or_new
 from .http import add_http_flags
+from .models import Router, UnknownModel, served_models
 from .observe import GRPC_SERVICE, observed_generate
 from .validate import BadField, bad_request_metadata, retry_metadata
 
@@ -54,10 +55,16 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--http-port", type=int, default=None, metavar="N",
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) on this port (0: any free port; default: off)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model's name in the HTTP API (requests must name it; default: --model)")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="the model's name in requests (default: --model); once per --model, in order")
     add_redis_flags(p)
-    p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory (tokenizer and config only)")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
+                   help="a model to serve: 'tiny' or a checkpoint directory (tokenizer, chat template and "
+                        "config only), named NAME in requests (default: PATH); repeat for several models "
+                        "(default: tiny)")
+    p.add_argument("--shards", action="append", default=None, metavar="MODEL=SHARD[,SHARD...]",
+                   help="the shards serving MODEL (its requests spread over them by id); default: the i-th "
+                        "--model is served by shard s<i> (one model: s0)")
     p.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this")
     p.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block of the workers: the prompt's block keys are computed with it "
@@ -126,29 +133,44 @@ async def _refuse_undecodable(request, context) -> None:
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    """The gRPC door: protobuf in, the core, protobuf out; refusals as status codes."""
+    """The gRPC door: protobuf in, the core of the request's model, protobuf out; refusals as
+    status codes (a model not served: NOT_FOUND naming the served ones)."""
 
-    def __init__(self, core: GatewayCore) -> None:
-        self.core = core
+    def __init__(self, router: Router | GatewayCore) -> None:
+        self.router = router if isinstance(router, Router) else Router([router])
+        self.core = self.router.default  # metrics (shared by every model's core)
+
+    def core_for(self, request) -> GatewayCore:
+        """The core of ``request.model`` (``UnknownModel`` if not served)."""
+        return self.router.core_for(request.model if request.HasField("model") else None)
 
     @observed_generate
     async def Generate(self, request, context):
         await _refuse_undecodable(request, context)
         try:
-            prompt_ids = self.core.check(request)
+            core = self.core_for(request)
+        except UnknownModel as e:
+            code = grpc.StatusCode.NOT_FOUND if e.requested else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
+        async for msg in self._generate(core, request, context):
+            yield msg
+
+    async def _generate(self, core: GatewayCore, request, context):
+        try:
+            prompt_ids = core.check(request)
         except BadField as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
         client_id = bool(request.request_id)
         if not client_id:
             request.request_id = uuid.uuid4().hex
         try:
-            queued, = await self.core.enqueue([(request, prompt_ids)], traceparent_of(context), client_ids=client_id)
+            queued, = await core.enqueue([(request, prompt_ids)], traceparent_of(context), client_ids=client_id)
         except Shed as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
                                 trailing_metadata=retry_metadata(str(e), e.retry_after_s))
         except QueueUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        async for msg in self.core.relay(queued):
+        async for msg in core.relay(queued):
             yield msg
             if msg.finish_reason == pb.FINISH_REASON_ERROR and msg.error.startswith(DEADLINE_ERROR):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, msg.error)
@@ -158,23 +180,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not request.request_id:
             e = BadField("request_id", "is required")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
-        await self.core.cancel(request.request_id)
-        log.info("request.cancel_requested", request_id=request.request_id)
-        return pb.CancelResponse(accepted=True)
+        accepted = await self.router.cancel(request.request_id)
+        log.info("request.cancel_requested", request_id=request.request_id, accepted=accepted)
+        return pb.CancelResponse(accepted=accepted)
 
 
 async def serve(args, doors: guard.Doors | None = None) -> int:
     import signal
 
     doors = doors or guard.Doors.from_args(args)
-    model = load_model_spec(args.model)
-    redis = connect(args.redis_url, args.redis_password_file)
-    core = GatewayCore(redis, Keys(args.namespace), model, args, doors.limits)
+    redis = connect_args(args)
+    metrics = GatewayMetrics()
+    router = Router([GatewayCore(redis, [Keys(args.namespace, s) for s in m.shards], load_model_spec(m.path), args,
+                                 doors.limits, name=m.name, metrics=metrics)
+                     for m in served_models(args.model, args.served_model_name, args.shards)])
+    core = router.default
     refused = core.metrics.unauthenticated.labels("grpc").inc
     server = grpc.aio.server(options=server_options(max_receive_message_length=doors.limits.max_request_bytes,
                                                     max_concurrent_streams=doors.limits.grpc_max_streams),
                              interceptors=doors.interceptors(on_refused=refused))
-    add_generation_service(GenerationService(core), server)
+    add_generation_service(GenerationService(router), server)
     serve_metrics(args, core.metrics.registry, "gateway", **doors.metrics_guard())
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = add_port(server, f"{args.host}:{args.port}", doors.tls)
@@ -183,11 +208,12 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
     if args.http_port is not None:
         from .http import HttpServer  # FastAPI and uvicorn only where HTTP is served
 
-        http = await HttpServer(core, args, doors).start()
+        http = await HttpServer(router, args, doors).start()
     await server.start()
     health_port = await start_health_port(health, args.host, args.health_port)
     await set_serving(health, names, True)
-    log.info("gateway.ready", port=port, http_port=http.port if http else None, model=args.model,
+    log.info("gateway.ready", port=port, http_port=http.port if http else None,
+             models={c.name: [k.shard for k in c.shards] for c in router.cores.values()},
              max_model_len=core.max_model_len, tls=doors.tls is not None, client_certs=bool(doors.tls and doors.tls.ca),
              key_required=doors.keys.required, num_keys=doors.keys.num_keys)
     stop = asyncio.Event()
@@ -203,7 +229,7 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
     if health_port is not None:
         await health_port.stop(grace=0.5)
     await server.stop(grace=2.0)
-    await core.reader.stop()
+    await router.stop()
     await redis.aclose()
     log.info("gateway.stopped")
     return 0
@@ -216,6 +242,10 @@ def main(argv: list[str]) -> int:
         parser.error(f"--block-size must be at least 1, got {args.block_size}")
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
+    try:
+        served_models(args.model, args.served_model_name, args.shards)
+    except ValueError as e:
+        parser.error(str(e))
     if args.processes < 1:
         parser.error(f"--processes must be at least 1, got {args.processes}")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:

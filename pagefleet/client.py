@@ -73,6 +73,7 @@ def build_request(
     deadline_ms: int | None = None,
     request_id: str = "",
     structured_outputs: pb.StructuredOutputs | None = None,
+    model: str | None = None,
 ) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     if structured_outputs is not None:
@@ -88,6 +89,8 @@ def build_request(
         req.prompt_token_ids.ids.extend(prompt)
     if deadline_ms is not None:
         req.deadline_ms = deadline_ms
+    if model is not None:
+        req.model = model
     return req
 
 
@@ -200,6 +203,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the server's 1.0)")
     p.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     p.add_argument("--priority", type=int, default=0, help="larger is more important")
+    p.add_argument("--model", default=None, help="the model to run (needed when the gateway serves several)")
     p.add_argument("--show-tokens", action="store_true", help="print token ids instead of text")
     p.add_argument("--api-key", default=None, help="the gateway's API key (sent as `authorization: Bearer`)")
     p.add_argument("--ca", default=None, metavar="PATH", help="speak TLS, trusting this CA for the gateway's certificate")
@@ -212,7 +216,7 @@ def main(argv: list[str]) -> int:
                     client_key=args.client_key) as c:
             done = Completion()
             for msg in c.generate_stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                         seed=args.seed, priority=args.priority):
+                                         seed=args.seed, priority=args.priority, model=args.model):
                 done.add(msg)
                 sys.stdout.write(" ".join(map(str, msg.token_ids)) + " " if args.show_tokens else msg.text)
                 sys.stdout.flush()

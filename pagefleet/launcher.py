@@ -6,6 +6,12 @@ N workers and a gateway, each a ``pagefleet <component>`` process in its own pro
 group. Prints one line when the cluster is ready; SIGINT/SIGTERM stops everything it
 started (SIGTERM, then SIGKILL after a grace period), leaving no process behind.
 
+Several models: ``--model A --model NAME=PATH`` starts ``--workers`` workers for each model,
+``--shards-per-model`` shards each (model i: ``s<i*N>``..), a scheduler per shard (the first
+shard's is ``scheduler``, the others ``scheduler-<shard>``), and one gateway serving them all.
+``--redis-cluster``: every component on a Redis Cluster (``--redis-url`` a node of it; without
+one, a throwaway cluster of 3 primaries with a replica each, ``redis_cluster.py``).
+
 HTTP: ``--http-port N`` (default 8000; 0: a free port) serves the OpenAI-compatible API
 from the gateway process too; the ready line gives its URL (``LocalCluster.http_url``).
 
@@ -81,6 +87,24 @@ class ClusterConfig:
     # The interpreter of every process (None: this one); e.g. a venv with another checkout,
     # for benchmarks that compare two trees on one machine.
     python: str | None = None
+    # Every component on a Redis Cluster (``--redis-cluster``): ``redis_url`` names a node of
+    # it, or (None) a cluster of 3 primaries with a replica each is started here.
+    redis_cluster: bool = False
+    # Several models (``[NAME=]PATH`` each; None: ``model`` alone): ``num_workers`` workers
+    # and ``shards_per_model`` shards, each with its scheduler, for each model.
+    models: list[str] | None = None
+    shards_per_model: int = 1
+
+    def plan(self) -> list[tuple[str, str, str]]:
+        """``(shard, model name, model path)`` for every shard, in order: model i's shards are
+        ``s<i*N>`` .. ``s<i*N+N-1>`` (N ``shards_per_model``; one model, one shard: ``s0``)."""
+        from pagefleet.gateway.models import served_models
+
+        n = self.shards_per_model
+        if n < 1:
+            raise ValueError(f"shards_per_model must be at least 1, got {n}")
+        models = served_models(self.models or [self.model])
+        return [(f"s{i * n + j}", m.name, m.path) for i, m in enumerate(models) for j in range(n)]
 
 
 class LocalCluster:
@@ -105,6 +129,11 @@ class LocalCluster:
             if port not in (*self.gateway_ports, self.scheduler_port, self.http_port):
                 self.gateway_ports.append(port)
         self.scheduler_ports = {"scheduler": self.scheduler_port}
+        self.shards = cfg.plan()  # (shard, model name, model path)
+        # a scheduler's name -> its shard; the first shard's is "scheduler", the others' "scheduler-<shard>"
+        self.scheduler_shards = {"scheduler": self.shards[0][0]}
+        self.worker_shards: dict[str, str] = {}  # a worker process's name -> its shard
+        self.num_workers_of: dict[str, int] = {}  # a shard -> the workers started for it
         self._worker_seq = 0
         # component name -> its /metrics port (gateway, scheduler, then workers as they are added)
         self.metrics_ports: dict[str, int] = {}
@@ -193,7 +222,7 @@ class LocalCluster:
         else:
             out = None
         common = ["--redis-url", redis_url or self.redis_url, "--namespace", self.cfg.namespace,
-                  *self._secure_flags(args[0])]
+                  *self._secure_flags(args[0]), *(["--redis-cluster"] if self.cfg.redis_cluster else [])]
         if metrics_port is not None:
             common += ["--metrics-port", str(metrics_port)]
         proc = subprocess.Popen([self.cfg.python or sys.executable, "-m", "pagefleet", *args, *common], env=env,
@@ -204,20 +233,49 @@ class LocalCluster:
         return proc
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
-        if not self.redis_url:
+        if not self.redis_url and self.cfg.redis_cluster:
+            from pagefleet.common.redis_cluster import RedisClusterServer
+
+            self.redis = RedisClusterServer().start()
+            self.redis_url = self.redis.url
+        elif not self.redis_url:
             password = self.cfg.material.redis_password if self.cfg.material else None
             self.redis = RedisServer(password=password).start()
             self.redis_url = self.redis.url
-        self.start_scheduler(redis_url=self.cfg.scheduler_redis_url)
-        left = self.cfg.num_workers
-        while left > 0:
-            count = min(left, max(1, self.cfg.workers_per_process))
-            self.add_worker(count=count)
-            left -= count
+        for i, (shard, _, _) in enumerate(self.shards):
+            name = "scheduler" if i == 0 else f"scheduler-{shard}"
+            self.start_scheduler(name, redis_url=self.cfg.scheduler_redis_url if i == 0 else None, shard=shard)
+        per_shard = self._workers_per_shard()
+        for shard, _model, _path in self.shards:
+            left = per_shard[shard]
+            while left > 0:
+                count = min(left, max(1, self.cfg.workers_per_process))
+                self.add_worker(count=count, shard=shard)
+                left -= count
         for i in range(self.cfg.num_gateways):
             self.start_gateway(i)
         self.wait_ready(timeout_s)
         return self
+
+    def _workers_per_shard(self) -> dict[str, int]:
+        """``num_workers`` for each model, spread over its shards (the first ones get the rest)."""
+        out: dict[str, int] = {}
+        n = self.cfg.shards_per_model
+        for k, (shard, _, _) in enumerate(self.shards):
+            j = k % n
+            out[shard] = self.cfg.num_workers // n + (1 if j < self.cfg.num_workers % n else 0)
+        return out
+
+    def _model_flags(self) -> list[str]:
+        """The gateway's ``--model`` (and ``--shards``) flags: every model and its shards."""
+        if len(self.shards) == 1 and not self.cfg.models:
+            return ["--model", self.cfg.model]
+        flags: list[str] = []
+        names = list(dict.fromkeys((m, p) for _, m, p in self.shards))
+        for name, path in names:
+            flags += ["--model", f"{name}={path}" if name != path else path,
+                      "--shards", f"{name}=" + ",".join(s for s, m, _ in self.shards if m == name)]
+        return flags
 
     def start_gateway(self, i: int = 0) -> subprocess.Popen:
         """Gateway ``i`` on its port (again after a kill: the same port); HTTP and metrics on the first only."""
@@ -225,24 +283,36 @@ class LocalCluster:
         http = ["--http-port", str(self.http_port)] if first and self.http_port is not None else []
         return self._spawn(self.gateway_name(i),
                            ["gateway", "--host", self.cfg.host, "--port", str(self.gateway_ports[i]), *http,
-                            "--model", self.cfg.model, *self.cfg.gateway_args],
+                            *self._model_flags(), *self.cfg.gateway_args],
                            self._metrics_port("gateway", 0) if first else None)
 
-    def start_scheduler(self, name: str = "scheduler", redis_url: str | None = None) -> subprocess.Popen:
+    def start_scheduler(self, name: str = "scheduler", redis_url: str | None = None,
+                        shard: str | None = None) -> subprocess.Popen:
         """The scheduler ``name`` (a second one waits as standby), on its own port, kept across
-        restarts; metrics on the first only. ``redis_url``: its own Redis (default: the cluster's)."""
+        restarts; metrics on the first only. ``redis_url``: its own Redis (default: the cluster's);
+        ``shard``: the shard it schedules (kept across restarts; default: the first)."""
         port = self.scheduler_ports.setdefault(name, free_port())
+        shard = self.scheduler_shards.setdefault(name, shard or self.shards[0][0])
         metrics = self._metrics_port("scheduler", 1) if name == "scheduler" else None
-        return self._spawn(name, ["scheduler", "--port", str(port), *self.cfg.scheduler_args], metrics, redis_url)
+        flags = ["--shard", shard] if len(self.shards) > 1 or shard != "s0" else []
+        flags += ["--served-model-name", next(m for s, m, _ in self.shards if s == shard)]
+        return self._spawn(name, ["scheduler", "--port", str(port), *flags, *self.cfg.scheduler_args],
+                           metrics, redis_url)
 
-    def add_worker(self, extra: list[str] | None = None, count: int = 1) -> str:
-        """One worker process; with ``count`` > 1 it hosts that many workers, ids ``<name>-<i>``."""
+    def add_worker(self, extra: list[str] | None = None, count: int = 1, shard: str | None = None) -> str:
+        """One worker process for ``shard`` (default: the first; its model's); with ``count`` > 1
+        it hosts that many workers, ids ``<name>-<i>``."""
         seq = self._worker_seq
         name = f"worker-{seq}"
         self._worker_seq += 1
+        shard, model, path = next(p for p in self.shards if p[0] == (shard or self.shards[0][0]))
+        self.worker_shards[name] = shard
+        self.num_workers_of[shard] = self.num_workers_of.get(shard, 0) + count
         several = ["--count", str(count)] if count > 1 else []
-        self._spawn(name, ["worker", "--worker-id", name, "--model", self.cfg.model, "--device", self.cfg.device,
-                           "--drain-timeout", "5", *several, *self.cfg.worker_args, *(extra or [])],
+        flags = ["--shard", shard] if len(self.shards) > 1 or shard != "s0" else []
+        flags += ["--served-model-name", model] if model != path else []
+        self._spawn(name, ["worker", "--worker-id", name, "--model", path, "--device", self.cfg.device,
+                           "--drain-timeout", "5", *flags, *several, *self.cfg.worker_args, *(extra or [])],
                     self._metrics_port(name, 2 + seq))
         return name
 
@@ -296,12 +366,15 @@ class LocalCluster:
                 raise RuntimeError(f"{name} exited with {p.returncode}" +
                                    (f"; see {self.cfg.log_dir}/{name}.log" if self.cfg.log_dir else ""))
 
-    def scheduler_state(self, timeout_s: float = 2.0, name: str | None = None):
-        """The state of scheduler ``name``; None: of the active one if any answers as active,
-        else of the first that answers (``grpc.RpcError`` when none does)."""
+    def scheduler_state(self, timeout_s: float = 2.0, name: str | None = None, shard: str | None = None):
+        """The state of scheduler ``name``; None: of the active one of ``shard`` (default: the
+        first shard) if any answers as active, else of the first that answers (``grpc.RpcError``
+        when none does)."""
         from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
-        names = [name] if name else [n for n in self.scheduler_ports if n in self.procs] or ["scheduler"]
+        shard = shard or self.shards[0][0]
+        names = [name] if name else [n for n in self.scheduler_ports
+                                     if n in self.procs and self.scheduler_shards.get(n) == shard] or ["scheduler"]
         inactive, error = None, None
         for n in names:
             try:
@@ -332,9 +405,12 @@ class LocalCluster:
                     with self.channel(target) as ch:
                         h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
                     serving = serving and h.status == health_pb2.HealthCheckResponse.SERVING
-                state = self.scheduler_state()
-                ready = sum(1 for w in state.workers if w.HasField("report"))
-                if serving and state.active and ready >= want:
+                for shard, _, _ in self.shards:
+                    state = self.scheduler_state(shard=shard)
+                    ready = sum(1 for w in state.workers if w.HasField("report"))
+                    need = want if len(self.shards) == 1 else self.num_workers_of.get(shard, 0)
+                    serving = serving and state.active and ready >= need
+                if serving:
                     return
             except grpc.RpcError:
                 pass
@@ -355,9 +431,19 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
                    help="the gateway's reasoning parser (see pagefleet gateway --help)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model's name in the HTTP API (default: --model)")
-    p.add_argument("--workers", type=int, default=2, help="number of workers")
-    p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
+                   help="the model's name in the HTTP API (default: --model); one model only (name several "
+                        "with --model NAME=PATH)")
+    p.add_argument("--workers", type=int, default=2, help="number of workers (of each model)")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
+                   help="'tiny' or a Hugging Face checkpoint directory, named NAME in requests (default: PATH); "
+                        "repeat for several models behind the one gateway: --workers workers and "
+                        "--shards-per-model shards (each with its scheduler) for each (default: tiny)")
+    p.add_argument("--shards-per-model", type=int, default=1, metavar="N",
+                   help="shards of each model (its requests spread over them); model i gets shards "
+                        "s<i*N>..s<i*N+N-1>, each with its own scheduler")
+    p.add_argument("--redis-cluster", action="store_true",
+                   help="run on a Redis Cluster: --redis-url names one node of it, or without --redis-url a "
+                        "throwaway cluster of 3 primaries with a replica each is started here")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
     p.add_argument("--redis-url", default=None, help="an external Redis (default: start one in a temp dir)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: fit memory)")
@@ -397,13 +483,14 @@ def _metrics_summary(ports: dict[str, int]) -> str:
     return ", metrics " + ", ".join(f"{name} :{port}" for name, port in ports.items())
 
 
-def _demo(target: str, prompt: str, max_tokens: int, material: ClusterMaterial | None = None) -> int:
+def _demo(target: str, prompt: str, max_tokens: int, material: ClusterMaterial | None = None,
+          model: str | None = None) -> int:
     from pagefleet.client import Client, Completion
 
     done = Completion()
     secure = {"api_key": material.api_key, "ca": material.ca} if material else {}
     with Client(target, **secure) as c:
-        for msg in c.generate_stream(prompt, max_tokens=max_tokens, temperature=0):
+        for msg in c.generate_stream(prompt, max_tokens=max_tokens, temperature=0, model=model):
             done.add(msg)
             sys.stdout.write(msg.text)
             sys.stdout.flush()
@@ -416,7 +503,7 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.metrics_port is not None and args.metrics_port != 0:
-        last = args.metrics_port + 1 + args.workers  # worker i: N+2+i
+        last = args.metrics_port + 1 + args.workers * len(args.model or [0])  # worker i: N+2+i
         if args.metrics_port < 0 or last > 65535:
             parser.error(f"--metrics-port {args.metrics_port}: the ports N..N+{1 + args.workers} "
                          f"(gateway, scheduler, {args.workers} workers) must lie in 1..65535")
@@ -448,14 +535,26 @@ def main(argv: list[str]) -> int:
     for flag in ("tool_call_parser", "reasoning_parser"):
         if getattr(args, flag):
             gateway_args += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    models = args.model or ["tiny"]
+    if args.served_model_name and len(models) > 1:
+        parser.error("--served-model-name names one model; name several with --model NAME=PATH")
+    if args.shards_per_model < 1 or args.workers < args.shards_per_model:
+        parser.error(f"--shards-per-model must be between 1 and --workers ({args.workers}), got {args.shards_per_model}")
+    if args.secure and args.redis_cluster:
+        parser.error("--secure starts a password-protected Redis; with --redis-cluster give --redis-url instead")
     material = _secure_material(args.host) if args.secure else None
     cfg = ClusterConfig(port=args.port, host=args.host, http_port=args.http_port, num_workers=args.workers,
-                        model=args.model, device=args.device, redis_url=args.redis_url, worker_args=worker_args,
+                        model=models[0], models=models if len(models) > 1 else None,
+                        shards_per_model=args.shards_per_model, redis_cluster=args.redis_cluster,
+                        device=args.device, redis_url=args.redis_url, worker_args=worker_args,
                         gateway_args=gateway_args, workers_per_process=per_process,
                         scheduler_args=["--policy", args.policy, "--placement", args.placement],
                         log_level="warning" if quiet else args.log_level, metrics_port=args.metrics_port,
                         material=material)
-    cluster = LocalCluster(cfg)
+    try:
+        cluster = LocalCluster(cfg)
+    except ValueError as e:
+        parser.error(str(e))
     stopping = False
 
     def on_signal(signum, frame):
@@ -468,7 +567,9 @@ def main(argv: list[str]) -> int:
     rc = 0
     try:
         cluster.start()
-        print(f"pagefleet ready: gateway {cluster.gateway_target}, http {cluster.http_url}, {args.workers} workers, "
+        shards = f", {len(cluster.shards)} shards" if len(cluster.shards) > 1 else ""
+        print(f"pagefleet ready: gateway {cluster.gateway_target}, http {cluster.http_url}, {args.workers} workers"
+              f"{' per model' if len(models) > 1 else ''}{shards}, "
               f"scheduler {cluster.scheduler_target}, redis {redacted(cluster.redis_url)}"
               f"{_metrics_summary(cluster.metrics_ports)} (Ctrl-C stops everything)",
               flush=True)
@@ -477,7 +578,8 @@ def main(argv: list[str]) -> int:
                   f"  pagefleet generate --target {cluster.gateway_target} --ca {material.ca} --api-key <key> \"Hello\"",
                   flush=True)
         if args.demo is not None:
-            rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens, material)
+            first = cluster.shards[0][1] if len(models) > 1 else None  # several models: the first one's
+            rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens, material, first)
         else:
             while True:
                 cluster.check_alive()

@@ -61,6 +61,8 @@ log = structlog.get_logger("scheduler")
 # worker before the next is decided).
 _ROUNDS_IN_FLIGHT = 8
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
+# A finish a worker reported and Redis does not hold after this long was refused: resumed.
+UNCONFIRMED_FINISH_S = 5.0
 PREEMPT_MODES = {
     "auto": cluster_pb2.PREEMPT_MODE_AUTO,
     "swap": cluster_pb2.PREEMPT_MODE_SWAP,
@@ -151,6 +153,7 @@ class ClusterScheduler:
             asyncio.create_task(self._dispatch(), name="dispatch"),
             asyncio.create_task(self._tick(), name="tick"),
             asyncio.create_task(self._finishes(), name="finishes"),
+            asyncio.create_task(self._unconfirmed_finishes(), name="unconfirmed_finishes"),
         ]
         try:
             await asyncio.gather(*self._tasks)
@@ -420,6 +423,26 @@ class ClusterScheduler:
                     self._done_cursor = entry_id
                     self.ledger.forget(fields[b"rid"].decode())
             self._wake.set()
+
+    async def _unconfirmed_finishes(self) -> None:
+        """Resume a request its worker reported finished whose finish Redis still lacks after
+        ``UNCONFIRMED_FINISH_S`` (not done in its owner record: the final write was refused,
+        its assignment lost in a Redis failover; the worker dropped it). Normally the done
+        stream confirms a finish within a write's round trip."""
+        first_seen: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(UNCONFIRMED_FINISH_S / 4)
+            now = time.monotonic()
+            first_seen = {rid: first_seen.get(rid, now) for w in list(self.ledger.workers.values())
+                          for rid, pl in list(w.placed.items()) if pl.finished}
+            for rid, since in list(first_seen.items()):
+                if now - since < UNCONFIRMED_FINISH_S:
+                    continue
+                done = await retry(lambda r=rid: self.redis.hget(self.keys.owner(r), "done"), what="hget_done")
+                p = None if done == b"1" else self.ledger.finish_unconfirmed(rid)
+                if p is not None:
+                    log.warning("request.finish_unconfirmed", request_id=rid)
+                    await self._requeue(p)
 
     async def _withdraw_orphans(self, w: WorkerEntry, orphans: list[str]) -> None:
         """A worker runs requests it was not given (it came back after being declared dead);

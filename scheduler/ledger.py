@@ -338,6 +338,22 @@ class Ledger:
             resume.append(pl.pending)
         return resume
 
+    def finish_unconfirmed(self, rid: str) -> Pending | None:
+        """``rid``'s worker reported it finished, but Redis holds no finish of it long after
+        (its final write was refused: the assignment it ran under was lost in a Redis
+        failover). Taken back in hand to resume, as a request dropped without a finish; None if
+        it is not placed as finished."""
+        wid = self.where.get(rid)
+        w = self.workers.get(wid) if wid else None
+        pl = w.placed.get(rid) if w is not None else None
+        if pl is None or not pl.finished:
+            return None
+        w.unplace(rid)
+        self.index.release(rid)
+        del self.where[rid]
+        self._in_hand.add(rid)
+        return pl.pending
+
     def _orphans(self, rids: list[str]) -> list[str]:
         """A finished request a stale report still lists is no orphan."""
         return [rid for rid in rids if rid not in self._done_recently]

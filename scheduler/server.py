@@ -25,9 +25,16 @@ import uuid
 import grpc
 import structlog
 
-from pagefleet.common.metrics import SchedulerMetrics, serve_metrics
-from pagefleet.common.redis import Keys, add_redis_flags, connect, retry
-from pagefleet.common.scripts import LEASE_RELEASE, LEASE_RENEW
+from pagefleet.common.metrics import SchedulerMetrics, serve_metrics, with_labels
+from pagefleet.common.redis import (
+    Keys,
+    add_redis_flags,
+    add_shard_flag,
+    check_shard,
+    connect_args,
+    retry,
+)
+from pagefleet.common.scripts import LEASE_RELEASE, LEASE_RENEW, TAKE_EPOCH
 from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
@@ -62,6 +69,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="port of the Scheduler service and health (0: any free)")
     add_redis_flags(p)
+    add_shard_flag(p)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model this shard serves: the `model` label of this scheduler's metrics")
     p.add_argument("--policy", default="fcfs", choices=POLICIES, help="global queue order")
     p.add_argument("--aging-seconds", type=float, default=10.0,
                    help="priority policy: a waiting request gains one priority level per this many seconds")
@@ -139,7 +149,7 @@ class Lease:
                 self._renewed_at = sent
                 break
             await asyncio.sleep(self.lease_s / 6)
-        self.epoch = int(await retry(lambda: self.redis.incr(self.keys.scheduler_epoch), what="epoch"))
+        self.epoch = int(await retry(lambda: self.redis.eval(TAKE_EPOCH, 1, self.keys.scheduler_epoch), what="epoch"))
         acquired.set()
         log.info("scheduler.lease_acquired", instance=self.me, epoch=self.epoch)
         while True:
@@ -163,8 +173,8 @@ class Lease:
 
 
 async def serve(args) -> int:
-    keys = Keys(args.namespace)
-    redis = connect(args.redis_url, args.redis_password_file)
+    keys = Keys(args.namespace, args.shard)
+    redis = connect_args(args)
     tls = cluster_tls(args)
     me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     servicer = SchedulerService()
@@ -173,7 +183,7 @@ async def serve(args) -> int:
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = add_port(server, f"{args.host}:{args.port}", tls)
     metrics = SchedulerMetrics()
-    serve_metrics(args, metrics.registry, "scheduler",
+    serve_metrics(args, with_labels(metrics.registry, model=args.served_model_name, shard=args.shard), "scheduler",
                   tls=tls.server_context(verify_clients=not open_to_all(args, "metrics")) if tls else None)
     await server.start()
     health_port = await start_health_port(health, args.host, args.health_port)
@@ -206,7 +216,7 @@ async def serve(args) -> int:
         if lease in done or run in done:
             rc = 1
             if run in done and not run.cancelled() and run.exception() is not None:
-                log.error("scheduler.failed", error=repr(run.exception()))
+                log.error("scheduler.failed", error=repr(run.exception()), exc_info=run.exception())
         run.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await run
@@ -236,6 +246,10 @@ def main(argv: list[str]) -> int:
         placement_config(args)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        check_shard(args.shard)
+    except ValueError as e:
+        parser.error(f"--shard: {e}")
     if args.prefix_index_size < 1:
         parser.error(f"--prefix-index-size must be at least 1, got {args.prefix_index_size}")
     try:

@@ -16,12 +16,14 @@ from pagefleet.common.metrics import (
 )
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """``{(sample name, sorted labels): value}`` from a Prometheus text endpoint."""
+def scrape(url: str, shard_labels: bool = False) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` from a Prometheus text endpoint; without the
+    ``model`` and ``shard`` labels every scheduler and worker sample carries, unless ``shard_labels``."""
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()
+    dropped = () if shard_labels else ("model", "shard")
     return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in dropped))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }

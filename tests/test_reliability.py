@@ -21,6 +21,7 @@ from pagefleet.benchmarks.reliability import SCENARIOS
 from pagefleet.benchmarks.reliability.cluster import Row, Settings
 from pagefleet.common.model_config import load_model_spec
 from pagefleet.common.redis import Keys, RedisServer, connect
+from pagefleet.common.scripts import TAKE_EPOCH
 from pagefleet.protos import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(600)
@@ -208,8 +209,8 @@ def test_a_lease_taken_after_retries_is_valid_from_the_attempt_that_took_it():
         async def incr(self, key):
             return 7
 
-        async def eval(self, *a):
-            return 1
+        async def eval(self, script, *a):
+            return 7 if script == TAKE_EPOCH else 1
 
     async def go():
         lease = Lease(Flaky(), Keys("t"), "me", lease_ms=300)

@@ -260,12 +260,14 @@ class EngineLoop:
 
     def drop(self, request_id: str) -> None:
         """Redis refused a write of ours for ``request_id``: someone newer owns it (it was
-        moved, cancelled or finished by the scheduler). Stop at once, free its blocks, write nothing."""
+        moved, cancelled or finished by the scheduler). Stop at once, free its blocks, write nothing.
+        Not reported finished: the reports show it gone unfinished, so a scheduler that still
+        has it placed here (its assignment lost in a Redis failover) resumes it."""
         if self.engine.abort_request(request_id) is not None:
             self.assignments.pop(request_id, None)
+            self._records.pop(request_id, None)
             if self.observer:
                 self.observer.removed(request_id, "abort")
-            self._finished(request_id)
             log.warning("request.fenced_off", request_id=request_id)
 
     def drop_all(self) -> None:

@@ -33,8 +33,15 @@ import grpc
 import structlog
 
 from pagefleet.common import telemetry
-from pagefleet.common.metrics import WorkerMetrics, serve_metrics
-from pagefleet.common.redis import Keys, add_redis_flags, connect, retry
+from pagefleet.common.metrics import WorkerMetrics, serve_metrics, with_labels
+from pagefleet.common.redis import (
+    Keys,
+    add_redis_flags,
+    add_shard_flag,
+    check_shard,
+    connect_args,
+    retry,
+)
 from pagefleet.common.service import (
     SERVER_OPTIONS,
     EnvArgumentParser,
@@ -69,6 +76,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--advertise-host", default=None,
                    help="host the scheduler dials (default: --host, or the hostname for 0.0.0.0)")
     add_redis_flags(p)
+    add_shard_flag(p)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in requests: the `model` label of this worker's metrics (default: --model)")
     p.add_argument("--worker-id", default=None, help="unique name (default: host-pid)")
     p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -178,9 +188,9 @@ class Worker:
     def __init__(self, args, engine, *, worker_id: str | None = None, redis=None) -> None:
         self.args = args
         self.engine = engine
-        self.keys = Keys(args.namespace)
+        self.keys = Keys(args.namespace, getattr(args, "shard", "s0"))
         self.worker_id = worker_id or args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.redis = redis if redis is not None else connect(args.redis_url, args.redis_password_file)
+        self.redis = redis if redis is not None else connect_args(args)
         self.metrics = WorkerMetrics()
         self.writer = OutputWriter(
             self.redis, self.keys, writer_id=self.worker_id,
@@ -289,11 +299,13 @@ async def serve(args) -> int:
     """``--count`` workers in this process, each with its own engine (and engine thread), port,
     registration and report stream; one Redis client for all of them."""
     engines = await asyncio.to_thread(lambda: [make_engine(args) for _ in range(args.count)])
-    redis = connect(args.redis_url, args.redis_password_file)
+    redis = connect_args(args)
     workers = [Worker(args, e, worker_id=wid, redis=redis) for e, wid in zip(engines, worker_ids(args), strict=True)]
     tls = cluster_tls(args)
     metrics_tls = tls.server_context(verify_clients=not open_to_all(args, "metrics")) if tls else None
-    serve_metrics(args, workers[0].metrics.registry, "worker", tls=metrics_tls)  # the first worker's, with --count
+    # The first worker's, with --count; every sample labelled with the model and shard.
+    registry = with_labels(workers[0].metrics.registry, model=args.served_model_name or args.model, shard=args.shard)
+    serve_metrics(args, registry, "worker", tls=metrics_tls)
     await retry(redis.ping, what="ping")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -348,6 +360,10 @@ def main(argv: list[str]) -> int:
         parser.error("--sim-profile and --time-scale need --engine sim")
     if not args.time_scale > 0:
         parser.error(f"--time-scale must be > 0 (inf: never sleep), got {args.time_scale}")
+    try:
+        check_shard(args.shard)
+    except ValueError as e:
+        parser.error(f"--shard: {e}")
     try:
         check_files(cluster_tls(args))
     except ValueError as e:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from pagefleet.protos import cluster_pb2, generation_pb2
 
-from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, retry
+from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, execute_pipeline, queue_script, retry
 from .scripts import ASSIGN, FINISH
 
 # A running request's owner record lives this long after its assignment (or the worker's refresh).
@@ -172,12 +172,17 @@ class Fencing:
         """``assign`` for each ``(request_id, worker_id)`` of ``owners``, in one round trip."""
         if not owners:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        for request_id, worker_id in owners:
-            await self._assign(keys=[self.keys.owner(request_id), self.keys.scheduler_epoch],
-                               args=[scheduler_epoch, worker_id, REQUEST_TTL_S,
-                                     self.stream_of(worker_id) if worker_id else ""], client=pipe)
-        return [int(e) for e in await pipe.execute()]
+
+        def build(pipe) -> None:
+            for request_id, worker_id in owners:
+                queue_script(pipe, self._assign, [self.keys.owner(request_id), self.keys.scheduler_epoch],
+                             [scheduler_epoch, worker_id, REQUEST_TTL_S, self.stream_of(worker_id) if worker_id else ""])
+
+        results = await execute_pipeline(self.redis, build, [self._assign])
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return [int(e) for e in results]
 
     def _steps_ttl(self) -> int:
         now = time.monotonic()
@@ -214,7 +219,6 @@ class Fencing:
             return []
         steps: dict[str, object] = {}  # field -> its StepOutputs
         finals = []
-        pipe = self.redis.pipeline(transaction=False)
         for w in writes:
             if w.entry.finish_reason:
                 finals.append(w)
@@ -223,11 +227,10 @@ class Fencing:
                 if outs is None:
                     outs = steps[w.field] = cluster_pb2.StepOutputs()
                 add_step_output(outs, w.request_id, w.entry)
-                if w.refresh_ttl:
-                    pipe.expire(self.keys.owner(w.request_id), REQUEST_TTL_S)
+        refresh = [self.keys.owner(w.request_id) for w in writes if w.refresh_ttl and not w.entry.finish_reason]
         minid = self._trim_floor(live)
         ttl = self._steps_ttl()
-        at = len(pipe.command_stack)  # the steps entry's command (its reply: the entry's id)
+        at = len(refresh)  # the steps entry's command (its reply: the entry's id)
         if finals:
             keys = [self.steps_key, self.keys.requests, self.keys.done]
             args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, minid, ttl, len(steps)]
@@ -239,13 +242,19 @@ class Fencing:
                 keys += [self.keys.owner(rid), self.keys.out(rid), self.keys.idempotency(rid)]
                 args += [w.epoch, w.entry_id, rid, w.entry.finish_reason, w.field, step_piece(rid, w.entry),
                          step_piece(rid, w.record or w.entry)]
-            await self._finish(keys=keys, args=args, client=pipe)
-        else:
-            pipe.xadd(self.steps_key, {f: outs.SerializeToString() for f, outs in steps.items()},
-                      minid=minid, approximate=True)
-            if ttl:
-                pipe.expire(self.steps_key, ttl)
-        results = await pipe.execute(raise_on_error=False)
+
+        def build(pipe) -> None:
+            for key in refresh:
+                pipe.expire(key, REQUEST_TTL_S)
+            if finals:
+                queue_script(pipe, self._finish, keys, args)  # NOSCRIPT: nothing ran but the EXPIREs
+            else:
+                pipe.xadd(self.steps_key, {f: outs.SerializeToString() for f, outs in steps.items()},
+                          minid=minid, approximate=True)
+                if ttl:
+                    pipe.expire(self.steps_key, ttl)
+
+        results = await execute_pipeline(self.redis, build, [self._finish])
         for r in results:
             if isinstance(r, rx.ResponseError) and "exhausted the last possible ID" in str(r):
                 raise Fenced(self.steps_key)

@@ -27,6 +27,7 @@ from prometheus_client import (
 
 __all__ = [
     "GatewayMetrics",
+    "with_labels",
     "MetricsServer",
     "SchedulerMetrics",
     "WorkerMetrics",
@@ -66,6 +67,30 @@ def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.
     disable_created_metrics()  # the *_created series only add noise to every scrape
     server = metrics_http.start(port, registry, host, tls=tls, authorize=authorize)
     return MetricsServer(host, server.server_address[1], server)
+
+
+class _Labelled:
+    """A collector: every sample of ``registry`` with ``labels`` added."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry = registry
+        self.labels = labels
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            yield out
+
+
+def with_labels(registry: CollectorRegistry, **labels: str) -> CollectorRegistry:
+    """A registry serving every sample of ``registry`` with ``labels`` added: a scheduler's or
+    worker's ``model`` and ``shard``, so a dashboard sums ``by (model, shard)``."""
+    outer = CollectorRegistry(auto_describe=False)
+    outer.register(_Labelled(registry, {k: v for k, v in labels.items() if v is not None}))
+    return outer
 
 
 def _registry(registry: CollectorRegistry | None) -> CollectorRegistry:

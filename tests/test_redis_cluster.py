@@ -1,0 +1,163 @@
+"""Shards on a real Redis Cluster: two models behind one gateway.
+
+The fixture starts a Redis Cluster on loopback (3 primaries with a replica each: six
+``redis-server --cluster-enabled yes`` joined by ``redis-cli --cluster create``), then a
+cluster of pagefleet on it: the built-in tiny model and a second checkpoint (a small Llama
+written with transformers), one shard each (``s0``, ``s1``) with its own scheduler and
+worker, two gateways serving both.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from cluster_fixtures import PROMPTS, reference, start_cluster, wait_for
+from conftest import hf_greedy
+
+from pagefleet.client import Client
+from pagefleet.common.redis import Keys
+from pagefleet.common.redis_cluster import RedisClusterServer, key_slot
+
+pytestmark = pytest.mark.timeout(240)
+
+LLAMA_PROMPTS = [[1, 5 + i, 17, 42 + i, 99, 3 + i] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def redis_cluster():
+    with RedisClusterServer(num_primaries=3, replicas=1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_cluster, llama_dir, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("cluster-logs")
+    c = start_cluster(log_dir, num_workers=1, redis_url=redis_cluster.url, redis_cluster=True,
+                      models=["tiny", f"llama={llama_dir}"], http_port=0, num_gateways=2, metrics_port=0,
+                      worker_args=["--num-blocks", "128"], env={"OMP_NUM_THREADS": "1"})
+    yield c
+    c.stop()
+
+
+def test_the_cluster_has_three_primaries_each_with_a_replica(redis_cluster):
+    nodes = redis_cluster.nodes()
+    primaries = [n for n in nodes if n.primary]
+    assert len(primaries) == 3 and sum(b - a + 1 for n in primaries for a, b in n.slots) == 16384
+    assert sorted(n.primary_id for n in nodes if not n.primary) == sorted(n.node_id for n in primaries)
+
+
+def test_two_models_through_one_gateway_on_the_cluster(fleet, llama_dir):
+    max_tokens = 12
+    tiny_prompts = PROMPTS[:4]
+    results: dict[tuple[str, int], list[int]] = {}
+    with Client(fleet.gateway_target) as c:
+        def one(model, i, prompt):
+            out = c.generate(prompt, model=model, max_tokens=max_tokens, temperature=0, ignore_eos=True, timeout=120)
+            assert out.finish_reason == "length", out
+            results[(model, i)] = out.token_ids
+
+        threads = [threading.Thread(target=one, args=("tiny", i, p)) for i, p in enumerate(tiny_prompts)]
+        threads += [threading.Thread(target=one, args=("llama", i, p)) for i, p in enumerate(LLAMA_PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [results[("tiny", i)] for i in range(4)] == reference(tiny_prompts, max_tokens)
+    assert [results[("llama", i)] for i in range(4)] == hf_greedy(llama_dir, LLAMA_PROMPTS, max_tokens)
+    # Each model's requests were placed by its own shard's scheduler, on its own workers.
+    for shard, worker in (("s0", "worker-0"), ("s1", "worker-1")):
+        state = fleet.scheduler_state(shard=shard)
+        assert [(w.worker_id, w.num_assigned) for w in state.workers] == [(worker, 4)]
+
+
+def test_each_shard_lives_in_one_slot_and_no_key_crosses_models(fleet, redis_cluster):
+    import redis
+
+    client = redis.RedisCluster.from_url(redis_cluster.url)
+    try:
+        keys = [k.decode() for k in client.scan_iter(match="pf:*", count=1000, target_nodes=client.ALL_NODES)]
+    finally:
+        client.close()
+    by_shard: dict[str, set[int]] = {}
+    for k in keys:
+        shard = k.split("{", 1)[1].split("}", 1)[0]
+        by_shard.setdefault(shard, set()).add(key_slot(k))
+    assert set(by_shard) == {"s0", "s1"}, by_shard
+    assert by_shard["s0"] == {key_slot(Keys("pf", "s0").requests)}
+    assert by_shard["s1"] == {key_slot(Keys("pf", "s1").requests)}
+
+
+def _http(url: str, body: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_lists_each_model_with_its_context_and_routes_by_model(fleet):
+    status, body = _http(f"{fleet.http_url}/v1/models")
+    assert status == 200
+    cards = {m["id"]: m for m in body["data"]}
+    assert set(cards) == {"tiny", "llama"}
+    assert cards["llama"]["max_model_len"] == 512 and cards["tiny"]["max_model_len"] > 512
+    status, body = _http(f"{fleet.http_url}/v1/completions",
+                         {"model": "llama", "prompt": LLAMA_PROMPTS[0], "max_tokens": 5, "temperature": 0,
+                          "ignore_eos": True})
+    assert status == 200 and body["model"] == "llama" and body["usage"]["completion_tokens"] == 5
+    status, body = _http(f"{fleet.http_url}/v1/completions",
+                         {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and body["model"] == "tiny"
+
+
+def test_an_unknown_model_is_not_found_naming_the_served_ones(fleet):
+    status, body = _http(f"{fleet.http_url}/v1/completions", {"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "gpt-9" in body["error"]["message"] and "`tiny`" in body["error"]["message"] \
+        and "`llama`" in body["error"]["message"]
+    status, _ = _http(f"{fleet.http_url}/v1/models/gpt-9")
+    assert status == 404
+    with Client(fleet.gateway_target) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("hi", model="gpt-9", max_tokens=2, timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "tiny" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # several models: a request must name one
+            c.generate("hi", max_tokens=2, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "llama" in e.value.details()
+
+
+def test_cancel_by_id_alone_reaches_the_shard_through_another_gateway(fleet):
+    first, other = fleet.gateway_targets[:2]
+    rid = f"cancel-me-{time.monotonic_ns()}"
+    got: list = []
+    with Client(first) as c, Client(other) as c2:
+        stream = c.generate_stream(LLAMA_PROMPTS[1], model="llama", max_tokens=400, temperature=0,
+                                   ignore_eos=True, request_id=rid, timeout=120)
+        got.append(next(stream))  # it runs
+        assert c2.cancel(rid) is True
+        for msg in stream:
+            got.append(msg)
+        assert c2.cancel("never-queued-anywhere") is False
+    assert got[-1].finish_reason == 3  # FINISH_REASON_ABORT
+    assert sum(len(m.token_ids) for m in got) < 400
+    wait_for(lambda: fleet.scheduler_state(shard="s1").workers[0].report.num_free_blocks == 128, 30,
+             "the cancelled request's blocks freed")
+
+
+def test_worker_and_scheduler_metrics_carry_the_model_and_the_shard(fleet):
+    from test_metrics import scrape
+
+    worker = scrape(fleet.metrics_url("worker-1"), shard_labels=True)
+    labels = {dict(k[1]).get("model") for k in worker}, {dict(k[1]).get("shard") for k in worker}
+    assert labels == ({"llama"}, {"s1"}), labels
+    assert worker[("pagefleet:num_gpu_blocks", (("model", "llama"), ("shard", "s1")))] == 128
+    scheduler = scrape(fleet.metrics_url("scheduler"), shard_labels=True)
+    assert scheduler[("pagefleet:scheduler_workers", (("model", "tiny"), ("shard", "s0")))] == 1
