@@ -425,6 +425,16 @@ class Ledger:
         self.num_transfers_done += 1
         return True
 
+    def transfer_refused(self, request_id: str) -> bool:
+        """The target could not take ``request_id`` (no room after all, or it refused the
+        pairing): the move is off, the source keeps it (a prefilled request waits for another
+        decoding worker). False if no transfer of it is in flight."""
+        if request_id not in self.transfers:
+            return False
+        self._call_off(request_id)
+        self._called_off.pop()  # the caller knows: nothing to tell the target
+        return True
+
     def expired_transfers(self) -> list[Transfer]:
         """Transfers past their deadline, taken back from both sides: each request is in hand
         (the caller tells both workers to drop it and resumes it from its tokens)."""

@@ -389,6 +389,19 @@ def test_a_side_dying_calls_the_move_off_and_the_request_stays_with_exactly_one_
     assert ledger.decide_moves() == []
 
 
+def test_a_refused_transfer_leaves_the_request_with_its_source_to_wait_for_another_target():
+    ledger = roled({"p": "prefill", "d": "decode"})
+    ledger.take("r", "e", assign("r", [1] * 300))
+    place_all(ledger)
+    holding(ledger, "p", {"r": 19})
+    (t,) = ledger.prefilled("r")
+    assert ledger.transfer_refused("r") and not ledger.transfer_refused("r")
+    assert ledger.called_off() == [] and ledger.where == {"r": "p"} and not ledger.workers["d"].placed
+    ledger.check_integrity()
+    (t2,) = ledger.decide_moves()
+    assert t2.target.worker_id == "d" and t2 is not t
+
+
 def test_the_target_dropping_what_it_received_calls_the_move_off():
     ledger = roled({"p": "prefill", "d": "decode"})
     ledger.take("r", "e", assign("r", [1] * 300))
@@ -632,6 +645,8 @@ class World:
             self.moving(ledger.decide_moves())
         elif kind == "handover":
             self.handover(e[1])
+        elif kind == "refuse" and ledger.transfers:  # the target has not the room after all
+            assert ledger.transfer_refused(sorted(ledger.transfers)[e[1] % len(ledger.transfers)])
         elif kind == "tick":
             self.clock.now += e[1]
             self.expire_transfers()
@@ -706,7 +721,7 @@ move_event = st.one_of(
     st.tuples(st.just("prefilled"), st.sampled_from(WIDS), st.integers(0, 3)),
     st.tuples(st.just("moves")),
     st.tuples(st.just("handover"), st.integers(0, 3)),
-    st.tuples(st.just("handover"), st.integers(0, 3)),
+    st.tuples(st.just("refuse"), st.integers(0, 3)),
     st.tuples(st.just("tick"), st.floats(0.0, 1.5)),
 )
 
