@@ -273,18 +273,32 @@ class Ledger:
         (``local_prefill_when_full``). A round's workers of role ``both`` are in both rounds."""
         if all(w.role == "both" for w in live):
             return self.placer.round(live).choose
+        mc = self.cfg.moves
         decoders = [w for w in live if decodes(w)]
-        pre, dec, mc = self.placer.round([w for w in live if prefills(w)]), self.placer.round(decoders), self.cfg.moves
+        queued = {w.worker_id: self._num_prefill_tokens(w) for w in live if w.role == "prefill"}
+        prefillers = [w for w in live if prefills(w) and queued.get(w.worker_id, 0) < mc.prefill_queue_tokens]
+        rounds = [self.placer.round(prefillers), self.placer.round(decoders)]
 
         def choose(p: Pending, headroom: int) -> Placement | None:
+            pre, dec = rounds
             if p.num_tokens <= mc.short_prompt_tokens or self._cached_enough(decoders, p):
                 return dec.choose(p, headroom)
             placement = pre.choose(p, headroom)
+            if placement is not None and (wid := placement.worker.worker_id) in queued:
+                queued[wid] += p.num_tokens
+                if queued[wid] >= mc.prefill_queue_tokens:  # full now: the rest of the round goes elsewhere
+                    prefillers.remove(placement.worker)
+                    rounds[0] = self.placer.round(prefillers)
             if placement is None and mc.local_prefill_when_full:
                 placement = dec.choose(p, headroom)
             return placement
 
         return choose
+
+    def _num_prefill_tokens(self, w: WorkerEntry) -> int:
+        """The tokens of the prompts placed on ``w`` it has not prefilled yet (nor handed on)."""
+        return sum(pl.pending.num_tokens for rid, pl in w.placed.items()
+                   if not pl.finished and rid not in self._awaiting_decode and rid not in self.transfers)
 
     def _cached_enough(self, decoders: list[WorkerEntry], p: Pending) -> bool:
         """Whether a decoding worker holds ``decode_cache_threshold`` of ``p``'s prompt blocks."""

@@ -8,7 +8,9 @@ Three reasons to move a request's KV from the worker holding it (the *source*) t
   does it: a prompt of at most ``short_prompt_tokens`` tokens, or one whose prefix a decoding
   worker already caches (at least ``decode_cache_threshold`` of its blocks, by the prefix
   index), is placed on a decoding worker and prefilled there; so is any prompt while no
-  prefill worker has room (``local_prefill_when_full``).
+  prefill worker has room (``local_prefill_when_full``). A prefill worker has room while
+  the prompts placed on it and not yet prefilled come to less than ``prefill_queue_tokens``
+  (Dynamo's prefill-queue bound: its blocks would admit far more than it can prefill soon).
 * ``balance`` (Llumnix): a worker past ``migrate_above`` occupancy sheds its running request
   with the fewest blocks (the cheapest to copy) to the emptiest worker that stays below
   ``migrate_below`` after taking it; off while ``migrate_above`` is None.
@@ -40,6 +42,7 @@ class MoveConfig:
     short_prompt_tokens: int = 256  # prompts this short prefill on a decoding worker
     decode_cache_threshold: float = 0.5  # a decoding worker caching this share of the prompt's blocks prefills it
     local_prefill_when_full: bool = True  # no prefill worker has room: prefill on a decoding worker
+    prefill_queue_tokens: int = 16384  # a prefill worker with this many prompt tokens to prefill takes no more
     migrate_above: float | None = None  # occupancy past which a worker sheds a request (None: no balance moves)
     migrate_below: float = 0.7  # the target's occupancy after taking it must stay below this
     migrate_victims: bool = False  # a preemption victim moves to a worker with room instead
@@ -47,6 +50,8 @@ class MoveConfig:
     timeout_s: float = 5.0  # a transfer's lease: renewed by the receiver, else taken back
 
     def __post_init__(self) -> None:
+        if self.prefill_queue_tokens < 1:
+            raise ValueError(f"prefill_queue_tokens must be >= 1, got {self.prefill_queue_tokens}")
         if self.short_prompt_tokens < 0:
             raise ValueError(f"short_prompt_tokens must be >= 0, got {self.short_prompt_tokens}")
         if not 0.0 <= self.decode_cache_threshold <= 1.0:

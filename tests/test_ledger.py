@@ -317,6 +317,18 @@ def test_a_prompt_prefills_on_a_decoding_worker_while_no_prefill_worker_has_room
     assert place_all(ledger) == [] and "r" in ledger.queue
 
 
+def test_a_prefill_worker_with_a_full_prefill_queue_takes_no_more_and_the_rest_prefill_locally():
+    ledger = roled({"p": "prefill", "d": "decode"}, prefill_queue_tokens=1000)
+    for i in range(4):
+        ledger.take(f"r{i}", f"e{i}", assign(f"r{i}", [i + 1] * 400))
+    assert place_all(ledger) == [("r0", "p"), ("r1", "p"), ("r2", "p"), ("r3", "d")]  # p full past 1,000 tokens
+    holding(ledger, "p", {"r0": 26, "r1": 26, "r2": 26})
+    ledger.prefilled("r0")  # moving on: no longer in p's queue (800 tokens left there)
+    ledger.take("r4", "e4", assign("r4", [9] * 400))
+    assert place_all(ledger) == [("r4", "p")]
+    ledger.check_integrity()
+
+
 def test_a_prefilled_request_moves_to_a_decoding_worker_owned_by_one_worker_until_handed_over():
     ledger = roled({"p": "prefill", "d1": "decode", "d2": "decode"}, free={"d1": 100})
     ledger.take("r", "e", assign("r", [1] * 300))
