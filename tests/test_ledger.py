@@ -281,6 +281,17 @@ def holding(ledger: Ledger, wid: str, blocks: dict[str, int], num_blocks: int = 
                                                  request_ids=list(blocks), blocks_per_request=blocks))
 
 
+def prefilled_on_p(roles: dict[str, str] | None = None, clock: Clock | None = None,
+                   free: dict[str, int] | None = None, **moves):
+    """A 300-token prompt placed on prefill worker p and prefilled there: the ledger, and the
+    transfers to a decoding worker that start at once."""
+    ledger = roled(roles or {"p": "prefill", "d": "decode"}, clock=clock, free=free, **moves)
+    ledger.take("r", "e", assign("r", [1] * 300))
+    assert place_all(ledger) == [("r", "p")]
+    holding(ledger, "p", {"r": 19})
+    return ledger, ledger.prefilled("r")
+
+
 def test_a_worker_role_is_both_unless_given_and_must_be_known():
     assert WorkerEntry("a", "x").role == "both"
     assert WorkerEntry("a", "x", role="prefill").role == "prefill"
@@ -351,11 +362,8 @@ def test_a_prefilled_request_moves_to_a_decoding_worker_owned_by_one_worker_unti
 
 
 def test_a_prefilled_request_waits_for_a_decoding_worker_with_room():
-    ledger = roled({"p": "prefill", "d": "decode"}, free={"d": 4})
-    ledger.take("r", "e", assign("r", [1] * 300))
-    place_all(ledger)
-    holding(ledger, "p", {"r": 19})
-    assert ledger.prefilled("r") == [] and ledger.decide_moves() == []
+    ledger, moves = prefilled_on_p(free={"d": 4})
+    assert moves == [] and ledger.decide_moves() == []
     holding(ledger, "d", {})
     (t,) = ledger.decide_moves()
     assert t.target.worker_id == "d"
@@ -364,11 +372,7 @@ def test_a_prefilled_request_waits_for_a_decoding_worker_with_room():
 
 def test_a_transfer_past_its_deadline_is_taken_back_from_both_sides_and_counted():
     clock = Clock()
-    ledger = roled({"p": "prefill", "d": "decode"}, clock=clock, timeout_s=2.0)
-    ledger.take("r", "e", assign("r", [1] * 300))
-    place_all(ledger)
-    holding(ledger, "p", {"r": 19})
-    (t,) = ledger.prefilled("r")
+    ledger, (t,) = prefilled_on_p(clock=clock, timeout_s=2.0)
     clock.now += 1.5
     assert ledger.renew_transfer("r") and not ledger.renew_transfer("zz")
     clock.now += 1.9
@@ -383,11 +387,7 @@ def test_a_transfer_past_its_deadline_is_taken_back_from_both_sides_and_counted(
 
 
 def test_a_side_dying_calls_the_move_off_and_the_request_stays_with_exactly_one_worker():
-    ledger = roled({"p": "prefill", "d1": "decode", "d2": "decode"}, free={"d2": 100})
-    ledger.take("r", "e", assign("r", [1] * 300))
-    place_all(ledger)
-    holding(ledger, "p", {"r": 19})
-    (t,) = ledger.prefilled("r")
+    ledger, (t,) = prefilled_on_p({"p": "prefill", "d1": "decode", "d2": "decode"}, free={"d2": 100})
     assert t.target.worker_id == "d1"
     assert ledger.worker_dead(ledger.workers["d1"]) == []  # the target: r stays on p, waiting again
     assert ledger.called_off() == [t] and ledger.called_off() == [] and ledger.where == {"r": "p"}
@@ -402,11 +402,7 @@ def test_a_side_dying_calls_the_move_off_and_the_request_stays_with_exactly_one_
 
 
 def test_a_refused_transfer_leaves_the_request_with_its_source_to_wait_for_another_target():
-    ledger = roled({"p": "prefill", "d": "decode"})
-    ledger.take("r", "e", assign("r", [1] * 300))
-    place_all(ledger)
-    holding(ledger, "p", {"r": 19})
-    (t,) = ledger.prefilled("r")
+    ledger, (t,) = prefilled_on_p()
     assert ledger.transfer_refused("r") and not ledger.transfer_refused("r")
     assert ledger.called_off() == [] and ledger.where == {"r": "p"} and not ledger.workers["d"].placed
     ledger.check_integrity()
@@ -415,11 +411,7 @@ def test_a_refused_transfer_leaves_the_request_with_its_source_to_wait_for_anoth
 
 
 def test_the_target_dropping_what_it_received_calls_the_move_off():
-    ledger = roled({"p": "prefill", "d": "decode"})
-    ledger.take("r", "e", assign("r", [1] * 300))
-    place_all(ledger)
-    holding(ledger, "p", {"r": 19})
-    (t,) = ledger.prefilled("r")
+    ledger, (t,) = prefilled_on_p()
     holding(ledger, "d", {"r": 19})  # the receiver lists it while the blocks come in
     assert ledger.on_report(ledger.workers["d"], report("d")).resume == []  # then drops it
     assert ledger.called_off() == [t] and ledger.where == {"r": "p"}
@@ -427,11 +419,7 @@ def test_the_target_dropping_what_it_received_calls_the_move_off():
 
 
 def test_finishing_a_request_in_transfer_calls_the_move_off():
-    ledger = roled({"p": "prefill", "d": "decode"})
-    ledger.take("r", "e", assign("r", [1] * 300))
-    place_all(ledger)
-    holding(ledger, "p", {"r": 19})
-    (t,) = ledger.prefilled("r")
+    ledger, (t,) = prefilled_on_p()
     ledger.forget("r")
     assert ledger.called_off() == [t] and not ledger.workers["d"].placed and not ledger.transfers
     ledger.check_integrity()

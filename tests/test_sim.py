@@ -407,3 +407,25 @@ def test_the_fleet_simulator_migrates_from_an_overloaded_worker_with_a_short_dow
     assert all(0 < d < 0.01 for d in bal.moves.downtime_s)  # a few tokens' KV, not the sequence's
     assert sum(w.engine.stats().num_preemptions_total for w in bal.workers) < \
         sum(w.engine.stats().num_preemptions_total for w in none.workers)
+
+
+def test_the_study_compares_colocated_with_disaggregated_fleets_and_migration_with_none(tmp_path):
+    from pagefleet.benchmarks.fleet import study
+
+    out = tmp_path / "kv.json"
+    assert study.main(["--workers", "4", "--duration", "1", "--drain", "1", "--rate-factors", "1", "--suites",
+                       "disagg-prefill,migrate", "--prefill-heavy-rate", "3", "--skewed-rate", "3", "--json", str(out),
+                       "--plot-dir", str(tmp_path), "--plot-tag", "t"]) == 0
+    report = json.loads(out.read_text())
+    curves = {c["name"]: c for c in report["suites"]["disagg-prefill"]}
+    assert list(curves) == ["colocated", "disaggregated 1P:3D", "disaggregated 1P:1D", "disaggregated 3P:1D"]
+    assert [c["prefill_fraction"] for c in curves.values()] == [0.0, 0.25, 0.5, 0.75]
+    (colocated,), (disagg,) = curves["colocated"]["points"], curves["disaggregated 1P:1D"]["points"]
+    assert colocated["moves"]["started"] == {} and colocated["moves"]["gb_moved"] == 0
+    assert disagg["moves"]["started"]["disaggregation"] == disagg["moves"]["done"] > 0
+    assert disagg["moves"]["gb_moved"] > 0 and disagg["moves"]["transfer_p50_ms"] > 0
+    assert disagg["num_requests"] == 12 and set(disagg["attainment_by_tpot_ms"]) == {str(ms) for ms in study.TPOT_SLOS_MS}
+    assert [c["name"] for c in report["suites"]["migrate"]] == ["no migration", "load-balance migration"]
+    assert (tmp_path / "study-disagg-prefill-t.png").exists() and (tmp_path / "study-migrate-t.png").exists()
+    with pytest.raises(SystemExit, match="unknown suite"):
+        study.main(["--suites", "nope", "--json", str(out), "--plot-dir", ""])

@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="disaggregated fleets: prompts of at most this many tokens prefill on a decode worker")
     p.add_argument("--migrate-above", type=float, default=0.85, help="migrate suite: a worker this full sheds requests")
     p.add_argument("--migrate-below", type=float, default=0.7, help="migrate suite: to workers staying below this")
-    p.add_argument("--plot-tag", default="", help="appended to the PNGs' names (e.g. -w16)")
+    p.add_argument("--plot-tag", default="", help="the PNGs are named study-SUITE-TAG.png (e.g. w16)")
     # 256 groups: more system prompts than one worker's pool holds; each group's prompts: the trace's share.
     add_shared_prefix_args(p, num_groups=256, prompts_per_group=None)
     p.add_argument("--seed", type=int, default=0)
@@ -398,7 +398,8 @@ def plot(report: dict, folder: Path) -> list[Path]:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = folder / f"study-{suite}{cfg.get('plot_tag', '')}.png"
+        tag = cfg.get("plot_tag")
+        path = folder / (f"study-{suite}-{tag}.png" if tag else f"study-{suite}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
