@@ -52,7 +52,7 @@ from .observe import assign_span
 from .placement import Placement, PlacementConfig
 from .prefix_index import DEFAULT_MAX_KEYS
 from .queue import Pending
-from .workers import Placed, WorkerEntry
+from .workers import ROLES, Placed, WorkerEntry
 
 log = structlog.get_logger("scheduler")
 
@@ -375,7 +375,7 @@ class ClusterScheduler:
                     if w is not None:
                         await self._worker_dead(w, "address changed" if w.address != row["address"] else "new stream")
                     self._steps[wid] = steps
-                    self._add_worker(wid, row["address"])
+                    self._add_worker(wid, row["address"], row.get("role", "both"))
             await asyncio.sleep(0.5)
 
     async def _stream_fenced(self, key: str) -> bool:
@@ -383,9 +383,12 @@ class ClusterScheduler:
             self._fenced.add(key)
         return key in self._fenced
 
-    def _add_worker(self, wid: str, address: str) -> None:
+    def _add_worker(self, wid: str, address: str, role: str = "both") -> None:
+        if role not in ROLES:
+            log.warning("worker.bad_role", worker_id=wid, role=role)
+            return
         channel = self.dial(address)
-        w = WorkerEntry(wid, address, channel, cluster_pb2_grpc.WorkerStub(channel))
+        w = WorkerEntry(wid, address, channel, cluster_pb2_grpc.WorkerStub(channel), role=role)
         self.ledger.add_worker(w)
         self._tasks.append(asyncio.create_task(self._watch(w), name=f"watch-{wid}"))
         log.info("worker.discovered", worker_id=wid, address=address)

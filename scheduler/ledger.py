@@ -38,6 +38,12 @@ round (at least ``ROUND``, ``ROUND_PER_WORKER`` a worker in a larger fleet), eac
 its worker at once so the next decision sees it. A head that fits nowhere ends the round; if
 nothing was claimed before it, the round places it by preempting lower-priority sequences
 (``workers.pick_victims``) when preemption is on. Head of line: no request is overtaken.
+
+Moving KV (moves.py): with workers of role ``prefill`` the rounds disaggregate
+conditionally; ``prefilled`` / ``decide_moves`` start transfers (to a decoding worker, for
+load balance), ``transfer_done`` hands a request over, ``expired_transfers`` takes back those
+past their lease, ``called_off`` names those a death or a drop ended. A request in transfer
+is placed on its source (``where``) and holds a reservation on its target's ``placed``.
 """
 
 from __future__ import annotations
@@ -45,11 +51,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagefleet.protos import cluster_pb2
 
+from .moves import MoveConfig, Transfer, balance_moves, best_target, decodes, prefills
 from .placement import Placement, PlacementConfig, Placer
 from .prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
 from .queue import GlobalQueue, Pending
@@ -76,6 +84,7 @@ class LedgerConfig:
     placement: PlacementConfig = PlacementConfig()
     prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
     done_memory: int = DONE_MEMORY
+    moves: MoveConfig = MoveConfig()  # disaggregation and migration (moves.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +96,8 @@ class Decision:
 
     claims: list[tuple[Pending, Placement]] = field(default_factory=list)
     victims: list[Placed] = field(default_factory=list)
+    # Victims moved instead of preempted (``MoveConfig.migrate_victims``): start these transfers.
+    moves: list[Transfer] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +136,13 @@ class Ledger:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.num_reassigned = 0
+        # KV moves (moves.py): in flight by request id; prefilled requests waiting for a decoding
+        # worker; transfers called off (a side died or dropped it) the caller has not yet taken.
+        self.transfers: dict[str, Transfer] = {}
+        self._awaiting_decode: dict[str, None] = {}
+        self._called_off: list[Transfer] = []
+        self.num_transfers_done = 0
+        self.num_transfers_expired = 0
 
     # -- the public state ----------------------------------------------------------------------
     @property
@@ -227,6 +245,9 @@ class Ledger:
         self.known.pop(request_id, None)
         self._in_hand.discard(request_id)
         self.queue.remove(request_id)
+        if request_id in self.transfers:
+            self._call_off(request_id)
+        self._awaiting_decode.pop(request_id, None)
         self.index.release(request_id)
         if (w := self.placed_on(request_id)) is not None:
             w.unplace(request_id)
@@ -239,13 +260,13 @@ class Ledger:
         before it (see the module docstring). An empty decision: the queue is empty, or its
         head waits until a report shows room."""
         live = list(self.workers.values())
-        rnd = self.placer.round(live)  # valid while only this round's claims change the workers
+        choose = self._chooser(live)  # valid while only this round's claims change the workers
         claims: list[tuple[Pending, Placement]] = []
         headroom = self.cfg.headroom_tokens
         size = max(ROUND, ROUND_PER_WORKER * len(self.workers))
         t0 = time.perf_counter()
         while len(claims) < size and (p := self.queue.peek()) is not None:
-            placement = rnd.choose(p, headroom)
+            placement = choose(p, headroom)
             t0 = self._timed(t0)
             if placement is None:
                 if claims or not self.cfg.preempt:
@@ -256,10 +277,67 @@ class Ledger:
                 w, victims = found
                 placement = Placement(w, "preempt")
                 self._claim(p, placement)
-                return Decision([(p, placement)], victims)
+                return self._preempting(live, p, placement, victims)
             self._claim(p, placement)
             claims.append((p, placement))
         return Decision(claims)
+
+    def _chooser(self, live: list[WorkerEntry]) -> Callable[[Pending, int], Placement | None]:
+        """Where a head goes: one round over every worker, or, once any worker has a role
+        other than ``both``, conditional disaggregation over two rounds (moves.py): a short
+        prompt, or one a decoding worker caches enough of, goes to a decoding worker; any
+        other to a prefill worker, or to a decoding one while no prefill worker has room
+        (``local_prefill_when_full``). A round's workers of role ``both`` are in both rounds."""
+        if all(w.role == "both" for w in live):
+            return self.placer.round(live).choose
+        mc = self.cfg.moves
+        decoders = [w for w in live if decodes(w)]
+        queued = {w.worker_id: self._num_prefill_tokens(w) for w in live if w.role == "prefill"}
+        prefillers = [w for w in live if prefills(w) and queued.get(w.worker_id, 0) < mc.prefill_queue_tokens]
+        rounds = [self.placer.round(prefillers), self.placer.round(decoders)]
+
+        def choose(p: Pending, headroom: int) -> Placement | None:
+            pre, dec = rounds
+            if p.num_tokens <= mc.short_prompt_tokens or self._cached_enough(decoders, p):
+                return dec.choose(p, headroom)
+            placement = pre.choose(p, headroom)
+            if placement is not None and (wid := placement.worker.worker_id) in queued:
+                queued[wid] += p.num_tokens
+                if queued[wid] >= mc.prefill_queue_tokens:  # full now: the rest of the round goes elsewhere
+                    prefillers.remove(placement.worker)
+                    rounds[0] = self.placer.round(prefillers)
+            if placement is None and mc.local_prefill_when_full:
+                placement = dec.choose(p, headroom)
+            return placement
+
+        return choose
+
+    def _num_prefill_tokens(self, w: WorkerEntry) -> int:
+        """The tokens of the prompts placed on ``w`` it has not prefilled yet (nor handed on)."""
+        return sum(pl.pending.num_tokens for rid, pl in w.placed.items()
+                   if not pl.finished and rid not in self._awaiting_decode and rid not in self.transfers)
+
+    def _cached_enough(self, decoders: list[WorkerEntry], p: Pending) -> bool:
+        """Whether a decoding worker holds ``decode_cache_threshold`` of ``p``'s prompt blocks."""
+        matches = self.placer.matches(decoders, p)
+        best = max((m.num_matched_blocks for m in matches.values()), default=0)
+        return best > 0 and best >= self.cfg.moves.decode_cache_threshold * len(p.assign.block_hashes)
+
+    def _preempting(self, live: list[WorkerEntry], p: Pending, placement: Placement,
+                    victims: list[Placed]) -> Decision:
+        """The round that places ``p`` by preempting ``victims``: with ``migrate_victims``, each
+        victim another worker can hold moves there instead (``Decision.moves``)."""
+        if not self.cfg.moves.migrate_victims:
+            return Decision([(p, placement)], victims)
+        w, kept, moved = placement.worker, [], []
+        for v in victims:
+            target = best_target(live, v.pending, w, self.cfg.headroom_tokens)
+            if target is None or v.pending.request_id in self.transfers:
+                kept.append(v)
+                continue
+            v.preempted_at = self.clock()  # not chosen again before the cooldown either way
+            moved.append(self._start(v.pending, w, target, "preemption"))
+        return Decision([(p, placement)], kept, moved)
 
     def _timed(self, t0: float) -> float:
         t1 = time.perf_counter()
@@ -303,6 +381,120 @@ class Ledger:
         victim.preempted_at = self.clock()
         self.num_preemptions += 1
 
+    # -- moving KV (moves.py) ---------------------------------------------------------------------
+    @property
+    def num_in_transfer(self) -> int:
+        return len(self.transfers)
+
+    def prefilled(self, request_id: str) -> list[Transfer]:
+        """``request_id``'s prefill is done on its prefill worker: it waits there for a decoding
+        worker. Returns the transfers to decoding workers that can start now (its own, if one
+        has room, after those of requests prefilled before it; the rest start in a later
+        ``decide_moves``). Nothing changes unless it is placed on a worker of role ``prefill``."""
+        wid = self.where.get(request_id)
+        if wid is None or self.workers[wid].role != "prefill" or request_id in self.transfers:
+            return []
+        self._awaiting_decode[request_id] = None
+        return self._handovers()
+
+    def decide_moves(self) -> list[Transfer]:
+        """Transfers to start now: prefilled requests to decoding workers (in the order they
+        were prefilled, while one fits), then load-balance moves (``MoveConfig.migrate_above``).
+        Each is recorded at once (its target's reservation placed); the caller starts the copy
+        and reports its end with ``transfer_done`` (or lets the deadline take it back)."""
+        moves = self._handovers()
+        sending = Counter(t.source.worker_id for t in self.transfers.values())
+        for pl, source, target in balance_moves([w for w in self.workers.values() if decodes(w)], self.where,
+                                                self.transfers, sending, self.cfg.moves, self.cfg.headroom_tokens):
+            moves.append(self._start(pl.pending, source, target, "balance"))
+        return moves
+
+    def _handovers(self) -> list[Transfer]:
+        if not self._awaiting_decode:
+            return []
+        rnd = self.placer.round([w for w in self.workers.values() if decodes(w)])
+        moves = []
+        for rid in list(self._awaiting_decode):
+            p = self.known[rid]
+            placement = rnd.choose(p, self.cfg.headroom_tokens)
+            if placement is None:
+                break  # nothing fits: the later ones wait behind it
+            del self._awaiting_decode[rid]
+            moves.append(self._start(p, self.workers[self.where[rid]], placement.worker, "disaggregation",
+                                     placement.num_shared_blocks))
+        return moves
+
+    def _start(self, p: Pending, source: WorkerEntry, target: WorkerEntry, reason: str,
+               num_shared_blocks: int = 0) -> Transfer:
+        """Record a move: ``target`` holds a reservation for ``p``; ``source`` still owns it."""
+        rid = p.request_id
+        target.place(p, self.cfg.headroom_tokens, num_shared_blocks, now=self.clock())
+        t = Transfer(p, source, target, reason, self.clock() + self.cfg.moves.timeout_s, source.held.get(rid, 0))
+        self.transfers[rid] = t
+        return t
+
+    def renew_transfer(self, request_id: str) -> bool:
+        """The receiver renews the lease of ``request_id``'s transfer; False if none is in flight."""
+        t = self.transfers.get(request_id)
+        if t is None:
+            return False
+        t.deadline = self.clock() + self.cfg.moves.timeout_s
+        return True
+
+    def transfer_done(self, request_id: str) -> bool:
+        """Every block arrived and was checked: ``request_id`` is owned by its target from now
+        on (the caller tells the source to let it go). False, and nothing changes, if the
+        transfer is no longer in flight (taken back, called off or never started): the caller
+        tells the target to drop what it received."""
+        t = self.transfers.pop(request_id, None)
+        if t is None:
+            return False
+        t.source.unplace(request_id)
+        self.index.release(request_id)
+        self.where[request_id] = t.target.worker_id
+        self._hold(t.target, t.pending)
+        self.num_transfers_done += 1
+        return True
+
+    def transfer_refused(self, request_id: str) -> bool:
+        """The target could not take ``request_id`` (no room after all, or it refused the
+        pairing): the move is off, the source keeps it (a prefilled request waits for another
+        decoding worker). False if no transfer of it is in flight."""
+        if request_id not in self.transfers:
+            return False
+        self._call_off(request_id)
+        self._called_off.pop()  # the caller knows: nothing to tell the target
+        return True
+
+    def expired_transfers(self) -> list[Transfer]:
+        """Transfers past their deadline, taken back from both sides: each request is in hand
+        (the caller tells both workers to drop it and resumes it from its tokens)."""
+        now = self.clock()
+        out = [t for t in self.transfers.values() if t.deadline <= now]
+        for t in out:
+            rid = t.request_id
+            del self.transfers[rid]
+            t.target.unplace(rid)
+            t.source.unplace(rid)
+            self.index.release(rid)
+            del self.where[rid]
+            self._in_hand.add(rid)
+        self.num_transfers_expired += len(out)
+        return out
+
+    def called_off(self) -> list[Transfer]:
+        """Transfers ended without a handover since the last call (a side died or dropped the
+        request, or it finished): the caller tells the target to drop what it received."""
+        out, self._called_off = self._called_off, []
+        return out
+
+    def _call_off(self, request_id: str) -> None:
+        t = self.transfers.pop(request_id)
+        t.target.unplace(request_id)
+        self._called_off.append(t)
+        if t.reason == "disaggregation" and self.where.get(request_id) == t.source.worker_id:
+            self._awaiting_decode[request_id] = None  # still prefilled there: wait for another
+
     # -- workers ---------------------------------------------------------------------------------
     def add_worker(self, w: WorkerEntry) -> None:
         """A worker discovered (one with its id must have been declared dead first)."""
@@ -317,6 +509,9 @@ class Ledger:
         vanished, orphans = w.apply_report(report, now=self.clock())
         self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
                                 report.block_hashes_reset)
+        for rid in vanished:
+            if rid in self.transfers:  # either side dropped it: the move is off
+                self._call_off(rid)
         resume = self.dropped(w, vanished)
         withdraw = [] if self.adopting else self._orphans(orphans)
         return ReportOutcome(resume, withdraw, room is None or bool(vanished) or w.num_available_blocks > room)
@@ -334,6 +529,7 @@ class Ledger:
             w.unplace(rid)
             self.index.release(rid)
             del self.where[rid]
+            self._awaiting_decode.pop(rid, None)
             self._in_hand.add(rid)
             resume.append(pl.pending)
         return resume
@@ -367,11 +563,14 @@ class Ledger:
         if self.workers.get(w.worker_id) is w:
             del self.workers[w.worker_id]
             self.index.remove_worker(w.worker_id)
+        for rid in [rid for rid, t in self.transfers.items() if w in (t.source, t.target)]:
+            self._call_off(rid)
         resume = []
         for pl in w.unplace_all():
             rid = pl.pending.request_id
             if self.where.get(rid) == w.worker_id:
                 del self.where[rid]
+                self._awaiting_decode.pop(rid, None)
                 self._in_hand.add(rid)
                 resume.append(pl.pending)
         self.num_reassigned += len(resume)
@@ -405,6 +604,10 @@ class Ledger:
             assert w.alive and w.worker_id == wid, wid
             w.check_integrity()
             for rid, pl in w.placed.items():
+                t = self.transfers.get(rid)
+                if t is not None and t.target is w:  # a reservation: owned by the source only
+                    assert self.known.get(rid) is pl.pending is t.pending, f"{rid}'s reservation on {wid}"
+                    continue
                 assert rid not in placed, f"{rid} placed on {placed[rid]} and {wid}"
                 assert self.known.get(rid) is pl.pending, f"{rid} placed on {wid} but not known as placed there"
                 placed[rid] = wid
@@ -419,3 +622,10 @@ class Ledger:
         for rid in self.index.held_request_ids:
             assert self.index.holder(rid) == self.where.get(rid), f"{rid}'s keys held where it is not placed"
         assert len(self._done_recently) <= self.cfg.done_memory
+        for rid, t in self.transfers.items():  # in transfer: owned by exactly one worker, its source
+            assert t.request_id == rid and t.source is not t.target, rid
+            assert self.where.get(rid) == t.source.worker_id, f"{rid} in transfer but not owned by its source"
+            assert self.workers.get(t.target.worker_id) is t.target and rid in t.target.placed, \
+                f"{rid}'s target holds no reservation"
+        for rid in self._awaiting_decode:
+            assert rid not in self.transfers and rid in self.where, f"{rid} awaits a decoding worker but is not placed"

@@ -40,6 +40,10 @@ from pagefleet.protos import cluster_pb2
 
 from .queue import Pending
 
+# What a worker does (``pagefleet worker --role``): prefill only and hand the KV over, decode
+# only (it receives KV, and prefills the prompts disaggregation leaves local), or both.
+ROLES = ("prefill", "decode", "both")
+
 
 @dataclass(slots=True)
 class Placed:
@@ -76,6 +80,7 @@ class WorkerEntry:
     num_assigned: int = 0
     alive: bool = True
     accepting: bool = True  # False once it refused an Assign (draining) before its report says so
+    role: str = "both"  # one of ROLES, from its registration (see moves.py)
     # Blocks owed to all the requests placed here (see the module docstring).
     num_owed_blocks_total: int = field(default=0, init=False)
     # From the latest report, read once per report rather than once per decision.
@@ -86,6 +91,8 @@ class WorkerEntry:
     held: dict[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
         if self.report is not None:
             self._take(self.report)
             self.num_owed_blocks_total = sum(self.num_owed_blocks(rid, pl) for rid, pl in self.placed.items())

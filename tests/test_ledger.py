@@ -6,12 +6,14 @@ checks the invariants after every step and that every request ends exactly once.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagefleet.common.blocks import block_hashes
 from pagefleet.protos import cluster_pb2, generation_pb2
 from pagefleet.scheduler.ledger import ROUND, Decision, Ledger, LedgerConfig
+from pagefleet.scheduler.moves import MoveConfig
 from pagefleet.scheduler.prefix_index import Match
 from pagefleet.scheduler.workers import WorkerEntry
 
@@ -303,6 +305,218 @@ def test_the_public_counts_read_the_structures():
     ledger.check_integrity()
 
 
+# -- moving KV: roles, disaggregation, migration, transfers ------------------------------------------
+def roled(roles: dict[str, str], clock: Clock | None = None, free: dict[str, int] | None = None,
+          num_blocks: int = 256, **moves) -> Ledger:
+    """Workers by role, each with ``num_blocks`` blocks (``free`` of them free, by worker)."""
+    clock = clock or Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM, moves=MoveConfig(**moves)), clock=clock, wall_clock=clock)
+    for wid, role in roles.items():
+        ledger.add_worker(WorkerEntry(wid, f"{wid}-addr", role=role))
+        ledger.on_report(ledger.workers[wid], report(wid, free=(free or {}).get(wid, num_blocks), num_blocks=num_blocks))
+    return ledger
+
+
+def holding(ledger: Ledger, wid: str, blocks: dict[str, int], num_blocks: int = 256) -> None:
+    """``wid`` reports holding ``blocks`` (request -> device blocks), the rest of its pool free."""
+    ledger.on_report(ledger.workers[wid], report(wid, free=num_blocks - sum(blocks.values()), num_blocks=num_blocks,
+                                                 request_ids=list(blocks), blocks_per_request=blocks))
+
+
+def prefilled_on_p(roles: dict[str, str] | None = None, clock: Clock | None = None,
+                   free: dict[str, int] | None = None, **moves):
+    """A 300-token prompt placed on prefill worker p and prefilled there: the ledger, and the
+    transfers to a decoding worker that start at once."""
+    ledger = roled(roles or {"p": "prefill", "d": "decode"}, clock=clock, free=free, **moves)
+    ledger.take("r", "e", assign("r", [1] * 300))
+    assert place_all(ledger) == [("r", "p")]
+    holding(ledger, "p", {"r": 19})
+    return ledger, ledger.prefilled("r")
+
+
+def test_a_worker_role_is_both_unless_given_and_must_be_known():
+    assert WorkerEntry("a", "x").role == "both"
+    assert WorkerEntry("a", "x", role="prefill").role == "prefill"
+    with pytest.raises(ValueError, match="role"):
+        WorkerEntry("a", "x", role="decoder")
+    with pytest.raises(ValueError, match="short_prompt_tokens"):
+        MoveConfig(short_prompt_tokens=-1)
+    with pytest.raises(ValueError, match="migrat"):
+        MoveConfig(migrate_above=0.5, migrate_below=0.8)
+
+
+def test_long_prompts_go_to_prefill_workers_and_short_ones_to_decoding_workers():
+    ledger = roled({"p": "prefill", "d": "decode"}, short_prompt_tokens=100)
+    ledger.take("long", "e1", assign("long", [1] * 300))
+    ledger.take("short", "e2", assign("short", [2] * 50))
+    assert place_all(ledger) == [("long", "p"), ("short", "d")]
+
+
+def test_a_prefix_cached_on_a_decoding_worker_is_prefilled_there():
+    ledger = roled({"p": "prefill", "d": "decode"}, short_prompt_tokens=0)
+    cached = assign("x", SYSTEM).block_hashes
+    ledger.on_report(ledger.workers["d"], report("d", block_hashes_reset=True, stored_block_hashes=cached))
+    ledger.take("hit", "e1", assign("hit", SYSTEM + [9] * 8))  # 16 of its 16 blocks cached on d
+    ledger.take("miss", "e2", assign("miss", [3] * 300))
+    assert place_all(ledger) == [("hit", "d"), ("miss", "p")]
+
+
+def test_a_prompt_prefills_on_a_decoding_worker_while_no_prefill_worker_has_room():
+    ledger = roled({"p": "prefill", "d": "decode"}, free={"p": 4})
+    ledger.take("r", "e", assign("r", [1] * 300))
+    assert place_all(ledger) == [("r", "d")]
+    ledger = roled({"p": "prefill", "d": "decode"}, free={"p": 4}, local_prefill_when_full=False)
+    ledger.take("r", "e", assign("r", [1] * 300))
+    assert place_all(ledger) == [] and "r" in ledger.queue
+
+
+def test_a_prefill_worker_with_a_full_prefill_queue_takes_no_more_and_the_rest_prefill_locally():
+    ledger = roled({"p": "prefill", "d": "decode"}, prefill_queue_tokens=1000)
+    for i in range(4):
+        ledger.take(f"r{i}", f"e{i}", assign(f"r{i}", [i + 1] * 400))
+    assert place_all(ledger) == [("r0", "p"), ("r1", "p"), ("r2", "p"), ("r3", "d")]  # p full past 1,000 tokens
+    holding(ledger, "p", {"r0": 26, "r1": 26, "r2": 26})
+    ledger.prefilled("r0")  # moving on: no longer in p's queue (800 tokens left there)
+    ledger.take("r4", "e4", assign("r4", [9] * 400))
+    assert place_all(ledger) == [("r4", "p")]
+    ledger.check_integrity()
+
+
+def test_a_prefilled_request_moves_to_a_decoding_worker_owned_by_one_worker_until_handed_over():
+    ledger = roled({"p": "prefill", "d1": "decode", "d2": "decode"}, free={"d1": 100})
+    ledger.take("r", "e", assign("r", [1] * 300))
+    assert place_all(ledger) == [("r", "p")]
+    holding(ledger, "p", {"r": 19})
+    assert ledger.prefilled("nope") == [] and ledger.decide_moves() == []
+    (t,) = ledger.prefilled("r")
+    assert (t.source.worker_id, t.target.worker_id, t.reason, t.num_blocks) == ("p", "d2", "disaggregation", 19)
+    assert ledger.where == {"r": "p"} and "r" in ledger.workers["d2"].placed  # a reservation on d2
+    assert ledger.workers["d2"].num_available_blocks == 256 - 23  # (300 + 64 headroom) tokens: 23 blocks owed
+    ledger.check_integrity()
+    assert ledger.prefilled("r") == []  # already moving
+    assert ledger.transfer_done("r") and ledger.where == {"r": "d2"} and "r" not in ledger.workers["p"].placed
+    assert not ledger.transfer_done("r") and ledger.num_transfers_done == 1
+    assert ledger.index.holder("r") == "d2"
+    ledger.check_integrity()
+    # p still lists r after the handover: withdrawn from it.
+    assert ledger.on_report(ledger.workers["p"], report("p", request_ids=["r"], blocks_per_request={"r": 19})).withdraw \
+        == ["r"]
+
+
+def test_a_prefilled_request_waits_for_a_decoding_worker_with_room():
+    ledger, moves = prefilled_on_p(free={"d": 4})
+    assert moves == [] and ledger.decide_moves() == []
+    holding(ledger, "d", {})
+    (t,) = ledger.decide_moves()
+    assert t.target.worker_id == "d"
+    ledger.check_integrity()
+
+
+def test_a_transfer_past_its_deadline_is_taken_back_from_both_sides_and_counted():
+    clock = Clock()
+    ledger, (t,) = prefilled_on_p(clock=clock, timeout_s=2.0)
+    clock.now += 1.5
+    assert ledger.renew_transfer("r") and not ledger.renew_transfer("zz")
+    clock.now += 1.9
+    assert ledger.expired_transfers() == []
+    clock.now += 0.2
+    assert ledger.expired_transfers() == [t] and ledger.num_transfers_expired == 1
+    assert not ledger.where and not ledger.workers["d"].placed and not ledger.workers["p"].placed
+    ledger.check_integrity()  # in hand: resumed from its tokens
+    assert ledger.resume(t.pending, [5]) and ledger.queue.peek() is t.pending
+    assert not ledger.transfer_done("r")
+    ledger.check_integrity()
+
+
+def test_a_side_dying_calls_the_move_off_and_the_request_stays_with_exactly_one_worker():
+    ledger, (t,) = prefilled_on_p({"p": "prefill", "d1": "decode", "d2": "decode"}, free={"d2": 100})
+    assert t.target.worker_id == "d1"
+    assert ledger.worker_dead(ledger.workers["d1"]) == []  # the target: r stays on p, waiting again
+    assert ledger.called_off() == [t] and ledger.called_off() == [] and ledger.where == {"r": "p"}
+    ledger.check_integrity()
+    holding(ledger, "d2", {})
+    (t2,) = ledger.decide_moves()
+    assert t2.target.worker_id == "d2"
+    (p,) = ledger.worker_dead(ledger.workers["p"])  # the source: r is in hand, d2's reservation goes
+    assert p.request_id == "r" and ledger.called_off() == [t2] and not ledger.workers["d2"].placed
+    ledger.check_integrity()
+    assert ledger.decide_moves() == []
+
+
+def test_a_refused_transfer_leaves_the_request_with_its_source_to_wait_for_another_target():
+    ledger, (t,) = prefilled_on_p()
+    assert ledger.transfer_refused("r") and not ledger.transfer_refused("r")
+    assert ledger.called_off() == [] and ledger.where == {"r": "p"} and not ledger.workers["d"].placed
+    ledger.check_integrity()
+    (t2,) = ledger.decide_moves()
+    assert t2.target.worker_id == "d" and t2 is not t
+
+
+def test_the_target_dropping_what_it_received_calls_the_move_off():
+    ledger, (t,) = prefilled_on_p()
+    holding(ledger, "d", {"r": 19})  # the receiver lists it while the blocks come in
+    assert ledger.on_report(ledger.workers["d"], report("d")).resume == []  # then drops it
+    assert ledger.called_off() == [t] and ledger.where == {"r": "p"}
+    ledger.check_integrity()
+
+
+def test_finishing_a_request_in_transfer_calls_the_move_off():
+    ledger, (t,) = prefilled_on_p()
+    ledger.forget("r")
+    assert ledger.called_off() == [t] and not ledger.workers["d"].placed and not ledger.transfers
+    ledger.check_integrity()
+
+
+def test_an_overloaded_worker_sheds_its_smallest_running_request_to_the_emptiest_worker():
+    ledger = roled({"a": "both", "b": "both", "c": "both", "p": "prefill"}, num_blocks=64,
+                   free={"b": 0, "c": 0, "p": 64}, migrate_above=0.8, migrate_below=0.6, short_prompt_tokens=4096)
+    for rid, n in (("big", 500), ("small", 200)):
+        ledger.take(rid, rid, assign(rid, [len(rid)] * n, max_tokens=8))
+    assert place_all(ledger) == [("big", "a"), ("small", "a")]
+    holding(ledger, "a", {"big": 40, "small": 14}, num_blocks=64)
+    holding(ledger, "b", {"x": 20}, num_blocks=64)
+    holding(ledger, "c", {"y": 10}, num_blocks=64)
+    (t,) = ledger.decide_moves()
+    assert (t.request_id, t.source.worker_id, t.target.worker_id, t.reason) == ("small", "a", "c", "balance")
+    assert ledger.decide_moves() == []  # one move in flight out of a worker at a time
+    ledger.check_integrity()
+
+
+def test_balance_moves_shed_load_and_are_off_by_default():
+    ledger = roled({"a": "both", "b": "both"}, num_blocks=64, free={"b": 0})
+    for i in range(3):
+        ledger.take(f"r{i}", f"e{i}", assign(f"r{i}", [i + 1] * 200, max_tokens=8))
+    assert {w for _, w in place_all(ledger)} == {"a"}  # b had no room then
+    holding(ledger, "a", {f"r{i}": 19 for i in range(3)}, num_blocks=64)
+    holding(ledger, "b", {}, num_blocks=64)
+    assert ledger.decide_moves() == []  # migrate_above is None
+    ledger.cfg = LedgerConfig(headroom_tokens=HEADROOM, moves=MoveConfig(migrate_above=0.8, migrate_below=0.7))
+    (t,) = ledger.decide_moves()
+    assert (t.source.worker_id, t.target.worker_id, t.reason) == ("a", "b", "balance")
+    assert ledger.transfer_done(t.request_id) and ledger.where[t.request_id] == "b"
+    ledger.check_integrity()
+
+
+def test_a_preemption_victim_moves_to_a_worker_that_can_hold_it_instead_of_being_swapped():
+    clock = Clock()
+    ledger = full_of_low_priority(clock, moves=MoveConfig(migrate_victims=True))
+    w = WorkerEntry("b", "b-addr")
+    ledger.add_worker(w)
+    ledger.on_report(w, report("b", free=40, num_blocks=64))  # room for low (32 blocks), not for high
+    ledger.take("high", "e2", assign("high", [3] * 900, max_tokens=8, priority=1))  # 57 blocks: only on a
+    d = ledger.decide_round()
+    assert [(p.request_id, pl.worker.worker_id) for p, pl in d.claims] == [("high", "a")]
+    assert d.victims == [] and [(t.request_id, t.target.worker_id, t.reason) for t in d.moves] == [
+        ("low", "b", "preemption")]
+    ledger.check_integrity()
+    assert ledger.transfer_done("low") and ledger.where == {"high": "a", "low": "b"}
+    ledger.check_integrity()
+    ledger2 = full_of_low_priority(Clock(), moves=MoveConfig(migrate_victims=True))  # nowhere to go: preempted
+    ledger2.take("high", "e2", assign("high", [3] * 900, max_tokens=8, priority=1))
+    d = ledger2.decide_round()
+    assert [v.pending.request_id for v in d.victims] == ["low"] and d.moves == []
+
+
 # -- random event sequences ------------------------------------------------------------------------
 RIDS = [f"r{i}" for i in range(10)]
 WIDS = ["a", "b"]
@@ -310,7 +524,7 @@ POOL = 32  # blocks a worker: a few requests fill it, so heads wait and preempti
 
 arrive = st.tuples(st.just("arrive"), st.sampled_from(RIDS), st.integers(1, 450), st.integers(0, 1),
                    st.sampled_from([None, None, 0.5, 3.0]))
-event = st.one_of(
+EVENTS = (
     arrive,
     st.tuples(st.just("arrive"), st.sampled_from(RIDS), st.just(450), st.just(1), st.just(None)),  # a big urgent one
     st.tuples(st.just("round"), st.sampled_from([True, True, True, False])),
@@ -327,15 +541,19 @@ event = st.one_of(
     st.tuples(st.just("revive"), st.sampled_from(WIDS)),
     st.tuples(st.just("tick"), st.floats(0.0, 1.5)),
 )
+event = st.one_of(*EVENTS)
 
 
 class World:
     """The workers and Redis as the ledger's caller sees them, as plain data; every answer
     the ledger gives is checked against what has ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, roles: dict[str, str] | None = None, moves: MoveConfig = MoveConfig(),
+                 pool: int = POOL) -> None:
         self.clock = Clock()
-        self.ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM, policy="priority"), clock=self.clock,
+        self.pool = pool
+        self.roles = roles or {}
+        self.ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM, policy="priority", moves=moves), clock=self.clock,
                              wall_clock=self.clock)
         self.running: dict[str, dict[str, int]] = {}  # worker -> request -> device blocks
         self.finished: dict[str, list[str]] = {}  # worker -> finished since its last report
@@ -351,7 +569,7 @@ class World:
     def revive(self, wid: str) -> None:
         if wid in self.ledger.workers:
             return
-        self.ledger.add_worker(WorkerEntry(wid, f"{wid}-addr"))
+        self.ledger.add_worker(WorkerEntry(wid, f"{wid}-addr", role=self.roles.get(wid, "both")))
         self.running.setdefault(wid, {})  # a worker back after being declared dead still runs its requests
         self.finished[wid] = []
         self.draining.discard(wid)
@@ -362,7 +580,7 @@ class World:
         if w is None:
             return
         held = self.running[wid]
-        r = report(wid, free=max(0, POOL - sum(held.values())), num_blocks=POOL, request_ids=list(held),
+        r = report(wid, free=max(0, self.pool - sum(held.values())), num_blocks=self.pool, request_ids=list(held),
                    blocks_per_request={rid: n for rid, n in held.items() if n}, finished_request_ids=self.finished[wid],
                    draining=wid in self.draining)
         if not whole:  # a delta naming everything held: the same holdings
@@ -400,6 +618,25 @@ class World:
                 self.draining.add(wid)
         for v in d.victims:
             self.ledger.preempted(v)
+        self.moving(d.moves)
+
+    def moving(self, transfers) -> None:
+        for t in transfers:
+            assert self.ended.get(t.request_id, 0) == 0, f"{t.request_id} moved after it ended"
+            assert self.ledger.where[t.request_id] == t.source.worker_id
+
+    def handover(self, k: int) -> None:
+        """The copy of one transfer in flight is complete: the target takes the request over
+        only if its source still runs it (a source that let it go hands nothing over)."""
+        transfers = list(self.ledger.transfers.values())
+        if not transfers:
+            return
+        t = transfers[k % len(transfers)]
+        src, dst = t.source.worker_id, t.target.worker_id
+        if t.request_id not in self.running[src]:
+            return
+        assert self.ledger.transfer_done(t.request_id)
+        self.running[dst][t.request_id] = self.running[src].pop(t.request_id) or 1
 
     def step(self, e: tuple) -> None:
         kind, ledger = e[0], self.ledger
@@ -450,14 +687,36 @@ class World:
             self.handed_back(ledger.worker_dead(ledger.workers[e[1]]))
         elif kind == "revive":
             self.revive(e[1])
+        elif kind == "prefilled":  # a prefill worker computed a request's prompt and its first token
+            held = self.running[e[1]]
+            rids = [rid for rid in held if ledger.where.get(rid) == e[1]]
+            if rids:
+                rid = rids[e[2] % len(rids)]
+                held[rid] = held[rid] or 3
+                self.moving(ledger.prefilled(rid))
+        elif kind == "moves":
+            self.moving(ledger.decide_moves())
+        elif kind == "handover":
+            self.handover(e[1])
+        elif kind == "refuse" and ledger.transfers:  # the target has not the room after all
+            assert ledger.transfer_refused(sorted(ledger.transfers)[e[1] % len(ledger.transfers)])
         elif kind == "tick":
             self.clock.now += e[1]
+            self.expire_transfers()
             waited, running = ledger.expired()
             for p in waited:
                 self.end(p.request_id)
             for rid in running:
                 if rid in ledger.known:
                     self.end(rid)
+
+    def expire_transfers(self) -> None:
+        """Transfers past their lease: both sides drop the request; it resumes from its tokens."""
+        for t in self.ledger.expired_transfers():
+            self.running[t.source.worker_id].pop(t.request_id, None)
+            self.running[t.target.worker_id].pop(t.request_id, None)
+            self.handed_back([t.pending])
+        self.ledger.called_off()  # the targets here never list what they receive: nothing to drop
 
     def drain(self) -> None:
         """Every request to its end: workers back, everything resumed, placed and finished."""
@@ -482,6 +741,7 @@ class World:
                 self.end(rid)
             self.round(True)
             self.clock.now += 0.5
+            self.expire_transfers()
             waited, running = self.ledger.expired()
             for p in waited:
                 self.end(p.request_id)
@@ -502,3 +762,35 @@ def test_random_events_keep_the_invariants_and_end_every_request_exactly_once(ar
     world.drain()
     assert world.ended == {rid: 1 for rid in world.taken}
     assert not world.ledger.where and not world.ledger.queue.ordered()
+
+
+# Smaller requests than above (more fit at once, so moves find room), run more often.
+small_arrive = st.tuples(st.just("arrive"), st.sampled_from(RIDS), st.integers(1, 200), st.integers(0, 1),
+                         st.sampled_from([None, None, None, 3.0]))
+move_event = st.one_of(
+    *EVENTS[2:], small_arrive, small_arrive,
+    st.tuples(st.just("run"), st.sampled_from(WIDS), st.integers(1, 6)),
+    st.tuples(st.just("prefilled"), st.sampled_from(WIDS), st.integers(0, 3)),
+    st.tuples(st.just("prefilled"), st.sampled_from(WIDS), st.integers(0, 3)),
+    st.tuples(st.just("moves")),
+    st.tuples(st.just("handover"), st.integers(0, 3)),
+    st.tuples(st.just("refuse"), st.integers(0, 3)),
+    st.tuples(st.just("tick"), st.floats(0.0, 1.5)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(small_arrive, min_size=1, max_size=4), st.lists(move_event, min_size=30, max_size=100),
+       st.sampled_from([{"a": "prefill", "b": "decode"}, {"a": "prefill"}, {}]), st.booleans())
+def test_random_events_with_moves_keep_one_owner_and_end_every_request_exactly_once(arrivals, events, roles,
+                                                                                     balance):
+    """Disaggregation, balance and preemption moves, with handovers, expiries, drops and deaths."""
+    moves = MoveConfig(short_prompt_tokens=64, migrate_above=0.5 if balance else None, migrate_below=0.4,
+                       migrate_victims=True, timeout_s=0.5)
+    world = World(roles, moves, pool=64)
+    for e in [*arrivals, ("round", True), *events]:
+        world.step(e)
+        world.ledger.check_integrity()
+    world.drain()
+    assert world.ended == {rid: 1 for rid in world.taken}
+    assert not world.ledger.where and not world.ledger.queue.ordered() and not world.ledger.transfers

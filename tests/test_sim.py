@@ -361,3 +361,87 @@ def test_the_study_runs_only_the_named_curves_and_refuses_unknown_ones(tmp_path,
             study.main([*argv, "--json", str(tmp_path / "x.json")])
         assert "unknown" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def _all_free(sim) -> None:
+    """Every worker's pool ends free, nothing held for a move, the ledger consistent."""
+    sim.ledger.check_integrity()
+    assert not sim.ledger.transfers
+    for w in sim.workers:
+        assert not w.sending and not w.receiving
+        assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks, list(w.engine.kv.block_tables)
+
+
+def test_the_fleet_simulator_disaggregates_long_prompts_and_moves_their_kv_over_the_profiles_link():
+    """One prefill and two decode workers: a long prompt prefills on the prefill worker and its
+    KV moves to a decode worker in the profile's transfer time; a short one stays local.
+    Every request gets all its tokens; the pools end free."""
+    from pagefleet.benchmarks.fleet.sim import FleetConfig, FleetSim, TraceRequest
+    from pagefleet.scheduler.moves import MoveConfig
+
+    prof = load_profile("llama-3-8b-h100")
+    trace = [TraceRequest("long", [256] + [7] * 2047, 32, 0.0), TraceRequest("short", [256] + [8] * 99, 32, 0.0)]
+    sim = FleetSim(FleetConfig(num_workers=3, profile=prof, num_prefill_workers=1,
+                               moves=MoveConfig(short_prompt_tokens=256)))
+    out = sim.run(trace, until_s=30)
+    assert all(o.finish_reason == "length" and o.num_tokens == 32 for o in out.values())
+    assert sim.moves.started == {"disaggregation": 1} and sim.moves.num_done == 1
+    (took,) = sim.moves.transfer_s
+    assert took == pytest.approx(prof.kv_transfer_seconds(2049) + sim.cfg.hop_s)  # prompt + first token
+    assert sim.moves.bytes_moved == 2049 * prof.kv_bytes_per_token
+    prefill, *decode = sim.workers
+    assert prefill.entry.role == "prefill" and {w.entry.role for w in decode} == {"decode"}
+    assert prefill.engine.stats().num_generated_tokens_total == 1  # the long one's first token only
+    assert sum(w.engine.stats().num_generated_tokens_total for w in decode) == 31 + 32
+    # The decode worker took the received blocks as cached: it computed only the partial last block.
+    assert max(w.engine.stats().prefix_cache_hits_total for w in decode) == 2048
+    _all_free(sim)
+    with pytest.raises(ValueError, match="num_prefill_workers"):
+        FleetSim(FleetConfig(num_workers=2, profile=prof, num_prefill_workers=2))
+
+
+def test_the_fleet_simulator_migrates_from_an_overloaded_worker_with_a_short_downtime():
+    """A shared prefix draws six long answers to one worker of two; as they grow past 80 % of
+    its pool, the ledger moves some to the idle worker (two-stage copy: a final stage of a
+    few tokens); without migration the full worker preempts instead."""
+    from pagefleet.benchmarks.fleet.sim import FleetConfig, FleetSim, TraceRequest
+    from pagefleet.scheduler.moves import MoveConfig
+
+    prof = load_profile("llama-3-8b-h100")
+    system = [256] + [9] * 511
+    trace = [TraceRequest(f"r{i}", [*system, 100 + i], 600, 0.001 * i) for i in range(6)]
+    runs = {}
+    for name, moves in (("none", MoveConfig()), ("balance", MoveConfig(migrate_above=0.8, migrate_below=0.6))):
+        sim = FleetSim(FleetConfig(num_workers=2, profile=prof, num_blocks=200, moves=moves))
+        out = sim.run(trace, until_s=60)
+        assert all(o.finish_reason == "length" and o.num_tokens == 600 for o in out.values())
+        _all_free(sim)
+        runs[name] = sim
+    none, bal = runs["none"], runs["balance"]
+    assert none.moves.started == {} and sum(w.engine.stats().num_preemptions_total for w in none.workers) > 0
+    assert bal.moves.started.get("balance", 0) >= 1 and bal.moves.num_done >= 1
+    assert all(0 < d < 0.01 for d in bal.moves.downtime_s)  # a few tokens' KV, not the sequence's
+    assert sum(w.engine.stats().num_preemptions_total for w in bal.workers) < \
+        sum(w.engine.stats().num_preemptions_total for w in none.workers)
+
+
+def test_the_study_compares_colocated_with_disaggregated_fleets_and_migration_with_none(tmp_path):
+    from pagefleet.benchmarks.fleet import study
+
+    out = tmp_path / "kv.json"
+    assert study.main(["--workers", "4", "--duration", "1", "--drain", "1", "--rate-factors", "1", "--suites",
+                       "disagg-prefill,migrate", "--prefill-heavy-rate", "3", "--skewed-rate", "3", "--json", str(out),
+                       "--plot-dir", str(tmp_path), "--plot-tag", "t"]) == 0
+    report = json.loads(out.read_text())
+    curves = {c["name"]: c for c in report["suites"]["disagg-prefill"]}
+    assert list(curves) == ["colocated", "disaggregated 1P:3D", "disaggregated 1P:1D", "disaggregated 3P:1D"]
+    assert [c["prefill_fraction"] for c in curves.values()] == [0.0, 0.25, 0.5, 0.75]
+    (colocated,), (disagg,) = curves["colocated"]["points"], curves["disaggregated 1P:1D"]["points"]
+    assert colocated["moves"]["started"] == {} and colocated["moves"]["gb_moved"] == 0
+    assert disagg["moves"]["started"]["disaggregation"] == disagg["moves"]["done"] > 0
+    assert disagg["moves"]["gb_moved"] > 0 and disagg["moves"]["transfer_p50_ms"] > 0
+    assert disagg["num_requests"] == 12 and set(disagg["attainment_by_tpot_ms"]) == {str(ms) for ms in study.TPOT_SLOS_MS}
+    assert [c["name"] for c in report["suites"]["migrate"]] == ["no migration", "load-balance migration"]
+    assert (tmp_path / "study-disagg-prefill-t.png").exists() and (tmp_path / "study-migrate-t.png").exists()
+    with pytest.raises(SystemExit, match="unknown suite"):
+        study.main(["--suites", "nope", "--json", str(out), "--plot-dir", ""])

@@ -58,6 +58,10 @@ class SimProfile:
     max_model_len: int
     swap_bytes_per_s: float  # host <-> device copies
     transfer_overhead_s: float = 0.0  # per swap transfer (one direction of one step)
+    # KV moved between two workers (disaggregation, migration): the link one worker has to
+    # another, and the fixed cost of one transfer (its control messages and setup). 0: none given.
+    kv_transfer_bytes_per_s: float = 0.0
+    kv_transfer_overhead_s: float = 0.0
     model: str = ""  # what it stands for, e.g. "meta-llama/Meta-Llama-3-8B-Instruct, bf16"
     hardware: str = ""
 
@@ -69,6 +73,8 @@ class SimProfile:
                 raise ValueError(f"profile {self.name!r}: {name} must be a positive integer")
         if not self.swap_bytes_per_s > 0 or self.transfer_overhead_s < 0:
             raise ValueError(f"profile {self.name!r}: swap_bytes_per_s must be > 0, transfer_overhead_s >= 0")
+        if self.kv_transfer_bytes_per_s < 0 or self.kv_transfer_overhead_s < 0:
+            raise ValueError(f"profile {self.name!r}: kv_transfer_bytes_per_s and kv_transfer_overhead_s must be >= 0")
 
     def block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size
@@ -81,6 +87,15 @@ class SimProfile:
         if not num_blocks:
             return 0.0
         return self.transfer_overhead_s + num_blocks * self.block_bytes(block_size) / self.swap_bytes_per_s
+
+    def kv_transfer_seconds(self, num_tokens: int) -> float:
+        """Moving ``num_tokens`` tokens' KV to another worker (0 for none); ``ValueError`` if
+        the profile gives no ``kv_transfer_bytes_per_s``."""
+        if not self.kv_transfer_bytes_per_s:
+            raise ValueError(f"profile {self.name!r} gives no kv_transfer_bytes_per_s: it cannot move KV")
+        if num_tokens <= 0:
+            return 0.0
+        return self.kv_transfer_overhead_s + num_tokens * self.kv_bytes_per_token / self.kv_transfer_bytes_per_s
 
     def to_dict(self) -> dict:
         d = asdict(self)

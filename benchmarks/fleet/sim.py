@@ -18,6 +18,19 @@ worker's "large change" notice).
 ``ideal=True`` is the bound a fleet cannot beat: one engine with the whole fleet's pool,
 batch and token budget, each step costing ``a`` and the fleet's share of ``b`` and ``c``
 (one queue, perfect balance, no fragmentation), fed directly.
+
+KV that moves (``FleetConfig.num_prefill_workers``, ``FleetConfig.moves``): the ledger decides
+(``scheduler/moves.py``), the simulator carries it out. A request placed on a worker of role
+``prefill`` runs there for its first token only; its KV then waits on that worker for a
+decoding worker. A transfer takes the profile's ``kv_transfer_seconds`` of its tokens,
+one at a time on each worker's link (a worker sending or receiving one transfer waits for
+it to end before the next starts), and holds blocks on both sides until the handover: the
+receiver allocates the request's blocks when the copy starts, the sender frees its own only
+once the target has taken the request over. A running request (a load-balance or preemption
+move) goes on decoding on its source during the copy, as in Llumnix's multi-stage copy; then
+it stops there for a final stage that copies the tokens it made meanwhile (its downtime) and
+resumes on the target. At the handover the received blocks enter the target's prefix cache
+under the request's keys, so the target computes only the last, partial block again.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from pagefleet.common.blocks import block_hashes
 from pagefleet.common.sampling_params import SamplingParams
 from pagefleet.protos import cluster_pb2, generation_pb2
 from pagefleet.scheduler.ledger import Ledger, LedgerConfig
+from pagefleet.scheduler.moves import MoveConfig, Transfer
 from pagefleet.scheduler.placement import PlacementConfig
 from pagefleet.scheduler.workers import WorkerEntry
 from pagefleet.worker.kv_events import KVEventLog
@@ -83,6 +97,23 @@ class _Worker:
     busy: bool = False  # a step event is pending
     seq: int = 0
     last_ids: frozenset = field(default_factory=frozenset)
+    prefill_only: set[str] = field(default_factory=set)  # run here for their first token, then moved
+    sending: dict[str, int] = field(default_factory=dict)  # stopped here, blocks held for a transfer out
+    receiving: dict[str, Transfer] = field(default_factory=dict)  # blocks allocated for a transfer in
+    link_free_at: float = 0.0  # when its current transfer (in or out) ends
+
+
+@dataclass(slots=True)
+class MoveStats:
+    """What the moves cost: counts by reason, bytes, and the downtime of running requests moved."""
+
+    started: dict[str, int] = field(default_factory=dict)
+    num_done: int = 0
+    num_expired: int = 0
+    num_refused: int = 0  # the target's pool had not the room the ledger believed
+    bytes_moved: int = 0
+    transfer_s: list[float] = field(default_factory=list)  # start of the copy to the handover
+    downtime_s: list[float] = field(default_factory=list)  # a running request's final stage
 
 
 @dataclass
@@ -99,6 +130,8 @@ class FleetConfig:
     hop_s: float = 0.001  # one gRPC or Redis hop
     tick_s: float = 0.05
     ideal: bool = False
+    num_prefill_workers: int = 0  # > 0: that many workers of role prefill, the others decode
+    moves: MoveConfig = MoveConfig()
 
 
 class FleetSim:
@@ -108,9 +141,14 @@ class FleetSim:
         self._events: list = []
         self._seq = itertools.count()
         self.outcomes: dict[str, Outcome] = {}
+        if not 0 <= cfg.num_prefill_workers < max(1, cfg.num_workers):
+            raise ValueError(f"num_prefill_workers must leave at least one decoding worker, got {cfg.num_prefill_workers}")
         self.ledger = Ledger(LedgerConfig(policy=cfg.policy, headroom_tokens=cfg.headroom_tokens, preempt=cfg.preempt,
-                                          placement=PlacementConfig(cfg.placement)),
+                                          placement=PlacementConfig(cfg.placement), moves=cfg.moves),
                              clock=self._clock, wall_clock=self._clock)
+        self.moves = MoveStats()
+        self._trace: dict[str, TraceRequest] = {}
+        self._moved: dict[str, list[int]] = {}  # request -> its output when its move began (resumed from it)
         n = 1 if cfg.ideal else cfg.num_workers
         self.workers = [self._make_worker(i) for i in range(n)]
         self._by_id = {w.entry.worker_id: w for w in self.workers}
@@ -129,7 +167,9 @@ class FleetSim:
         engine = SimEngine(prof, time_scale=math.inf, block_size=BLOCK_SIZE, num_blocks=blocks,
                            num_swap_blocks=0, preemption="recompute", **args)
         log = KVEventLog(engine.kv)
-        w = _Worker(engine, WorkerEntry(f"w{i:03d}", "sim"), log.subscribe(), log)
+        role = "both" if cfg.ideal or not cfg.num_prefill_workers else ("prefill" if i < cfg.num_prefill_workers
+                                                                         else "decode")
+        w = _Worker(engine, WorkerEntry(f"w{i:03d}", "sim", role=role), log.subscribe(), log)
         if not cfg.ideal:
             self.ledger.add_worker(w.entry)
             self.ledger.on_report(w.entry, self._report(w))
@@ -145,6 +185,7 @@ class FleetSim:
     def run(self, trace: list[TraceRequest], until_s: float) -> dict[str, Outcome]:
         for r in trace:
             self.outcomes[r.request_id] = Outcome(r.arrival_s, r.priority)
+            self._trace[r.request_id] = r
             self._at(r.arrival_s, self._arrive, r)
         if not self.cfg.ideal:
             for i, w in enumerate(self.workers):  # staggered, as real workers' timers are
@@ -188,8 +229,11 @@ class FleetSim:
                 self.ledger.preempted(pl)
                 w = self._by_id[d.claims[0][1].worker.worker_id]
                 self._at(self.now + self.cfg.hop_s, self._preempt, w, pl.pending.request_id)
+            for t in d.moves:
+                self._start_move(t)
 
     def _tick(self) -> None:
+        self._moves_tick()
         waited, running = self.ledger.expired()
         for p in waited:
             self.ledger.forget(p.request_id)
@@ -218,8 +262,14 @@ class FleetSim:
         rid = msg.request_id
         if self.outcomes[rid].finish_reason:  # cut off (deadline) before it got here
             return
-        params = SamplingParams(max_tokens=msg.sampling.max_tokens, ignore_eos=True)
-        w.engine.add_request(list(msg.prompt_token_ids), params, request_id=rid, priority=msg.priority)
+        out = list(msg.output_token_ids)  # resumed (a transfer expired): it goes on after these
+        max_tokens = msg.sampling.max_tokens
+        if w.entry.role == "prefill":  # its first token here, the rest where its KV goes
+            max_tokens = len(out) + 1
+            w.prefill_only.add(rid)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        w.engine.add_request(list(msg.prompt_token_ids), params, request_id=rid, priority=msg.priority,
+                             output_token_ids=out)
         self._kick(w)
 
     def _preempt(self, w: _Worker, rid: str) -> None:
@@ -227,6 +277,9 @@ class FleetSim:
 
     def _abort(self, w: _Worker, rid: str) -> None:
         w.engine.abort_request(rid)
+        if rid in w.sending:  # cut off while its KV waited to move
+            self._release(w, rid, True)
+            self._moved.pop(rid, None)
 
     def _kick(self, w: _Worker) -> None:
         if not w.busy and w.engine.has_unfinished_requests():
@@ -246,12 +299,19 @@ class FleetSim:
                 if o.first_token_s is None:
                     o.first_token_s = done_at
                 o.num_tokens += len(d.token_ids)
+            if d.finish_reason and d.request_id in w.prefill_only:
+                w.prefill_only.discard(d.request_id)
+                if o.num_tokens < self._trace[d.request_id].max_tokens:  # prefilled: its KV waits here
+                    before = self.ledger.known[d.request_id].assign.output_token_ids  # resumed after these
+                    self._hold_for_transfer(w, d.request_id, [*before, *d.token_ids])
+                    self._at(done_at + self.cfg.hop_s, self._prefilled, d.request_id)
+                    continue
             if d.finish_reason and not o.finish_reason:
                 self._end(d.request_id, d.finish_reason, done_at)
                 if not self.cfg.ideal:
                     self._at(done_at + self.cfg.hop_s, self._forget_and_dispatch, d.request_id)
         if not self.cfg.ideal:
-            ids = frozenset(e.requests)
+            ids = self._held_ids(w)
             if ids != w.last_ids:  # the worker's "large change" notice: a report now
                 w.last_ids = ids
                 self._at(done_at + self.cfg.hop_s, self._deliver, w, self._report(w))
@@ -266,7 +326,11 @@ class FleetSim:
         w.log.publish(e.kv)
         stored, evicted, reset = w.events.take()
         w.seq += 1
-        return occupancy_report(e.stats(), worker_id=w.entry.worker_id, seq=w.seq, finished_request_ids=[],
+        stats = e.stats()
+        for rid in (*w.sending, *w.receiving):  # a worker holds what it sends and what it receives
+            stats.request_ids.append(rid)
+            stats.blocks_per_request[rid] = len(e.kv.block_tables.get(_buffer(rid, rid in w.sending), ()))
+        return occupancy_report(stats, worker_id=w.entry.worker_id, seq=w.seq, finished_request_ids=[],
                                 max_num_seqs=e.scheduler.max_num_seqs, max_model_len=e.max_model_len, draining=False,
                                 stored_block_hashes=stored, evicted_block_hashes=evicted, block_hashes_reset=reset)
 
@@ -282,3 +346,138 @@ class FleetSim:
             self.ledger.forget(p.request_id)
         if out.room:
             self._dispatch()
+
+    # -- moving KV -----------------------------------------------------------------------------
+    def _held_ids(self, w: _Worker) -> frozenset:
+        return frozenset(w.engine.requests).union(w.sending, w.receiving)
+
+    def _hold_for_transfer(self, w: _Worker, rid: str, out: list[int]) -> None:
+        """``rid`` stopped on ``w`` with output ``out``: its blocks stay held for its transfer
+        out (the engine let it go; an allocation of as many stands for its KV)."""
+        self._moved[rid] = out
+        w.engine.kv.allocate_slots(_buffer(rid, True), len(self._trace[rid].prompt_ids) + len(out))
+        w.sending[rid] = len(w.engine.kv.block_tables.get(_buffer(rid, True), ()))
+
+    def _prefilled(self, rid: str) -> None:
+        if rid not in self.ledger.where:  # cut off meanwhile (_abort let its blocks go)
+            return
+        for t in self.ledger.prefilled(rid):
+            self._start_move(t)
+
+    def _moves_tick(self) -> None:
+        for t in self.ledger.expired_transfers():  # both sides drop it; it resumes from its tokens
+            self.moves.num_expired += 1
+            src, dst = self._by_id[t.source.worker_id], self._by_id[t.target.worker_id]
+            out = self._stop(src, t.request_id)
+            self._release(src, t.request_id, True)
+            self._moved.pop(t.request_id, None)
+            self._drop_received(dst, t)
+            if not self.ledger.resume(t.pending, out):
+                self.ledger.forget(t.request_id)
+        for t in self.ledger.called_off():
+            self._drop_received(self._by_id[t.target.worker_id], t)
+        for t in self.ledger.decide_moves():
+            self._start_move(t)
+
+    def _start_move(self, t: Transfer) -> None:
+        """The copy of ``t`` starts once both links are free; the target's blocks are taken now."""
+        rid = t.request_id
+        src, dst = self._by_id[t.source.worker_id], self._by_id[t.target.worker_id]
+        self.moves.started[t.reason] = self.moves.started.get(t.reason, 0) + 1
+        num_tokens = self._num_tokens(src, rid)
+        if num_tokens is None or not self._receive(dst, t, num_tokens):
+            return
+        start = max(self.now + self.cfg.hop_s, src.link_free_at, dst.link_free_at)
+        end = start + self.cfg.profile.kv_transfer_seconds(num_tokens)
+        src.link_free_at = dst.link_free_at = end
+        self.moves.bytes_moved += num_tokens * self.cfg.profile.kv_bytes_per_token
+        self._at(end, self._copied, t, num_tokens, self.now)
+
+    def _num_tokens(self, w: _Worker, rid: str) -> int | None:
+        """``rid``'s tokens on ``w`` now (None if it is no longer there: it finished)."""
+        req = w.engine.requests.get(rid)
+        if req is not None:
+            return req.num_tokens
+        if rid in w.sending:
+            return len(self._trace[rid].prompt_ids) + len(self._moved[rid])
+        return None
+
+    def _receive(self, dst: _Worker, t: Transfer, num_tokens: int) -> bool:
+        """Blocks for ``num_tokens`` of ``t``'s request on ``dst``; False (the move refused) if
+        its pool has not the room."""
+        if dst.engine.kv.allocate_slots(_buffer(t.request_id, False), num_tokens) is None:
+            self._drop_received(dst, t)
+            self.ledger.transfer_refused(t.request_id)
+            self.moves.num_refused += 1
+            return False
+        dst.receiving[t.request_id] = t
+        return True
+
+    def _copied(self, t: Transfer, num_copied: int, began: float) -> None:
+        """The first stage is done: a request still running stops for the final stage."""
+        rid = t.request_id
+        src, dst = self._by_id[t.source.worker_id], self._by_id[t.target.worker_id]
+        if self.ledger.transfers.get(rid) is not t or dst.receiving.get(rid) is not t:
+            self._drop_received(dst, t)
+            return
+        if rid not in src.sending:
+            if rid not in src.engine.requests:  # it finished meanwhile: the move is called off soon
+                return
+            self._hold_for_transfer(src, rid, self._stop(src, rid))
+            num_tokens = len(self._trace[rid].prompt_ids) + len(self._moved[rid])
+            if not self._receive(dst, t, num_tokens):
+                return
+            final = self.cfg.profile.kv_transfer_seconds(num_tokens - num_copied) + self.cfg.hop_s
+            self.moves.downtime_s.append(final)
+            self.moves.bytes_moved += (num_tokens - num_copied) * self.cfg.profile.kv_bytes_per_token
+            self._at(self.now + final, self._handover, t, began)
+            return
+        self._handover(t, began)
+
+    def _stop(self, w: _Worker, rid: str) -> list[int]:
+        """``rid`` stops running on ``w`` (if it runs there); its output so far."""
+        req = w.engine.requests.get(rid)
+        if req is None:
+            return list(self._moved.get(rid, ()))
+        out = list(req.output_token_ids)
+        w.engine.abort_request(rid)
+        return out
+
+    def _handover(self, t: Transfer, began: float) -> None:
+        rid = t.request_id
+        src, dst = self._by_id[t.source.worker_id], self._by_id[t.target.worker_id]
+        if dst.receiving.get(rid) is not t or not self.ledger.transfer_done(rid):
+            self._drop_received(dst, t)
+            return
+        self._release(src, rid, True)
+        out = self._moved.pop(rid)
+        r = self._trace[rid]
+        e = dst.engine
+        e.add_request(list(r.prompt_ids), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), request_id=rid,
+                      priority=r.priority, output_token_ids=out)
+        # The blocks received enter the prefix cache under the request's keys; its admission finds them.
+        buffer = _buffer(rid, False)
+        table = e.kv.block_tables.get(buffer, [])
+        req = e.requests[rid]
+        num_full = min(len(table), req.num_tokens // BLOCK_SIZE)
+        for block, key in zip(table[:num_full], e.kv._keys(req, num_full), strict=False):
+            e.kv.pool.cache(block, key)
+        e.kv.free(buffer)
+        del dst.receiving[rid]
+        self.moves.num_done += 1
+        self.moves.transfer_s.append(self.now - began)
+        self._kick(dst)
+
+    def _release(self, w: _Worker, rid: str, sending: bool) -> None:
+        w.engine.kv.free(_buffer(rid, sending))
+        (w.sending if sending else w.receiving).pop(rid, None)
+
+    def _drop_received(self, dst: _Worker, t: Transfer) -> None:
+        """What ``dst`` received of ``t`` goes (only ``t``'s: a later move of the request may be under way)."""
+        if dst.receiving.get(t.request_id) is t:
+            self._release(dst, t.request_id, False)
+
+
+def _buffer(rid: str, sending: bool) -> str:
+    """The block table that stands for ``rid``'s KV while it moves (on its source or its target)."""
+    return f"kv-{'out' if sending else 'in'}:{rid}"

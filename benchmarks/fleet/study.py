@@ -32,6 +32,22 @@ Suites (``--suites``): ``policy`` (fcfs, priority, deadline; prefix placement; s
 ``--curves`` runs only the named curves of those suites (each point is a simulated run, so a
 point re-run alone gives the figures it gives among the others). The JSON is written after every
 point: a study stopped early keeps what it measured.
+
+KV that moves (``scheduler/moves.py``; transfers over the profile's ``kv_transfer_bytes_per_s``):
+
+* ``disagg-prefill`` and ``disagg-decode``: colocated workers against disaggregated fleets
+  (a quarter and half of the workers of role prefill, the rest decode; conditional: prompts
+  of at most ``--short-prompt`` tokens prefill on a decode worker) on a prefill-heavy trace
+  (prompts log-normal around 3,000 tokens, 1,024..6,144; 32..256 out, mean 96) and a
+  decode-heavy one (prompts around 200 tokens; 128..2,048 out, mean 700);
+* ``migrate``: load-balance migration (``--migrate-above``, ``--migrate-below``) against
+  none under a skewed load: 64 system prompts of 1,024 tokens drawn Zipf(1.1) (prefix
+  placement draws each hot group to the workers caching it), a 20 % minority of answers of
+  2,000..4,000 tokens among answers of 32..128: the memory a worker's requests will take is
+  not known when they are placed.
+
+Their base rates are per worker (``--prefill-heavy-rate``, ``--decode-heavy-rate``,
+``--skewed-rate``) times ``--workers``.
 """
 
 from __future__ import annotations
@@ -48,12 +64,14 @@ import numpy as np
 
 from pagefleet.bench.datasets import add_shared_prefix_args
 from pagefleet.bench.loadgen import arrival_times
+from pagefleet.scheduler.moves import MoveConfig
 
 from ..results import header
 from .sim import FleetConfig, FleetSim, Outcome, TraceRequest
 
 SHAREGPT_MEAN_PROMPT, SHAREGPT_MEAN_OUTPUT = 161, 338
 BOS = 256
+TPOT_SLOS_MS = (15, 20, 25, 35, 50, 100)
 
 
 # -- traces --------------------------------------------------------------------------------------
@@ -80,6 +98,38 @@ def shared_prefix(n: int, seed: int, groups: int, system_len: int, question_len:
     return [([BOS, *r.prompt.encode()], r.expected_output_len) for r in reqs]
 
 
+def lognormal_lengths(n: int, seed: int, prompt: tuple[float, int, int], output: tuple[float, int, int],
+                      max_len: int = 8192) -> list[tuple[list[int], int]]:
+    """``n`` (prompt ids, output length) pairs, each length log-normal (sigma 0.5) around its
+    median and clipped to its range: ``(median, lo, hi)``; random byte prompts."""
+    rng = np.random.default_rng(seed)
+    out = []
+
+    def draw(median: float, lo: int, hi: int) -> int:
+        return int(min(hi, max(lo, rng.lognormal(math.log(median), 0.5))))
+
+    while len(out) < n:
+        p, o = draw(*prompt), draw(*output)
+        if p + o <= max_len:
+            out.append(([BOS, *rng.integers(32, 127, p - 1).tolist()], o))
+    return out
+
+
+def skewed(n: int, seed: int, groups: int = 64, system_len: int = 1024) -> list[tuple[list[int], int]]:
+    """Hot and cold system prompts (Zipf 1.1 over ``groups``) and a minority of long answers
+    (see the module docstring): the load a placement cannot foresee."""
+    rng = np.random.default_rng(seed)
+    systems = [[BOS, *rng.integers(32, 127, system_len - 1).tolist()] for _ in range(groups)]
+    weights = 1.0 / np.arange(1, groups + 1) ** 1.1
+    picks = rng.choice(groups, size=n, p=weights / weights.sum())
+    out = []
+    for g in picks:
+        question = rng.integers(32, 127, 64).tolist()
+        o = int(rng.integers(2000, 4001)) if rng.random() < 0.2 else int(rng.integers(32, 129))
+        out.append(([*systems[g], *question], o))
+    return out
+
+
 @dataclass(frozen=True)
 class Curve:
     name: str  # the legend
@@ -89,6 +139,8 @@ class Curve:
     burstiness: float = 1.0
     priorities: bool = False  # priority classes and deadlines (the policy suite)
     ideal: bool = False
+    prefill_fraction: float = 0.0  # of the workers, role prefill (the others decode); 0: colocated
+    migrate: bool = False  # load-balance migration
 
 
 SUITES = {
@@ -101,6 +153,14 @@ SUITES = {
     "bursty": [Curve("prefix", "sharegpt", burstiness=0.25),
                Curve("round-robin", "sharegpt", placement="round-robin", burstiness=0.25),
                Curve("ideal (one pool)", "sharegpt", burstiness=0.25, ideal=True)],
+    "disagg-prefill": [Curve("colocated", "prefill-heavy"),
+                       Curve("disaggregated 1P:3D", "prefill-heavy", prefill_fraction=0.25),
+                       Curve("disaggregated 1P:1D", "prefill-heavy", prefill_fraction=0.5),
+                       Curve("disaggregated 3P:1D", "prefill-heavy", prefill_fraction=0.75)],
+    "disagg-decode": [Curve("colocated", "decode-heavy"),
+                      Curve("disaggregated 1P:3D", "decode-heavy", prefill_fraction=0.25),
+                      Curve("disaggregated 1P:1D", "decode-heavy", prefill_fraction=0.5)],
+    "migrate": [Curve("no migration", "skewed"), Curve("load-balance migration", "skewed", migrate=True)],
 }
 
 
@@ -109,6 +169,12 @@ def make_trace(curve: Curve, rate: float, args) -> list[TraceRequest]:
     seed = args.seed
     if curve.trace == "sharegpt":
         pairs = sharegpt_like(n, seed)
+    elif curve.trace == "prefill-heavy":
+        pairs = lognormal_lengths(n, seed, (3000, 1024, 6144), (96, 32, 256))
+    elif curve.trace == "decode-heavy":
+        pairs = lognormal_lengths(n, seed, (200, 32, 1024), (700, 128, 2048))
+    elif curve.trace == "skewed":
+        pairs = skewed(n, seed)
     else:
         pairs = shared_prefix(n, seed, args.gsp_num_groups, args.gsp_system_prompt_len, args.gsp_question_len,
                               args.gsp_output_len)
@@ -136,12 +202,12 @@ def measure(outcomes: list[Outcome], rate: float, duration: float, args, end_s: 
     """
     n = len(outcomes)
 
-    def good(o: Outcome) -> bool:
+    def good(o: Outcome, slo_tpot: float = args.slo_tpot) -> bool:
         if o.finish_reason in ("length", "stop"):
-            return o.ttft_s <= args.slo_ttft and o.tpot_s is not None and o.tpot_s <= args.slo_tpot
+            return o.ttft_s <= args.slo_ttft and o.tpot_s is not None and o.tpot_s <= slo_tpot
         if o.finish_reason or o.first_token_s is None or o.ttft_s > args.slo_ttft:
             return False
-        return o.num_tokens < 2 or (end_s - o.first_token_s) / (o.num_tokens - 1) <= args.slo_tpot
+        return o.num_tokens < 2 or (end_s - o.first_token_s) / (o.num_tokens - 1) <= slo_tpot
 
     done = [o for o in outcomes if o.finish_reason in ("length", "stop")]
     # TTFT over every request, finished or not (one still waiting for its first token counts
@@ -157,6 +223,9 @@ def measure(outcomes: list[Outcome], rate: float, duration: float, args, end_s: 
         "num_requests": n,
         "goodput": num_good / duration,
         "attainment": num_good / n if n else 0.0,
+        # The same TTFT SLO with other TPOT SLOs (ms): a tighter one is where disaggregation pays.
+        "attainment_by_tpot_ms": {ms: sum(good(o, ms / 1e3) for o in outcomes) / n if n else 0.0
+                                  for ms in TPOT_SLOS_MS},
         "attainment_high_priority": sum(map(good, hi)) / len(hi) if hi else None,
         "finished": len(done) / n if n else 0.0,
         "running_at_end": sum(1 for o in outcomes if not o.finish_reason) / n if n else 0.0,
@@ -170,15 +239,33 @@ def measure(outcomes: list[Outcome], rate: float, duration: float, args, end_s: 
 
 def run_point(curve: Curve, rate: float, args, profile) -> dict:
     trace = make_trace(curve, rate, args)
+    moves = MoveConfig(short_prompt_tokens=args.short_prompt,
+                       migrate_above=args.migrate_above if curve.migrate else None, migrate_below=args.migrate_below)
     cfg = FleetConfig(num_workers=args.workers, profile=profile, policy=curve.policy, placement=curve.placement,
-                      ideal=curve.ideal)
+                      ideal=curve.ideal, num_prefill_workers=round(curve.prefill_fraction * args.workers), moves=moves,
+                      num_blocks=args.num_blocks)
     t0 = time.process_time()
     sim = FleetSim(cfg)
     outcomes = sim.run(trace, until_s=args.duration + args.drain)
     point = measure(list(outcomes.values()), rate, args.duration, args, sim.now)
     point["num_preemptions"] = sim.ledger.num_preemptions
+    point["num_worker_preemptions"] = sum(w.engine.stats().num_preemptions_total for w in sim.workers)
+    point["moves"] = move_figures(sim)
     point["cpu_s"] = time.process_time() - t0
     return point
+
+
+def move_figures(sim: FleetSim) -> dict:
+    """What moving KV did in one run: transfers by reason, handed over, expired, bytes, times."""
+    m = sim.moves
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return float(np.percentile(xs, q)) * 1e3 if xs else None
+
+    return {"started": dict(m.started), "done": m.num_done, "expired": m.num_expired, "refused": m.num_refused,
+            "gb_moved": m.bytes_moved / 1e9, "transfer_p50_ms": pct(m.transfer_s, 50),
+            "transfer_p99_ms": pct(m.transfer_s, 99), "downtime_p50_ms": pct(m.downtime_s, 50),
+            "downtime_p99_ms": pct(m.downtime_s, 99)}
 
 
 def knee(points: list[dict], target: float) -> float | None:
@@ -199,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=64)
     p.add_argument("--profile", default="llama-3-8b-h100", help="the workers' sim profile")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: the profile's pool)")
     p.add_argument("--suites", default="policy,placement,bursty", help="comma-separated: " + ", ".join(SUITES))
     p.add_argument("--curves", default="",
                    help="comma-separated curve names to run (e.g. 'prefix,ideal (one pool)'); default: every "
@@ -214,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--knee-attainment", type=float, default=0.9)
     p.add_argument("--priority-fraction", type=float, default=0.2)
     p.add_argument("--burstiness", type=float, default=0.25, help="the bursty suite's gamma shape")
+    p.add_argument("--prefill-heavy-rate", type=float, default=6.0, help="base rate of prefill-heavy, per worker")
+    p.add_argument("--decode-heavy-rate", type=float, default=8.0, help="base rate of decode-heavy, per worker")
+    p.add_argument("--skewed-rate", type=float, default=15.0, help="base rate of skewed, per worker")
+    p.add_argument("--short-prompt", type=int, default=512,
+                   help="disaggregated fleets: prompts of at most this many tokens prefill on a decode worker")
+    p.add_argument("--migrate-above", type=float, default=0.85, help="migrate suite: a worker this full sheds requests")
+    p.add_argument("--migrate-below", type=float, default=0.7, help="migrate suite: to workers staying below this")
+    p.add_argument("--plot-tag", default="", help="the PNGs are named study-SUITE-TAG.png (e.g. w16)")
     # 256 groups: more system prompts than one worker's pool holds; each group's prompts: the trace's share.
     add_shared_prefix_args(p, num_groups=256, prompts_per_group=None)
     p.add_argument("--seed", type=int, default=0)
@@ -237,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"(choose from {', '.join(sorted(names))})")
     profile = load_profile(args.profile)
     factors = [float(x) for x in args.rate_factors.split(",")]
-    base = {"sharegpt": args.sharegpt_rate, "shared-prefix": args.shared_prefix_rate}
+    base = {"sharegpt": args.sharegpt_rate, "shared-prefix": args.shared_prefix_rate,
+            "prefill-heavy": args.prefill_heavy_rate * args.workers, "decode-heavy": args.decode_heavy_rate * args.workers,
+            "skewed": args.skewed_rate * args.workers}
     suites: dict[str, list[dict]] = {}
     report = {
         **header("study", "pagefleet bench study", note="simulated time: the machine's speed only sets how long it runs"),
@@ -256,14 +354,15 @@ def main(argv: list[str] | None = None) -> int:
                 c = dataclasses.replace(c, burstiness=args.burstiness)
             points: list[dict] = []
             curves.append({"name": c.name, "trace": c.trace, "policy": c.policy, "placement": c.placement,
-                           "burstiness": c.burstiness, "ideal": c.ideal, "points": points, "knee_rate": None})
+                           "burstiness": c.burstiness, "ideal": c.ideal, "prefill_fraction": c.prefill_fraction,
+                           "migrate": c.migrate, "points": points, "knee_rate": None})
             for f in factors:
                 pt = run_point(c, base[c.trace] * f, args, profile)
                 points.append(pt)
                 curves[-1]["knee_rate"] = knee(points, args.knee_attainment)
                 print(f"{name:9} {c.name:17} rate {pt['rate']:7.1f}/s: goodput {pt['goodput']:7.1f}/s "
                       f"({pt['attainment']:.0%}), TTFT p99 {pt['ttft_p99_s']:.2f}s, TPOT p99 "
-                      f"{pt['tpot_p99_ms']:.0f}ms [{pt['cpu_s']:.0f}s CPU]", flush=True)
+                      f"{pt['tpot_p99_ms']:.0f}ms, moves {pt['moves']['started']} [{pt['cpu_s']:.0f}s CPU]", flush=True)
                 # Written after every point: a long study stopped early keeps what it measured.
                 out.write_text(json.dumps(report, indent=2) + "\n")
     print(summary(report))
@@ -314,7 +413,8 @@ def plot(report: dict, folder: Path) -> list[Path]:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = folder / f"study-{suite}.png"
+        tag = cfg.get("plot_tag")
+        path = folder / (f"study-{suite}-{tag}.png" if tag else f"study-{suite}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
