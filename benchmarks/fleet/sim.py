@@ -301,8 +301,11 @@ class FleetSim:
                 o.num_tokens += len(d.token_ids)
             if d.finish_reason and d.request_id in w.prefill_only:
                 w.prefill_only.discard(d.request_id)
+                known = self.ledger.known.get(d.request_id)
+                if known is None:  # handed back meanwhile and finished elsewhere: nothing waits for it
+                    continue
                 if o.num_tokens < self._trace[d.request_id].max_tokens:  # prefilled: its KV waits here
-                    before = self.ledger.known[d.request_id].assign.output_token_ids  # resumed after these
+                    before = known.assign.output_token_ids  # resumed after these
                     self._hold_for_transfer(w, d.request_id, [*before, *d.token_ids])
                     self._at(done_at + self.cfg.hop_s, self._prefilled, d.request_id)
                     continue
