@@ -75,8 +75,17 @@ def migrate_midway(src, dst, transport, peer, params, *, after: int, rid: str, p
     return out.ids(), stats
 
 
+_UNDISTURBED: dict[str, list[int]] = {}
+
+
 def undisturbed(params, prompt=PROMPT) -> list[int]:
-    return _engine().generate([prompt], params)[0].token_ids
+    """The tokens of one run on an engine of its own, nothing moved (one engine for all)."""
+    key = repr((params, prompt))
+    if key not in _UNDISTURBED:
+        if "engine" not in _UNDISTURBED:
+            _UNDISTURBED["engine"] = _engine()
+        _UNDISTURBED[key] = _UNDISTURBED["engine"].generate([prompt], params)[0].token_ids
+    return _UNDISTURBED[key]
 
 
 # -- the mechanism ----------------------------------------------------------------------
@@ -155,12 +164,12 @@ def test_lease_expires_without_renewal_and_at_the_deadline():
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=40, temperature=0),
-    SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=1234),
+    SamplingParams(max_tokens=12, temperature=0),
+    SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234),
 ], ids=["greedy", "seeded"])
 def test_live_migration_tokens_identical_to_an_undisturbed_run(pair, params):
     src, dst, td, peer = pair
-    ids, stats = migrate_midway(src, dst, td, peer, params, after=5, rid=f"m-{params.seed}", final_stage_blocks=2)
+    ids, stats = migrate_midway(src, dst, td, peer, params, after=3, rid=f"m-{params.seed}", final_stage_blocks=2)
     assert ids == undisturbed(params)
     assert stats.num_stages == 2, "one stage while decoding, then the final one"
     assert stats.stage_blocks[0] == 3 and stats.num_bytes > 0
@@ -168,7 +177,7 @@ def test_live_migration_tokens_identical_to_an_undisturbed_run(pair, params):
 
 def test_stop_and_copy_is_one_frozen_stage(pair):
     src, dst, td, peer = pair
-    params = SamplingParams(max_tokens=30, temperature=0)
+    params = SamplingParams(max_tokens=12, temperature=0)
     ids, stats = migrate_midway(src, dst, td, peer, params, after=3, rid="sc", max_stages=0)
     assert ids == undisturbed(params)
     assert stats.num_stages == 1 and stats.stage_blocks == [4]
@@ -194,7 +203,7 @@ def test_mid_prefill_migration_continues_the_prompt_on_the_receiver(pair):
 
 def test_prefix_cached_at_the_receiver_is_not_read_again(pair):
     src, dst, td, peer = pair
-    params = SamplingParams(max_tokens=20, temperature=0)
+    params = SamplingParams(max_tokens=12, temperature=0)
     dst.generate([PROMPT[:48] + [7, 7]], SamplingParams(max_tokens=1))  # caches the prompt's 3 full blocks
     ids, stats = migrate_midway(src, dst, td, peer, params, after=2, rid="px", max_stages=0)
     assert ids == undisturbed(params)
@@ -203,7 +212,7 @@ def test_prefix_cached_at_the_receiver_is_not_read_again(pair):
 
 def test_failed_read_leaves_the_request_on_the_source_and_frees_the_receiver(pair):
     src, dst, td, peer = pair
-    params = SamplingParams(max_tokens=30, temperature=1.0, seed=5)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
     out = Collector("f")
     src.add_request(PROMPT, params, request_id="f")
     while len(out.tokens) < 4:
@@ -220,7 +229,7 @@ def test_failed_read_leaves_the_request_on_the_source_and_frees_the_receiver(pai
 
 def test_expired_lease_reclaims_both_sides(pair):
     src, dst, td, peer = pair
-    params = SamplingParams(max_tokens=20, temperature=0)
+    params = SamplingParams(max_tokens=12, temperature=0)
     out = Collector("e")
     src.add_request(PROMPT, params, request_id="e")
     out.take(src.step())
@@ -258,8 +267,116 @@ def test_nixl_live_migration_between_engines():
     hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
     ts.connect(hd)
     peer = td.connect(hs)
-    params = SamplingParams(max_tokens=40, temperature=0.8, seed=99)
-    ids, stats = migrate_midway(src, dst, td, peer, params, after=6, rid="nx", final_stage_blocks=2,
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=99)
+    ids, stats = migrate_midway(src, dst, td, peer, params, after=3, rid="nx", final_stage_blocks=2,
                                 progress=ts.progress)
     assert ids == undisturbed(params)
     assert stats.num_stages >= 2
+
+
+# -- across processes, over NIXL, under kill -9 -------------------------------------------
+
+
+@pytest.fixture
+def nixl_source():
+    from pagefleet.worker.kv_transfer import NixlTransport
+
+    engine = _engine()
+    transport = NixlTransport("tiny")
+    transport.register(engine.kv_cache)
+    return engine, transport
+
+
+def _connect_receiver(transport):
+    from kv_peer import RemoteReceiver, start_receiver
+
+    proc, conn, handle = start_receiver()
+    transport.connect(PoolHandle.from_dict(handle))
+    remote = RemoteReceiver(conn)
+    remote.call("connect", transport.handle().to_dict())
+    return proc, conn, remote
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0),
+    SamplingParams(max_tokens=12, temperature=0.9, seed=7),
+], ids=["greedy", "seeded"])
+def test_migration_to_another_process_over_nixl(nixl_source, params):
+    from kv_peer import wait_for
+
+    src, ts = nixl_source
+    proc, conn, remote = _connect_receiver(ts)
+    try:
+        out = Collector("x")
+        src.add_request(PROMPT, params, request_id="x")
+        while len(out.tokens) < 3:
+            out.take(src.step())
+        assert remote.call("begin", "x", PROMPT)
+        stats = LiveMigration(src, "x", remote, final_stage_blocks=2, progress=ts.progress).run(
+            lambda: out.take(src.step()))
+        assert stats.outcome == "migrated" and stats.num_stages >= 2
+        assert "x" not in src.requests
+        for i, t in wait_for(conn, "tokens").items():
+            assert out.tokens.setdefault(i, t) == t
+        assert out.ids() == undisturbed(params)
+        conn.send(("stop",))
+    finally:
+        proc.kill()
+
+
+def test_receiver_killed_mid_transfer_leaves_the_request_running_at_the_source(nixl_source):
+    import os
+    import signal
+
+    src, ts = nixl_source
+    proc, conn, remote = _connect_receiver(ts)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=11)
+    out = Collector("k")
+    src.add_request(PROMPT, params, request_id="k")
+    while len(out.tokens) < 3:
+        out.take(src.step())
+    assert remote.call("begin", "k", PROMPT)
+    mig = LiveMigration(src, "k", remote, final_stage_blocks=2, progress=ts.progress)
+    assert mig.advance() == "running" and mig.in_flight  # the first stage is being read
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    stats = mig.run(lambda: out.take(src.step()))
+    assert stats.outcome == "failed"
+    while out.finish is None:
+        out.take(src.step())
+    assert out.ids() == undisturbed(params), "exactly once, as undisturbed"
+
+
+def test_source_killed_mid_transfer_the_receiver_reclaims_and_the_request_resumes_from_its_tokens():
+    import os
+    import signal
+
+    from kv_peer import start_source
+    from pagefleet.worker.kv_transfer import NixlTransport
+
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=3)
+    proc, conn = start_source(PROMPT, params, after=4)
+    try:
+        assert conn.poll(120), "the source did not offer a stage"
+        _, handle, block_ids, emitted = conn.recv()
+        dst = _engine()
+        td = NixlTransport("tiny")
+        td.register(dst.kv_cache)
+        peer = td.connect(PoolHandle.from_dict(handle))
+        recv = MigrationReceiver(dst, td, peer, "s", PROMPT, lease=Lease.start(30, 0.5))
+        assert recv.read(0, block_ids) == len(block_ids)
+        os.kill(proc.pid, signal.SIGKILL)  # mid-transfer: the source never hands over
+        proc.join(10)
+        deadline = __import__("time").monotonic() + 10
+        while not recv.expire_if_due():
+            assert __import__("time").monotonic() < deadline, "the receiver's lease never expired"
+        assert recv.state == "expired" and dst.kv.num_free_blocks == dst.kv.num_blocks
+        # The scheduler resumes it from the tokens Redis holds: here, those the source emitted.
+        rid = dst.add_request(PROMPT, params, request_id="s", output_token_ids=emitted)
+        out = Collector(rid)
+        out.tokens.update(dict(enumerate(emitted)))
+        while out.finish is None:
+            out.take(dst.step())
+        assert out.ids() == undisturbed(params)
+    finally:
+        proc.kill()

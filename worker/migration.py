@@ -110,7 +110,7 @@ class MigrationReceiver:
         if request_id in engine.requests or request_id in engine.kv.block_tables:
             raise ValueError(f"request_id {request_id!r} is already on this engine")
         self.engine, self.transport, self.peer, self.request_id = engine, transport, peer, request_id
-        self.lease = lease or Lease.start()
+        self.lease = lease or Lease.start()  # renewed by every call of the source's
         self.transfers: list[Transfer] = []
         self.num_blocks = 0  # blocks of the table that hold (or are being read into) K/V
         self.num_cached_blocks = 0  # of those, found in the prefix cache: never read
@@ -172,6 +172,15 @@ class MigrationReceiver:
         req.num_computed_tokens = h.num_computed_tokens
         self.engine.import_request(req)
         self.state = "committed"
+        return True
+
+    def expire_if_due(self, now: float | None = None) -> bool:
+        """Abort (freeing every block) if the source fell silent past the lease or the
+        deadline passed; True if this call aborted. The owner's loop calls it."""
+        if self.state != "open" or not self.lease.expired(now):
+            return False
+        self.abort()
+        self.state = "expired"
         return True
 
     def abort(self) -> None:

@@ -10,6 +10,7 @@ SUITES = {
     "decode": "pagefleet.benchmarks.decode",
     "engine": "pagefleet.benchmarks.engine",
     "kernels": "pagefleet.benchmarks.kernels",
+    "migration": "pagefleet.benchmarks.migration",
     "preemption": "pagefleet.benchmarks.preemption",
     "scheduler": "pagefleet.benchmarks.fleet.scheduler",
     "reliability": "pagefleet.benchmarks.reliability",
