@@ -189,6 +189,46 @@ class DrainResponse(_message.Message):
     num_requests: int
     def __init__(self, num_requests: _Optional[int] = ...) -> None: ...
 
+class KvLayout(_message.Message):
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "layout")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class KvPoolInfo(_message.Message):
+    __slots__ = ("worker_id", "agent_name", "agent_metadata", "base_addr", "num_blocks", "layout", "hostname", "pid", "path")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    num_blocks: int
+    layout: KvLayout
+    hostname: str
+    pid: int
+    path: str
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
 class GetStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

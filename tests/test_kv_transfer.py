@@ -380,3 +380,37 @@ def test_source_killed_mid_transfer_the_receiver_reclaims_and_the_request_resume
         assert out.ids() == undisturbed(params)
     finally:
         proc.kill()
+
+
+# -- workers meet over gRPC (KvPeer) -------------------------------------------------------
+
+_LAYOUT_SHAPE = (4, 2, 8, 16, 4, 32)  # the tiny model's pool ([layers, 2, blocks, block_size, kv heads, dim]), 8 blocks
+
+
+def test_workers_meet_over_grpc_and_an_incompatible_pool_is_refused_up_front(tmp_path):
+    import grpc
+
+    from cluster_fixtures import start_cluster
+    from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
+    from pagefleet.worker.kv_transfer import handle_from_proto, handle_to_proto
+
+    c = start_cluster(tmp_path, num_workers=1, worker_args=["--num-blocks", "64", "--kv-transfer", "nixl"])
+    try:
+        (row,) = c.scheduler_state().workers
+        stub = cluster_pb2_grpc.WorkerStub(grpc.insecure_channel(row.address))
+        ours = NixlTransport("tiny")
+        h = ours.register(torch.zeros(_LAYOUT_SHAPE))
+        answer = stub.KvPeer(handle_to_proto(h, "test-peer"), timeout=30)
+        assert answer.worker_id == row.worker_id and answer.path == "cma"
+        theirs = handle_from_proto(answer)
+        assert theirs.num_blocks == 64 and theirs.layout == h.layout
+        ours.connect(theirs)
+
+        bad = NixlTransport("tiny")
+        hb = bad.register(torch.zeros(_LAYOUT_SHAPE[0], 2, 8, 32, *_LAYOUT_SHAPE[4:]))  # another block size
+        with pytest.raises(grpc.RpcError) as err:
+            stub.KvPeer(handle_to_proto(hb, "bad-peer"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "block_size: ours 16, peer's 32" in err.value.details()
+    finally:
+        c.stop()

@@ -112,6 +112,26 @@ class PoolHandle:
         return cls(**d)
 
 
+def handle_to_proto(h: PoolHandle, worker_id: str = "", path: str = ""):
+    """A ``pagefleet.v1.KvPoolInfo`` (what the ``KvPeer`` RPC carries)."""
+    from pagefleet.protos import cluster_pb2
+
+    return cluster_pb2.KvPoolInfo(worker_id=worker_id, agent_name=h.agent_name, agent_metadata=h.metadata,
+                                  base_addr=h.base_addr, num_blocks=h.num_blocks,
+                                  layout=cluster_pb2.KvLayout(**asdict(h.layout)), hostname=h.hostname,
+                                  pid=h.pid, path=path)
+
+
+def handle_from_proto(info) -> PoolHandle:
+    """The ``PoolHandle`` in a ``KvPoolInfo``; ``ValueError`` if a field is missing."""
+    if not info.agent_name or not info.num_blocks or not info.HasField("layout"):
+        raise ValueError("KvPoolInfo: agent_name, num_blocks and layout are required")
+    la = info.layout
+    layout = KVLayout(la.model, la.dtype, la.block_size, la.num_layers, la.num_kv_heads, la.head_dim, la.layout)
+    return PoolHandle(info.agent_name, info.agent_metadata, info.base_addr, info.num_blocks, layout,
+                      info.hostname, info.pid)
+
+
 def block_runs(remote_ids: list[int], local_ids: list[int]) -> list[tuple[int, int, int]]:
     """Maximal runs consecutive on both sides: ``(remote first, local first, length)``."""
     if len(remote_ids) != len(local_ids):
@@ -384,4 +404,4 @@ def make_transport(kind: str, model: str) -> KVTransport:
 
 
 __all__ = ["IncompatiblePeer", "KVLayout", "KVTransport", "LocalTransport", "NixlTransport", "PoolHandle",
-           "Transfer", "block_runs", "descriptors", "detect_path", "make_transport"]
+           "Transfer", "block_runs", "handle_from_proto", "handle_to_proto", "descriptors", "detect_path", "make_transport"]
