@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagefleet.common.blocks import num_blocks_for
 from pagefleet.protos import cluster_pb2
 
 from .placement import Placement, PlacementConfig, Placer
@@ -79,6 +80,19 @@ class Decision:
 
     claims: list[tuple[Pending, Placement]] = field(default_factory=list)
     victims: list[Placed] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """Move ``request_id``'s KV (``num_blocks`` device blocks) from ``source`` to ``target``,
+    live (``worker/migration.py``); report the end with ``Ledger.migrated``. ``reason``:
+    ``load`` (balance) or ``preempt`` (instead of a swap-out)."""
+
+    request_id: str
+    source: str
+    target: str
+    num_blocks: int
+    reason: str = "load"
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +299,62 @@ class Ledger:
         placed there, and is not chosen again before the cooldown."""
         victim.preempted_at = self.clock()
         self.num_preemptions += 1
+
+    # -- migration (KV moved between workers; the caller runs it) ----------------------------------
+    def plan_migrations(self, *, high: float = 0.9, low: float = 0.5, max_moves: int = 1) -> list[Migration]:
+        """Load balance: for each ready worker whose pool is more than ``high`` used while
+        another is less than ``low`` used, move the request there that holds the fewest device
+        blocks (the cheapest to copy) and frees enough to matter; at most ``max_moves``.
+        Changes nothing: the caller runs each and reports it with ``migrated``."""
+        if not 0 <= low < high <= 1 or max_moves < 1:
+            raise ValueError(f"need 0 <= low < high <= 1 and max_moves >= 1, got {low}, {high}, {max_moves}")
+        ready = [w for w in self.workers.values() if w.ready]
+        used = {w.worker_id: 1 - w.num_available_blocks / w.pool_size for w in ready}
+        plans: list[Migration] = []
+        for src in sorted(ready, key=lambda w: -used[w.worker_id]):
+            if used[src.worker_id] <= high or len(plans) == max_moves:
+                break
+            movable = sorted((n, rid) for rid, n in src.held.items()
+                             if n and rid in src.placed and not src.placed[rid].finished)
+            for n, rid in movable:
+                target = self.migration_target(rid, n, exclude=src.worker_id, below=low, used=used)
+                if target is not None:
+                    plans.append(Migration(rid, src.worker_id, target.worker_id, n))
+                    break
+        return plans
+
+    def migration_target(self, rid: str, num_blocks: int, *, exclude: str, below: float = 1.0,
+                         used: dict[str, float] | None = None) -> WorkerEntry | None:
+        """The ready worker other than ``exclude`` with the most room that can hold ``rid``'s
+        ``num_blocks`` blocks plus its headroom and is less than ``below`` used; None if none.
+        Preemption asks it first (``reason="preempt"``): a victim another worker can hold
+        moves there with its KV instead of being swapped out or recomputed."""
+        p = self.known.get(rid)
+        if p is None:
+            return None
+        headroom = min(p.num_remaining_tokens, self.cfg.headroom_tokens)
+        best = None
+        for w in self.workers.values():
+            if w.worker_id == exclude or not w.ready:
+                continue
+            u = used[w.worker_id] if used is not None else 1 - w.num_available_blocks / w.pool_size
+            need = num_blocks + num_blocks_for(headroom, w.block_size)
+            if u < below and w.has_room(p.num_tokens + p.num_remaining_tokens, need) and (
+                    best is None or w.spare > best.spare):
+                best = w
+        return best
+
+    def migrated(self, m: Migration, ok: bool) -> None:
+        """``m`` ended: moved (``ok``: the request is placed on the target now), or not (it
+        stays on the source, untouched). No-op if the request is no longer on the source."""
+        if not ok or self.where.get(m.request_id) != m.source or m.target not in self.workers:
+            return
+        src, dst = self.workers[m.source], self.workers[m.target]
+        pl = src.unplace(m.request_id)
+        self.index.release(m.request_id)
+        dst.place(pl.pending, self.cfg.headroom_tokens, now=self.clock())
+        self._hold(dst, pl.pending)
+        self.where[m.request_id] = m.target
 
     # -- workers ---------------------------------------------------------------------------------
     def add_worker(self, w: WorkerEntry) -> None:

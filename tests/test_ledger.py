@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pagefleet.common.blocks import block_hashes
 from pagefleet.protos import cluster_pb2, generation_pb2
-from pagefleet.scheduler.ledger import ROUND, Decision, Ledger, LedgerConfig
+from pagefleet.scheduler.ledger import ROUND, Decision, Ledger, LedgerConfig, Migration
 from pagefleet.scheduler.prefix_index import Match
 from pagefleet.scheduler.workers import WorkerEntry
 
@@ -203,6 +203,51 @@ def test_a_takeover_adopts_what_workers_hold_and_withdraws_orphans_once_done():
     ledger.check_integrity()
     assert ledger.where == {"r": "a"} and ledger.workers["a"].placed["r"].reflected
     assert ledger.adopted() == [(ledger.workers["a"], ["zz"])] and not ledger.adopting
+
+
+def _loaded(ledger: Ledger, wid: str, held: dict[str, int], free: int) -> None:
+    """``wid`` reports holding ``held`` (request -> device blocks) with ``free`` blocks free."""
+    ledger.on_report(ledger.workers[wid], report(wid, free=free, request_ids=list(held), blocks_per_request=held))
+
+
+def test_load_balance_moves_the_cheapest_request_from_a_full_worker_to_one_with_room():
+    ledger = ledger_with("a", "b", "c")
+    for i, n in enumerate((40, 10, 25)):
+        ledger.take(f"r{i}", f"e{i}", assign(f"r{i}", [7] * (n * BS - 8)))
+    ledger.workers["b"].accepting = ledger.workers["c"].accepting = False  # everything lands on a
+    place_all(ledger)
+    ledger.workers["b"].accepting = ledger.workers["c"].accepting = True
+    assert set(ledger.where.values()) == {"a"}
+    _loaded(ledger, "a", {"r0": 40, "r1": 10, "r2": 25}, free=10)  # 96 % used
+    _loaded(ledger, "b", {}, free=60)  # 77 % used: past `low`
+    _loaded(ledger, "c", {}, free=60)
+    assert ledger.plan_migrations(high=0.9, low=0.5) == []
+    _loaded(ledger, "c", {}, free=256)
+    (m,) = ledger.plan_migrations(high=0.9, low=0.5)
+    assert m == Migration("r1", "a", "c", 10)
+    assert ledger.where["r1"] == "a", "planning changes nothing"
+    ledger.migrated(m, ok=False)
+    assert ledger.where["r1"] == "a"
+    ledger.migrated(m, ok=True)
+    assert ledger.where["r1"] == "c" and "r1" in ledger.workers["c"].placed and "r1" not in ledger.workers["a"].placed
+    ledger.check_integrity()
+    ledger.migrated(m, ok=True)  # told twice: nothing more happens
+    ledger.check_integrity()
+
+
+def test_a_preemption_victim_moves_where_it_fits_and_nowhere_when_none_has_room():
+    ledger = ledger_with("a", "b")
+    ledger.take("v", "e", assign("v", [3] * (20 * BS)))
+    ledger.workers["b"].accepting = False
+    place_all(ledger)
+    ledger.workers["b"].accepting = True
+    _loaded(ledger, "b", {}, free=256)
+    assert ledger.migration_target("v", 21, exclude="a").worker_id == "b"
+    _loaded(ledger, "b", {}, free=10)
+    assert ledger.migration_target("v", 21, exclude="a") is None
+    assert ledger.migration_target("unknown", 1, exclude="a") is None
+    with __import__("pytest").raises(ValueError):
+        ledger.plan_migrations(high=0.5, low=0.9)
 
 
 def full_of_low_priority(clock: Clock | None = None, **cfg) -> Ledger:

@@ -333,6 +333,7 @@ class LiveMigration:
         while (state := self._poll()) == "PROC":
             if self.lease.expired():
                 return "ERR"
+            time.sleep(0.0005)  # leave the CPU to the reader (a tight loop of polls starves it)
         return state
 
     def _block_bytes(self) -> int:
