@@ -30,6 +30,11 @@ from pathlib import Path
 from .results import header, int_list
 
 
+# (deadline, lease) in seconds: a CPU decode step of this shape at 8k takes seconds here, and
+# neither side hears from the other during one.
+LEASE = (600.0, 60.0)
+
+
 class RemoteReceiver:
     """A ``MigrationReceiver`` in another process, over a pipe (``receiver_main``); a dead
     peer raises ``EOFError`` / ``ConnectionError``, which ``LiveMigration`` takes for gone."""
@@ -83,21 +88,22 @@ def receiver_main(conn, layout: dict, num_blocks: int, model: str) -> None:
     """The receiving process: one migration at a time, commands from the pipe, the
     transport's progress between them."""
     from pagefleet.worker.kv_transfer import NixlTransport, PoolHandle
-    from pagefleet.worker.migration import MigrationReceiver
+    from pagefleet.worker.migration import Lease, MigrationReceiver
 
     pool, transport = PoolOnly(layout, num_blocks), NixlTransport(model)
     conn.send(transport.register(pool.kv_cache).to_dict())
     recv, peer = None, None
     while True:
         transport.progress()
-        if not conn.poll(0.0005):
+        busy = recv is not None and recv.pump()  # reads in flight: no waiting on the pipe
+        if not conn.poll(0 if busy else 0.0005):
             continue
         cmd, *args = conn.recv()
         if cmd == "connect":
             peer = transport.connect(PoolHandle.from_dict(args[0]))
             conn.send((peer, transport.transport_to(peer)))
         elif cmd == "begin":
-            recv = MigrationReceiver(pool, transport, peer, args[0], args[1])
+            recv = MigrationReceiver(pool, transport, peer, args[0], args[1], lease=Lease.start(*LEASE))
             conn.send(True)
         elif cmd == "stop":
             return
@@ -136,7 +142,7 @@ def prefilled(engine, rid: str, num_tokens: int, params):
 
 def measure(engine, transport, remote, *, num_tokens: int, mode: str, final_stage_blocks: int) -> dict:
     from pagefleet import SamplingParams
-    from pagefleet.worker.migration import LiveMigration
+    from pagefleet.worker.migration import Lease, LiveMigration
 
     rid = f"{mode}-{num_tokens}"
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -154,7 +160,7 @@ def measure(engine, transport, remote, *, num_tokens: int, mode: str, final_stag
     max_stages = 0 if mode == "stop-and-copy" else 3
     t0 = time.perf_counter()
     stats = LiveMigration(engine, rid, remote, final_stage_blocks=final_stage_blocks, max_stages=max_stages,
-                          progress=transport.progress).run(step)
+                          progress=transport.progress, lease=Lease.start(*LEASE)).run(step)
     total = time.perf_counter() - t0
     if rid in engine.requests:
         engine.abort_request(rid)

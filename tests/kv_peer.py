@@ -33,12 +33,13 @@ def receiver_main(conn) -> None:
     recv, peer, tokens, rid = None, None, {}, None
     while True:
         transport.progress()
+        busy = recv is not None and recv.pump()
         if engine.has_unfinished_requests():
             for d in engine.step():
                 tokens.update({d.index + i: t for i, t in enumerate(d.token_ids)})
                 if d.finish_reason:
                     conn.send(("tokens", tokens))
-        if not conn.poll(0.001):
+        if not conn.poll(0 if busy else 0.001):
             continue
         cmd, *args = conn.recv()
         if cmd == "connect":

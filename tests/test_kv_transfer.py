@@ -27,14 +27,20 @@ def _engine(**kw) -> Engine:
     return Engine("tiny", device="cpu", block_size=16, **kw)
 
 
+def engines_met(kind):
+    """Two engines whose pools are registered with transports of ``kind`` that have met:
+    ``(src, dst, source transport, receiver transport, the source's name at the receiver)``."""
+    src, dst = _engine(), _engine()
+    ts, td = kind("tiny"), kind("tiny")
+    hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
+    ts.connect(hd)
+    return src, dst, ts, td, td.connect(hs)
+
+
 @pytest.fixture(scope="module")
 def pair():
     """Two engines whose pools are registered with local transports and connected."""
-    src, dst = _engine(), _engine()
-    ts, td = LocalTransport("tiny"), LocalTransport("tiny")
-    hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
-    ts.connect(hd)
-    peer = td.connect(hs)
+    src, dst, ts, td, peer = engines_met(LocalTransport)
     yield src, dst, td, peer
     ts.close()
     td.close()
@@ -262,11 +268,7 @@ def test_receiver_without_room_refuses_and_nothing_changes(pair):
 
 def test_nixl_live_migration_between_engines():
     """The same migration over NIXL (two agents, one process)."""
-    src, dst = _engine(), _engine()
-    ts, td = NixlTransport("tiny"), NixlTransport("tiny")
-    hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
-    ts.connect(hd)
-    peer = td.connect(hs)
+    src, dst, ts, td, peer = engines_met(NixlTransport)
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=99)
     ids, stats = migrate_midway(src, dst, td, peer, params, after=3, rid="nx", final_stage_blocks=2,
                                 progress=ts.progress)
@@ -388,15 +390,19 @@ _LAYOUT_SHAPE = (4, 2, 8, 16, 4, 32)  # the tiny model's pool ([layers, 2, block
 
 
 def test_workers_meet_over_grpc_and_an_incompatible_pool_is_refused_up_front(tmp_path):
+    """A worker with --kv-transfer nixl (and --role decode, which its reports carry) meets a
+    peer over KvPeer; a peer whose pool holds other blocks is refused before anything moves."""
     import grpc
 
     from cluster_fixtures import start_cluster
     from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
     from pagefleet.worker.kv_transfer import handle_from_proto, handle_to_proto
 
-    c = start_cluster(tmp_path, num_workers=1, worker_args=["--num-blocks", "64", "--kv-transfer", "nixl"])
+    c = start_cluster(tmp_path, num_workers=1, worker_args=["--num-blocks", "64", "--kv-transfer", "nixl",
+                                                             "--role", "decode"])
     try:
         (row,) = c.scheduler_state().workers
+        assert row.report.role == cluster_pb2.WORKER_ROLE_DECODE
         stub = cluster_pb2_grpc.WorkerStub(grpc.insecure_channel(row.address))
         ours = NixlTransport("tiny")
         h = ours.register(torch.zeros(_LAYOUT_SHAPE))

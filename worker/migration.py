@@ -150,6 +150,15 @@ class MigrationReceiver:
         self.lease.renew()
         return "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
 
+    def pump(self) -> bool:
+        """Move the reads in flight along; True while any is. Without a progress thread a
+        read advances only when its reader calls this (or ``poll``): call it in a tight
+        loop while it answers True, not once per step (that leaves a read at a few MB/s)."""
+        if self.state != "open":
+            return False
+        self.transport.progress()
+        return any(self.transport.poll(t) == "PROC" for t in self.transfers)
+
     def commit(self, h: Handover) -> bool:
         """Take the request over: True once it runs here. False (and aborted) when a read
         failed, a block is missing, or a final block's checksum differs from the source's."""

@@ -93,6 +93,9 @@ def build_parser() -> EnvArgumentParser:
                    help="auto: the checkpoint's weights; dummy: its shape with random weights (benchmarks)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let held requests finish on SIGTERM before handing them back")
+    p.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                   help="prefill/decode disaggregation: the role this worker declares in its registration "
+                        "and reports (the scheduler places by it; both: prefill and decode here)")
     p.add_argument("--kv-transfer", default="off", choices=("nixl", "off"),
                    help="nixl: register the KV pool with NIXL (UCX) at start and meet peers over the KvPeer "
                         "RPC (worker/kv_transfer.py); off: no KV transfer (--engine sim has none)")
@@ -276,7 +279,7 @@ class Worker:
             s, worker_id=self.worker_id, seq=self.report_seq, finished_request_ids=ids,
             max_num_seqs=self.args.max_num_seqs, max_model_len=self.engine.max_model_len,
             draining=self.draining, stored_block_hashes=stored, evicted_block_hashes=evicted,
-            block_hashes_reset=reset, holdings=holdings,
+            block_hashes_reset=reset, holdings=holdings, role=self.args.role,
         )
 
     def begin_drain(self, timeout_s: float | None = None) -> None:
@@ -310,7 +313,8 @@ class Worker:
             # ``beat`` changes every time: the scheduler times rows by when it last saw it change.
             self.beat += 1
             row = json.dumps({"address": self.address, "beat": self.beat, "pid": os.getpid(),
-                              "ts_ms": int(time.time() * 1000), "steps": self.writer.fencing.steps_key})
+                              "ts_ms": int(time.time() * 1000), "steps": self.writer.fencing.steps_key,
+                              "role": self.args.role})
             if not self.draining:
                 await retry(lambda r=row: self.redis.hset(self.keys.workers, self.worker_id, r), what="register")
             with contextlib.suppress(TimeoutError):
