@@ -21,6 +21,13 @@ class PreemptOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREEMPT_OUTCOME_KEPT: _ClassVar[PreemptOutcome]
     PREEMPT_OUTCOME_NOT_FOUND: _ClassVar[PreemptOutcome]
     PREEMPT_OUTCOME_REFUSED: _ClassVar[PreemptOutcome]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
 PREEMPT_MODE_UNSPECIFIED: PreemptMode
 PREEMPT_MODE_AUTO: PreemptMode
 PREEMPT_MODE_SWAP: PreemptMode
@@ -29,6 +36,10 @@ PREEMPT_OUTCOME_UNSPECIFIED: PreemptOutcome
 PREEMPT_OUTCOME_KEPT: PreemptOutcome
 PREEMPT_OUTCOME_NOT_FOUND: PreemptOutcome
 PREEMPT_OUTCOME_REFUSED: PreemptOutcome
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_BOTH: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
 
 class AssignRequest(_message.Message):
     __slots__ = ("request_id", "entry_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "traceparent", "deadline_unix_ms", "block_hashes", "hash_block_size", "epoch", "scheduler_epoch", "reply_to")
@@ -119,7 +130,7 @@ class OccupancyRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ..., deltas: _Optional[bool] = ...) -> None: ...
 
 class OccupancyReport(_message.Message):
-    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions", "stored_block_hashes", "evicted_block_hashes", "block_hashes_reset", "prefix_cache_queries_total", "prefix_cache_hits_total", "holdings_delta", "released_request_ids")
+    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions", "stored_block_hashes", "evicted_block_hashes", "block_hashes_reset", "prefix_cache_queries_total", "prefix_cache_hits_total", "holdings_delta", "released_request_ids", "role")
     class BlocksPerRequestEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +163,7 @@ class OccupancyReport(_message.Message):
     PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     HOLDINGS_DELTA_FIELD_NUMBER: _ClassVar[int]
     RELEASED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     num_blocks: int
@@ -177,7 +189,8 @@ class OccupancyReport(_message.Message):
     prefix_cache_hits_total: int
     holdings_delta: bool
     released_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[bytes]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hashes_reset: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., holdings_delta: _Optional[bool] = ..., released_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    role: WorkerRole
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[bytes]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hashes_reset: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., holdings_delta: _Optional[bool] = ..., released_request_ids: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)
@@ -190,6 +203,46 @@ class DrainResponse(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     def __init__(self, num_requests: _Optional[int] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "layout")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class KvPoolInfo(_message.Message):
+    __slots__ = ("worker_id", "agent_name", "agent_metadata", "base_addr", "num_blocks", "layout", "hostname", "pid", "path")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    num_blocks: int
+    layout: KvLayout
+    hostname: str
+    pid: int
+    path: str
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()

@@ -65,6 +65,11 @@ class WorkerStub:
                 request_serializer=cluster__pb2.DrainRequest.SerializeToString,
                 response_deserializer=cluster__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.KvPeer = channel.unary_unary(
+                '/pagefleet.v1.Worker/KvPeer',
+                request_serializer=cluster__pb2.KvPoolInfo.SerializeToString,
+                response_deserializer=cluster__pb2.KvPoolInfo.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -114,6 +119,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvPeer(self, request, context):
+        """Meet a peer worker for KV transfer (worker to worker): each side sends the handle of its
+        registered KV pool and gets the other's. Refused up front with FAILED_PRECONDITION,
+        naming every field that differs, when the two pools' layouts differ (model, dtype, block
+        size, shape); UNAVAILABLE when this worker runs without KV transfer (--kv-transfer off).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +161,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=cluster__pb2.DrainRequest.FromString,
                     response_serializer=cluster__pb2.DrainResponse.SerializeToString,
+            ),
+            'KvPeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvPeer,
+                    request_deserializer=cluster__pb2.KvPoolInfo.FromString,
+                    response_serializer=cluster__pb2.KvPoolInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +331,33 @@ class Worker:
             '/pagefleet.v1.Worker/Drain',
             cluster__pb2.DrainRequest.SerializeToString,
             cluster__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvPeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.Worker/KvPeer',
+            cluster__pb2.KvPoolInfo.SerializeToString,
+            cluster__pb2.KvPoolInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -329,6 +329,22 @@ class ContinuousScheduler(BatchScheduler):
         self._preempt(req, self._pending, mode)
         return True
 
+    def detach(self, req: Request) -> bool:
+        """Take a running request out of the queues, keeping its blocks (a migration's final
+        stage: nothing may write them while they are read). False if it is not running."""
+        if req not in self.running:
+            return False
+        self.running.remove(req)
+        return True
+
+    def attach(self, req: Request) -> None:
+        """Run ``req``, whose table holds its ``num_computed_tokens`` (detached, or moved in)."""
+        req.status = RequestStatus.RUNNING
+        self._admit_counter += 1
+        req.admit_seq = self._admit_counter
+        req.resumed_at_step = self.num_steps_total
+        self.running.append(req)
+
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` for everything the step ran; cache the blocks it filled."""
         pairs = zip(out.requests, out.num_scheduled_tokens, strict=True)

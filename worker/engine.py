@@ -258,6 +258,46 @@ class Engine:
             return False
         return self.scheduler.preempt(req, None if mode == "auto" else mode)
 
+    # -- moving requests between engines (migration.py runs the stages) --------------------
+    @property
+    def kv_cache(self):
+        """The device pool's tensor, ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self.executor.kv_cache
+
+    def freeze_request(self, request_id: str) -> Request | None:
+        """Stop running a request, keeping its blocks and place here (a migration's last
+        stage); the request, or None if it is not running (waiting, swapped, unknown)."""
+        req = self.requests.get(request_id)
+        if req is None or not hasattr(self.scheduler, "detach") or not self.scheduler.detach(req):
+            return None
+        return req
+
+    def thaw_request(self, request_id: str) -> None:
+        """Run a frozen request again (its migration gave up)."""
+        self.scheduler.attach(self.requests[request_id])
+
+    def release_request(self, request_id: str) -> bool:
+        """Forget a request that lives on elsewhere now, freeing its blocks; False if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        return True
+
+    def import_request(self, req: Request) -> None:
+        """Run ``req`` (made by ``_make_request``), whose block table in ``self.kv`` already
+        holds its ``num_computed_tokens`` tokens' K/V (moved in from another engine)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        table = self.kv.block_tables.get(req.request_id, [])
+        if len(table) < self.kv.num_blocks_for(req.num_computed_tokens):
+            raise ValueError(f"{req.request_id!r}: its table holds {len(table)} blocks, short of "
+                             f"{req.num_computed_tokens} computed tokens")
+        self.requests[req.request_id] = req
+        if self.kv.enable_caching:
+            self.kv.cache_blocks(req)
+        self.scheduler.attach(req)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

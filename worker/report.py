@@ -7,6 +7,11 @@ from pagefleet.protos import cluster_pb2
 from .outputs import EngineStats
 
 
+# pagefleet worker --role, as the report carries it.
+ROLES = {"both": cluster_pb2.WORKER_ROLE_BOTH, "prefill": cluster_pb2.WORKER_ROLE_PREFILL,
+         "decode": cluster_pb2.WORKER_ROLE_DECODE}
+
+
 def occupancy_report(
     stats: EngineStats,
     *,
@@ -20,6 +25,7 @@ def occupancy_report(
     evicted_block_hashes: list[bytes] = (),
     block_hashes_reset: bool = False,
     holdings: Holdings | None = None,
+    role: str = "both",
 ) -> cluster_pb2.OccupancyReport:
     """``stats`` and what this stream has not reported yet: the requests finished and the
     prefix cache's keys stored and evicted since its previous report (see ``kv_events``).
@@ -28,6 +34,7 @@ def occupancy_report(
         "request_ids": stats.request_ids, "blocks_per_request": stats.blocks_per_request}
     return cluster_pb2.OccupancyReport(
         worker_id=worker_id,
+        role=ROLES[role],
         seq=seq,
         num_blocks=stats.num_blocks,
         num_free_blocks=stats.num_free_blocks,

@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 
 import grpc
 import structlog
@@ -102,6 +103,12 @@ def build_parser() -> EnvArgumentParser:
                    help="auto: the checkpoint's weights; dummy: its shape with random weights (benchmarks)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let held requests finish on SIGTERM before handing them back")
+    p.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                   help="prefill/decode disaggregation: the role this worker declares in its registration "
+                        "and reports (the scheduler places by it; both: prefill and decode here)")
+    p.add_argument("--kv-transfer", default="off", choices=("nixl", "off"),
+                   help="nixl: register the KV pool with NIXL (UCX) at start and meet peers over the KvPeer "
+                        "RPC (worker/kv_transfer.py); off: no KV transfer (--engine sim has none)")
     p.add_argument("--engine", default="model", choices=("model", "sim"),
                    help="model: run --model; sim: simulate it (no model: step times from --sim-profile, "
                         "tokens from the seed and position; --model gives only the tokenizer)")
@@ -176,6 +183,22 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             self.w.loop.unsubscribe(finished)
             self.w.loop.kv_events.unsubscribe(kv_events)
 
+    async def KvPeer(self, request, context):
+        t = self.w.kv_transport
+        if t is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker runs without KV transfer (--kv-transfer off)")
+        from .kv_transfer import handle_from_proto, handle_to_proto  # torch: not for --engine sim
+
+        try:
+            peer = t.connect(handle_from_proto(request))
+        except ValueError as e:  # IncompatiblePeer included: refused before any request moves
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        path = t.transport_to(peer)
+        self.w.metrics.kv_transfer_peers.labels(path=path).set(
+            sum(t.transport_to(p) == path for p in t.peers))
+        log.info("kv_transfer.peer", peer=request.worker_id, agent=peer, path=path)
+        return handle_to_proto(t.handle(), self.w.worker_id, path)
+
     async def Drain(self, request, context):
         n = self.w.loop.num_requests
         self.w.begin_drain(request.timeout_s or None)
@@ -216,6 +239,42 @@ class Worker:
         self.stopped = asyncio.Event()
         self.drain_timeout = args.drain_timeout
         self.address = ""
+        self.kv_transport = None  # with --kv-transfer nixl: the pool registered (start_kv_transfer)
+
+    def start_kv_transfer(self) -> None:
+        """Register the KV pool with NIXL (once, at start); peers meet it over ``KvPeer``."""
+        if self.args.kv_transfer == "off":
+            return
+        if self.args.engine == "sim":
+            raise SystemExit("--kv-transfer nixl needs --engine model (a simulated engine has no KV pool)")
+        from .kv_transfer import NixlTransport
+
+        self.kv_transport = NixlTransport(self.args.model, agent_name=f"{self.worker_id}-{uuid.uuid4().hex[:6]}")
+        self.kv_transport.register(self.engine.kv_cache)
+
+    async def progress_kv_transfer(self) -> None:
+        """NIXL without its progress thread (it spins a core): progress it from this loop."""
+        while not self.stopped.is_set():
+            if self.kv_transport.peers:
+                self.kv_transport.progress()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), 0.005)
+
+    async def meet(self, address: str, channel=None) -> str:
+        """Meet the worker at ``address`` for KV transfer (both sides connect); the path
+        this worker's reads from it take. Raises ``grpc.RpcError`` (FAILED_PRECONDITION:
+        the layouts differ) and changes nothing on refusal."""
+        from .kv_transfer import handle_from_proto, handle_to_proto
+
+        ch = channel or grpc.aio.insecure_channel(address)
+        try:
+            stub = cluster_pb2_grpc.WorkerStub(ch)
+            answer = await stub.KvPeer(handle_to_proto(self.kv_transport.handle(), self.worker_id))
+            peer = self.kv_transport.connect(handle_from_proto(answer))
+            return self.kv_transport.transport_to(peer)
+        finally:
+            if channel is None:
+                await ch.close()
 
     def report(self, finished: collections.deque[str], kv_events: KVEventStream,
                holdings: Holdings | None = None) -> cluster_pb2.OccupancyReport:
@@ -230,7 +289,7 @@ class Worker:
             s, worker_id=self.worker_id, seq=self.report_seq, finished_request_ids=ids,
             max_num_seqs=self.args.max_num_seqs, max_model_len=self.engine.max_model_len,
             draining=self.draining, stored_block_hashes=stored, evicted_block_hashes=evicted,
-            block_hashes_reset=reset, holdings=holdings,
+            block_hashes_reset=reset, holdings=holdings, role=self.args.role,
         )
 
     def begin_drain(self, timeout_s: float | None = None) -> None:
@@ -264,7 +323,8 @@ class Worker:
             # ``beat`` changes every time: the scheduler times rows by when it last saw it change.
             self.beat += 1
             row = json.dumps({"address": self.address, "beat": self.beat, "pid": os.getpid(),
-                              "ts_ms": int(time.time() * 1000), "steps": self.writer.fencing.steps_key})
+                              "ts_ms": int(time.time() * 1000), "steps": self.writer.fencing.steps_key,
+                              "role": self.args.role})
             if not self.draining:
                 await retry(lambda r=row: self.redis.hset(self.keys.workers, self.worker_id, r), what="register")
             with contextlib.suppress(TimeoutError):
@@ -331,10 +391,12 @@ async def run_worker(w: Worker, args, port: int, health_port: int | None = None)
     structlog.contextvars.bind_contextvars(worker_id=w.worker_id)  # this task and those it starts
     await server.start()
     health_server = await start_health_port(health, args.host, health_port)
+    w.start_kv_transfer()
     w.loop.start()
     await w.writer.fencing.publish_stream()  # before any write: the scheduler must find it to fence it
     writer_task = asyncio.create_task(w.writer.run())
     register_task = asyncio.create_task(w.register())
+    kv_task = asyncio.create_task(w.progress_kv_transfer()) if w.kv_transport is not None else None
     await set_serving(health, names, True)
     log.info("worker.ready", address=w.address, model=args.model, num_blocks=engine.kv.num_blocks,
              block_size=engine.block_size, device=str(engine.device),
@@ -346,8 +408,9 @@ async def run_worker(w: Worker, args, port: int, health_port: int | None = None)
         await health_server.stop(grace=0)
     await server.stop(grace=0.5)
     w.loop.stop()
-    for t in (writer_task, register_task):
-        t.cancel()
+    for t in (writer_task, register_task, kv_task):
+        if t is not None:
+            t.cancel()
     log.info("worker.stopped")
 
 

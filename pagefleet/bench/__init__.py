@@ -11,6 +11,7 @@ SUITES = {
     "engine": "pagefleet.benchmarks.engine",
     "host-path": "pagefleet.benchmarks.host_path",
     "kernels": "pagefleet.benchmarks.kernels",
+    "migration": "pagefleet.benchmarks.migration",
     "preemption": "pagefleet.benchmarks.preemption",
     "scheduler": "pagefleet.benchmarks.fleet.scheduler",
     "reliability": "pagefleet.benchmarks.reliability",

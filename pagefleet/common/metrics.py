@@ -136,6 +136,12 @@ class WorkerMetrics:
         self.prefix_cache_hits = Counter(
             "pagefleet:prefix_cache_hits", "Tokens looked up in the prefix cache and found cached.", registry=r
         )
+        self.kv_transfer_peers = Gauge(
+            "pagefleet:kv_transfer_peers",
+            "Peers met for KV transfer, by the path this worker's reads from them take "
+            "(cma: one copy between processes; tcp: ptrace rules forbid cma, 5-15x slower; network).",
+            ["path"], registry=r,
+        )
         self.ttft = Histogram(
             "pagefleet:time_to_first_token_seconds", "From arrival at the worker to the first token.",
             buckets=LATENCY_BUCKETS, registry=r,

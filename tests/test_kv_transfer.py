@@ -1,0 +1,422 @@
+"""KV transfer between engines: the transport (NIXL, and the in-process stand-in), the
+pairing check, and live migration on the real CPU engine (tiny model): tokens identical
+to an undisturbed run, greedy and seeded, whatever the stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagefleet import Engine, SamplingParams
+from pagefleet.worker.kv_transfer import (
+    IncompatiblePeer,
+    KVLayout,
+    LocalTransport,
+    NixlTransport,
+    PoolHandle,
+    block_runs,
+    detect_path,
+)
+from pagefleet.worker.migration import Lease, LiveMigration, MigrationReceiver
+
+PROMPT = list(range(30, 30 + 53))  # 53 tokens: 3 full blocks of 16 and a partial one
+
+
+def _engine(**kw) -> Engine:
+    kw.setdefault("num_blocks", 64)
+    return Engine("tiny", device="cpu", block_size=16, **kw)
+
+
+def engines_met(kind):
+    """Two engines whose pools are registered with transports of ``kind`` that have met:
+    ``(src, dst, source transport, receiver transport, the source's name at the receiver)``."""
+    src, dst = _engine(), _engine()
+    ts, td = kind("tiny"), kind("tiny")
+    hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
+    ts.connect(hd)
+    return src, dst, ts, td, td.connect(hs)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two engines whose pools are registered with local transports and connected."""
+    src, dst, ts, td, peer = engines_met(LocalTransport)
+    yield src, dst, td, peer
+    ts.close()
+    td.close()
+
+
+class Collector:
+    """A request's output tokens placed by delta index (each exactly once)."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid, self.tokens, self.finish = rid, {}, None
+
+    def take(self, deltas) -> None:
+        for d in deltas:
+            if d.request_id != self.rid:
+                continue
+            for i, t in enumerate(d.token_ids):
+                assert self.tokens.setdefault(d.index + i, t) == t, "a token index came twice, different"
+            self.finish = d.finish_reason or self.finish
+
+    def ids(self) -> list[int]:
+        assert sorted(self.tokens) == list(range(len(self.tokens))), "a gap in the output"
+        return [self.tokens[i] for i in range(len(self.tokens))]
+
+
+def migrate_midway(src, dst, transport, peer, params, *, after: int, rid: str, prompt=PROMPT, **kw):
+    """Run ``rid`` on ``src`` for ``after`` tokens, migrate it live to ``dst`` (``src``
+    keeps stepping during the stages), finish it there; its tokens and the migration's stats."""
+    out = Collector(rid)
+    src.add_request(prompt, params, request_id=rid)
+    while len(out.tokens) < after:
+        out.take(src.step())
+    recv = MigrationReceiver(dst, transport, peer, rid, list(prompt))
+    stats = LiveMigration(src, rid, recv, **kw).run(lambda: out.take(src.step()))
+    assert stats.outcome == "migrated", stats
+    assert rid not in src.requests and rid not in src.kv.block_tables
+    while out.finish is None:
+        out.take(dst.step())
+    return out.ids(), stats
+
+
+_UNDISTURBED: dict[str, list[int]] = {}
+
+
+def undisturbed(params, prompt=PROMPT) -> list[int]:
+    """The tokens of one run on an engine of its own, nothing moved (one engine for all)."""
+    key = repr((params, prompt))
+    if key not in _UNDISTURBED:
+        if "engine" not in _UNDISTURBED:
+            _UNDISTURBED["engine"] = _engine()
+        _UNDISTURBED[key] = _UNDISTURBED["engine"].generate([prompt], params)[0].token_ids
+    return _UNDISTURBED[key]
+
+
+# -- the mechanism ----------------------------------------------------------------------
+
+
+def test_block_runs_join_blocks_consecutive_on_both_sides():
+    assert block_runs([4, 5, 6, 9], [0, 1, 7, 8]) == [(4, 0, 2), (6, 7, 1), (9, 8, 1)]
+    assert block_runs([], []) == []
+    with pytest.raises(ValueError):
+        block_runs([1], [])
+
+
+def test_pairing_is_refused_up_front_naming_what_differs():
+    a = KVLayout("tiny", "float32", 16, 2, 2, 32)
+    a.check_compatible(KVLayout("tiny", "float32", 16, 2, 2, 32))
+    with pytest.raises(IncompatiblePeer, match=r"block_size: ours 16, peer's 32.*dtype|dtype.*block_size"):
+        a.check_compatible(KVLayout("tiny", "bfloat16", 32, 2, 2, 32))
+    t1, t2 = LocalTransport("tiny"), LocalTransport("tiny")
+    try:
+        t1.register(torch.zeros(2, 2, 8, 16, 2, 32))
+        h2 = t2.register(torch.zeros(2, 2, 8, 32, 2, 32))  # another block size
+        with pytest.raises(IncompatiblePeer, match="block_size"):
+            t1.connect(h2)
+        assert not t1.peers
+        with pytest.raises(KeyError, match="connect it first"):
+            t1.read(h2.agent_name, [0], [0])
+    finally:
+        t1.close()
+        t2.close()
+
+
+def test_pool_handle_round_trips_through_a_dict():
+    h = PoolHandle("a", b"\x00\x01", 1234, 8, KVLayout("tiny", "float32", 16, 2, 2, 32), "host", 7)
+    assert PoolHandle.from_dict(h.to_dict()) == h
+
+
+def test_nixl_reads_blocks_between_two_agents():
+    """Two NIXL agents (UCX) in one process: scattered blocks of every layer land exactly."""
+    src = torch.randn(3, 2, 20, 4, 2, 8)
+    dst = torch.zeros_like(src)
+    a, b = NixlTransport("tiny"), NixlTransport("tiny")
+    ha = a.register(src)
+    b.register(dst)
+    peer = b.connect(ha)
+    assert b.transport_to(peer) == "cma"  # same process: nothing stops a direct read
+    t = b.read(peer, [3, 4, 5, 17, 2], [10, 11, 12, 0, 19])
+    while b.poll(t) == "PROC":  # both agents live on this thread: progress the one read from too
+        a.progress()
+    assert t.state == "DONE"
+    assert torch.equal(dst[:, :, [10, 11, 12, 0, 19]], src[:, :, [3, 4, 5, 17, 2]])
+    assert dst[:, :, 1:10].abs().sum() == 0, "only the blocks asked for are written"
+    assert b.num_bytes_read_total == 5 * 3 * 2 * 4 * 2 * 8 * 4
+
+
+def test_detect_path_says_tcp_when_the_peer_cannot_be_read():
+    h = PoolHandle("x", b"", 0x10, 1, KVLayout("tiny", "float32", 16, 1, 1, 1), "", 1)
+    assert detect_path(h) == "network"  # another host
+    import socket
+
+    h = PoolHandle("x", b"", 0x10, 1, KVLayout("tiny", "float32", 16, 1, 1, 1), socket.gethostname(), 2**22 + 7)
+    assert detect_path(h) == "tcp"  # no such process: process_vm_readv fails
+
+
+def test_lease_expires_without_renewal_and_at_the_deadline():
+    lease = Lease.start(deadline_s=10, lease_s=1, now=0)
+    assert not lease.expired(0.5)
+    assert lease.expired(1.0)
+    lease.renew(0.9)
+    assert not lease.expired(1.5)
+    assert lease.expired(10.0)
+    with pytest.raises(ValueError):
+        Lease.start(deadline_s=0)
+
+
+# -- live migration on the real engine ---------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0),
+    SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234),
+], ids=["greedy", "seeded"])
+def test_live_migration_tokens_identical_to_an_undisturbed_run(pair, params):
+    src, dst, td, peer = pair
+    ids, stats = migrate_midway(src, dst, td, peer, params, after=3, rid=f"m-{params.seed}", final_stage_blocks=2)
+    assert ids == undisturbed(params)
+    assert stats.num_stages == 2, "one stage while decoding, then the final one"
+    assert stats.stage_blocks[0] == 3 and stats.num_bytes > 0
+
+
+def test_stop_and_copy_is_one_frozen_stage(pair):
+    src, dst, td, peer = pair
+    params = SamplingParams(max_tokens=12, temperature=0)
+    ids, stats = migrate_midway(src, dst, td, peer, params, after=3, rid="sc", max_stages=0)
+    assert ids == undisturbed(params)
+    assert stats.num_stages == 1 and stats.stage_blocks == [4]
+
+
+def test_mid_prefill_migration_continues_the_prompt_on_the_receiver(pair):
+    src, dst, td, peer = pair
+    src.scheduler.max_num_batched_tokens = 16  # the prompt prefills in chunks of 16
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0)
+        out = Collector("pf")
+        src.add_request(PROMPT, params, request_id="pf")
+        out.take(src.step())  # one chunk computed
+        recv = MigrationReceiver(dst, td, peer, "pf", PROMPT)
+        stats = LiveMigration(src, "pf", recv, max_stages=0).run(lambda: out.take(src.step()))
+        assert stats.outcome == "migrated"
+        while out.finish is None:
+            out.take(dst.step())
+    finally:
+        src.scheduler.max_num_batched_tokens = 2048
+    assert out.ids() == undisturbed(params)
+
+
+def test_prefix_cached_at_the_receiver_is_not_read_again(pair):
+    src, dst, td, peer = pair
+    params = SamplingParams(max_tokens=12, temperature=0)
+    dst.generate([PROMPT[:48] + [7, 7]], SamplingParams(max_tokens=1))  # caches the prompt's 3 full blocks
+    ids, stats = migrate_midway(src, dst, td, peer, params, after=2, rid="px", max_stages=0)
+    assert ids == undisturbed(params)
+    assert stats.num_blocks_read == 1, "only the partly filled last block travels"
+
+
+def test_failed_read_leaves_the_request_on_the_source_and_frees_the_receiver(pair):
+    src, dst, td, peer = pair
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    out = Collector("f")
+    src.add_request(PROMPT, params, request_id="f")
+    while len(out.tokens) < 4:
+        out.take(src.step())
+    td.fail_next = 1
+    recv = MigrationReceiver(dst, td, peer, "f", PROMPT)
+    stats = LiveMigration(src, "f", recv, final_stage_blocks=2).run(lambda: out.take(src.step()))
+    assert stats.outcome == "failed"
+    assert "f" not in dst.kv.block_tables and dst.kv.num_free_blocks == dst.kv.num_blocks
+    while out.finish is None:
+        out.take(src.step())
+    assert out.ids() == undisturbed(params)
+
+
+def test_expired_lease_reclaims_both_sides(pair):
+    src, dst, td, peer = pair
+    params = SamplingParams(max_tokens=12, temperature=0)
+    out = Collector("e")
+    src.add_request(PROMPT, params, request_id="e")
+    out.take(src.step())
+    recv = MigrationReceiver(dst, td, peer, "e", PROMPT)
+    lease = Lease.start(deadline_s=60, lease_s=1e-9)
+    stats = LiveMigration(src, "e", recv, lease=lease).run(lambda: out.take(src.step()))
+    assert stats.outcome == "expired"
+    assert recv.state == "aborted" and "e" not in dst.kv.block_tables
+    while out.finish is None:
+        out.take(src.step())
+    assert out.ids() == undisturbed(params)
+
+
+def test_receiver_without_room_refuses_and_nothing_changes(pair):
+    src, _, _, _ = pair
+    small = _engine(num_blocks=4)
+    t = LocalTransport("tiny")
+    try:
+        t.register(small.kv_cache)
+        ts = LocalTransport("tiny")
+        peer = t.connect(ts.register(torch.zeros_like(src.kv_cache)))
+        recv = MigrationReceiver(small, t, peer, "big", PROMPT)
+        assert recv.read(0, list(range(5))) is None
+        assert small.kv.num_free_blocks == 4
+        recv.abort()
+        ts.close()
+    finally:
+        t.close()
+
+
+def test_nixl_live_migration_between_engines():
+    """The same migration over NIXL (two agents, one process)."""
+    src, dst, ts, td, peer = engines_met(NixlTransport)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=99)
+    ids, stats = migrate_midway(src, dst, td, peer, params, after=3, rid="nx", final_stage_blocks=2,
+                                progress=ts.progress)
+    assert ids == undisturbed(params)
+    assert stats.num_stages >= 2
+
+
+# -- across processes, over NIXL, under kill -9 -------------------------------------------
+
+
+@pytest.fixture
+def nixl_source():
+    from pagefleet.worker.kv_transfer import NixlTransport
+
+    engine = _engine()
+    transport = NixlTransport("tiny")
+    transport.register(engine.kv_cache)
+    return engine, transport
+
+
+def _connect_receiver(transport):
+    from kv_peer import RemoteReceiver, start_receiver
+
+    proc, conn, handle = start_receiver()
+    transport.connect(PoolHandle.from_dict(handle))
+    remote = RemoteReceiver(conn)
+    remote.call("connect", transport.handle().to_dict())
+    return proc, conn, remote
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0),
+    SamplingParams(max_tokens=12, temperature=0.9, seed=7),
+], ids=["greedy", "seeded"])
+def test_migration_to_another_process_over_nixl(nixl_source, params):
+    from kv_peer import wait_for
+
+    src, ts = nixl_source
+    proc, conn, remote = _connect_receiver(ts)
+    try:
+        out = Collector("x")
+        src.add_request(PROMPT, params, request_id="x")
+        while len(out.tokens) < 3:
+            out.take(src.step())
+        assert remote.call("begin", "x", PROMPT)
+        stats = LiveMigration(src, "x", remote, final_stage_blocks=2, progress=ts.progress).run(
+            lambda: out.take(src.step()))
+        assert stats.outcome == "migrated" and stats.num_stages >= 2
+        assert "x" not in src.requests
+        for i, t in wait_for(conn, "tokens").items():
+            assert out.tokens.setdefault(i, t) == t
+        assert out.ids() == undisturbed(params)
+        conn.send(("stop",))
+    finally:
+        proc.kill()
+
+
+def test_receiver_killed_mid_transfer_leaves_the_request_running_at_the_source(nixl_source):
+    import os
+    import signal
+
+    src, ts = nixl_source
+    proc, conn, remote = _connect_receiver(ts)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=11)
+    out = Collector("k")
+    src.add_request(PROMPT, params, request_id="k")
+    while len(out.tokens) < 3:
+        out.take(src.step())
+    assert remote.call("begin", "k", PROMPT)
+    mig = LiveMigration(src, "k", remote, final_stage_blocks=2, progress=ts.progress)
+    assert mig.advance() == "running" and mig.in_flight  # the first stage is being read
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    stats = mig.run(lambda: out.take(src.step()))
+    assert stats.outcome == "failed"
+    while out.finish is None:
+        out.take(src.step())
+    assert out.ids() == undisturbed(params), "exactly once, as undisturbed"
+
+
+def test_source_killed_mid_transfer_the_receiver_reclaims_and_the_request_resumes_from_its_tokens():
+    import os
+    import signal
+
+    from kv_peer import start_source
+    from pagefleet.worker.kv_transfer import NixlTransport
+
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=3)
+    proc, conn = start_source(PROMPT, params, after=4)
+    try:
+        assert conn.poll(120), "the source did not offer a stage"
+        _, handle, block_ids, emitted = conn.recv()
+        dst = _engine()
+        td = NixlTransport("tiny")
+        td.register(dst.kv_cache)
+        peer = td.connect(PoolHandle.from_dict(handle))
+        recv = MigrationReceiver(dst, td, peer, "s", PROMPT, lease=Lease.start(30, 0.5))
+        assert recv.read(0, block_ids) == len(block_ids)
+        os.kill(proc.pid, signal.SIGKILL)  # mid-transfer: the source never hands over
+        proc.join(10)
+        deadline = __import__("time").monotonic() + 10
+        while not recv.expire_if_due():
+            assert __import__("time").monotonic() < deadline, "the receiver's lease never expired"
+        assert recv.state == "expired" and dst.kv.num_free_blocks == dst.kv.num_blocks
+        # The scheduler resumes it from the tokens Redis holds: here, those the source emitted.
+        rid = dst.add_request(PROMPT, params, request_id="s", output_token_ids=emitted)
+        out = Collector(rid)
+        out.tokens.update(dict(enumerate(emitted)))
+        while out.finish is None:
+            out.take(dst.step())
+        assert out.ids() == undisturbed(params)
+    finally:
+        proc.kill()
+
+
+# -- workers meet over gRPC (KvPeer) -------------------------------------------------------
+
+_LAYOUT_SHAPE = (4, 2, 8, 16, 4, 32)  # the tiny model's pool ([layers, 2, blocks, block_size, kv heads, dim]), 8 blocks
+
+
+def test_workers_meet_over_grpc_and_an_incompatible_pool_is_refused_up_front(tmp_path):
+    """A worker with --kv-transfer nixl (and --role decode, which its reports carry) meets a
+    peer over KvPeer; a peer whose pool holds other blocks is refused before anything moves."""
+    import grpc
+
+    from cluster_fixtures import start_cluster
+    from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
+    from pagefleet.worker.kv_transfer import handle_from_proto, handle_to_proto
+
+    c = start_cluster(tmp_path, num_workers=1, worker_args=["--num-blocks", "64", "--kv-transfer", "nixl",
+                                                             "--role", "decode"])
+    try:
+        (row,) = c.scheduler_state().workers
+        assert row.report.role == cluster_pb2.WORKER_ROLE_DECODE
+        stub = cluster_pb2_grpc.WorkerStub(grpc.insecure_channel(row.address))
+        ours = NixlTransport("tiny")
+        h = ours.register(torch.zeros(_LAYOUT_SHAPE))
+        answer = stub.KvPeer(handle_to_proto(h, "test-peer"), timeout=30)
+        assert answer.worker_id == row.worker_id and answer.path == "cma"
+        theirs = handle_from_proto(answer)
+        assert theirs.num_blocks == 64 and theirs.layout == h.layout
+        ours.connect(theirs)
+
+        bad = NixlTransport("tiny")
+        hb = bad.register(torch.zeros(_LAYOUT_SHAPE[0], 2, 8, 32, *_LAYOUT_SHAPE[4:]))  # another block size
+        with pytest.raises(grpc.RpcError) as err:
+            stub.KvPeer(handle_to_proto(hb, "bad-peer"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "block_size: ours 16, peer's 32" in err.value.details()
+    finally:
+        c.stop()
