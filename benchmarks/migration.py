@@ -29,7 +29,6 @@ from pathlib import Path
 
 from .results import header, int_list
 
-
 # (deadline, lease) in seconds: a CPU decode step of this shape at 8k takes seconds here, and
 # neither side hears from the other during one.
 LEASE = (600.0, 60.0)

@@ -354,6 +354,7 @@ def test_source_killed_mid_transfer_the_receiver_reclaims_and_the_request_resume
     import signal
 
     from kv_peer import start_source
+
     from pagefleet.worker.kv_transfer import NixlTransport
 
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=3)
@@ -393,8 +394,8 @@ def test_workers_meet_over_grpc_and_an_incompatible_pool_is_refused_up_front(tmp
     """A worker with --kv-transfer nixl (and --role decode, which its reports carry) meets a
     peer over KvPeer; a peer whose pool holds other blocks is refused before anything moves."""
     import grpc
-
     from cluster_fixtures import start_cluster
+
     from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
     from pagefleet.worker.kv_transfer import handle_from_proto, handle_to_proto
 

@@ -30,6 +30,7 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -357,7 +358,5 @@ class LiveMigration:
 
 def with_suppressed(fn) -> None:
     """Run ``fn``, ignoring a failure (the peer may be gone: its blocks go with it)."""
-    try:
+    with contextlib.suppress(Exception):  # best effort on a path that is already failing
         fn()
-    except Exception:  # noqa: BLE001 - best effort on a path that is already failing
-        pass

@@ -6,7 +6,6 @@ from pagefleet.protos import cluster_pb2
 
 from .outputs import EngineStats
 
-
 # pagefleet worker --role, as the report carries it.
 ROLES = {"both": cluster_pb2.WORKER_ROLE_BOTH, "prefill": cluster_pb2.WORKER_ROLE_PREFILL,
          "decode": cluster_pb2.WORKER_ROLE_DECODE}
