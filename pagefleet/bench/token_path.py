@@ -303,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             print(row(results[-1]), flush=True)
     floor = next((x for x in results if x["mode"] == "floor"), None)
     for x in results:
-        if floor and x["mode"] == "stream":
-            x["gateway_cpu_vs_floor"] = x["cpu_us"]["gateway"] / floor["cpu_us_per_message"]
+        if floor and x["mode"] == "stream":  # a floor too short to read a CPU tick: no ratio
+            per = floor["cpu_us_per_message"]
+            x["gateway_cpu_vs_floor"] = x["cpu_us"]["gateway"] / per if per else None
     report = {
         "benchmark": "token-path", "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
