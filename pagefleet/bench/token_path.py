@@ -148,6 +148,17 @@ def start_cluster(args, tmp: Path):
     return LocalCluster(cfg).start(timeout_s=180)
 
 
+def kept_bytes(r, keys, run: str) -> int:
+    """What Redis keeps of run ``run``'s finished requests (their ids are ``<run>-<i>``): the
+    bytes of their own keys (output record, owner record, claim), until those expire. Counted
+    key by key: ``used_memory`` moves by more than a short run keeps (clients' buffers)."""
+    total = 0
+    for pattern in (keys.out(f"{run}-*"), keys.owner(f"{run}-*"), keys.idempotency(f"{run}-*")):
+        for key in r.scan_iter(match=pattern, count=1000):
+            total += int(r.memory_usage(key) or 0)
+    return total
+
+
 def measure_cluster(args, tmp: Path, mode: str) -> dict:
     import redis as redis_lib
 
@@ -187,7 +198,7 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         rcpu1 = redis_cpu(r)
         stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
         w1 = scrape(wurl)
-        mem_kept = int(r.info("memory")["used_memory"]) - mem0
+        mem_kept = kept_bytes(r, keys, mode)
         out = json.loads((tmp / f"client-{mode}.json").read_text())
     finally:
         cluster.stop()
