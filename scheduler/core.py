@@ -424,7 +424,8 @@ class ClusterScheduler:
             for _, entries in resp or ():
                 for entry_id, fields in entries:
                     self._done_cursor = entry_id
-                    self.ledger.forget(fields[b"rid"].decode())
+                    for rid in fields[b"rid"].decode().split(" "):
+                        self.ledger.forget(rid)
             self._wake.set()
 
     async def _unconfirmed_finishes(self) -> None:

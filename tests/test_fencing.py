@@ -121,7 +121,7 @@ def test_finish_is_durable_and_atomic_and_only_the_owner_finishes(redis_url):
         assert await r.xlen(keys.requests) == 0  # acknowledged and deleted in the same step
         done = await r.xrange(keys.done)
         assert [(d[b"rid"], d[b"epoch"], d[b"f"]) for _, d in done] == [(b"a", str(e).encode(), b"length")]
-        assert 0 < await r.ttl(keys.out("a")) <= DONE_TTL_S
+        assert 0 < await r.ttl(keys.owner("a")) <= DONE_TTL_S
         assert 0 < await r.ttl(keys.idempotency("a")) <= DONE_TTL_S  # one lifetime for both
         assert await read_record(r, keys, "a") == [record]  # what a retry replays
         # After the finish nobody finishes again, not even the owner, and it is never re-assigned.
@@ -186,6 +186,57 @@ def test_a_steps_stream_is_trimmed_by_age_but_never_past_a_running_requests_firs
         for i in range(600):  # "a" is not held here: the stream is trimmed
             await g.write([Write(f"c{i}", 1, OutEntry(0, [2]))], live={f"c{i}"})
         assert await r.xlen(g.steps_key) < 300
+        await r.aclose()
+
+    run(go())
+
+
+def test_a_round_of_assignments_is_one_script_and_a_stale_scheduler_writes_none(redis_url):
+    async def go():
+        r, keys = await _setup(redis_url, "t6")
+        f = Fencing(r, keys, stream_of=lambda wid: f"steps-{wid}")
+        done = await f.assign("c", 7, "w1")
+        await r.hset(keys.owner("c"), "done", "1")
+        await r.config_resetstat()
+        epochs = await f.assign_many([("a", "w1"), ("b", "w2"), ("c", "w1")], 7)
+        stats = await r.info("commandstats")
+        assert stats["cmdstat_evalsha"]["calls"] == 1 and stats["cmdstat_time"]["calls"] == 1
+        assert epochs[0] > 0 and epochs[1] > 0 and epochs[2] == 0
+        for rid, wid, e in (("a", "w1", epochs[0]), ("b", "w2", epochs[1])):
+            assert await r.hmget(keys.owner(rid), "epoch", "worker", "steps") == [
+                str(e).encode(), wid.encode(), f"steps-{wid}".encode()]
+            assert 0 < await r.ttl(keys.owner(rid)) <= 3600
+        assert await r.hget(keys.owner("c"), "epoch") == str(done).encode()  # a done request keeps its epoch
+        # A new epoch only (the last worker kept), always above the last one.
+        (again,) = await f.assign_many([("a", "")], 7)
+        assert again > epochs[0] and await r.hget(keys.owner("a"), "worker") == b"w1"
+        # A stale scheduler: every answer -1, nothing written.
+        assert await f.assign_many([("a", "w2"), ("d", "w2")], 6) == [-1, -1]
+        assert await r.hget(keys.owner("a"), "worker") == b"w1" and not await r.exists(keys.owner("d"))
+        await r.aclose()
+
+    run(go())
+
+
+def test_a_write_that_finishes_several_requests_acks_them_together_and_names_them_in_one_done_entry(redis_url):
+    async def go():
+        r, keys = await _setup(redis_url, "t7")
+        f = await _worker(r, keys, "w1")
+        entry_ids = {rid: (await r.xadd(keys.requests, {"kind": "generate", "rid": rid})).decode() for rid in "abc"}
+        await r.xreadgroup(GROUP, "s", {keys.requests: ">"})
+        epochs = dict(zip("abc", await f.assign_many([(rid, "w1") for rid in "abc"], 7), strict=True))
+        stale = epochs["c"] - 1  # a write under an older epoch is refused and leaves "c" as it was
+        ok = await f.write([Write("a", epochs["a"], OutEntry(0, [1], "x", "stop"), entry_ids["a"]),
+                            Write("b", epochs["b"], OutEntry(0, [2], "y", "length"), entry_ids["b"]),
+                            Write("c", stale, OutEntry(0, [3], "z", "stop"), entry_ids["c"])])
+        assert ok == [True, True, False]
+        assert await r.xlen(keys.requests) == 1  # "a" and "b" acknowledged and deleted
+        pending = await r.xpending_range(keys.requests, GROUP, "-", "+", 10)
+        assert [p["message_id"].decode() for p in pending] == [entry_ids["c"]]
+        (_, fields), = await r.xrange(keys.done)
+        assert fields == {b"rid": b"a b", b"epoch": f"{epochs['a']} {epochs['b']}".encode(), b"f": b"stop length"}
+        assert [m.token_ids for m in await read_record(r, keys, "b")] == [[2]]
+        assert await read_record(r, keys, "c") == [] and await r.hget(keys.owner("c"), "done") is None
         await r.aclose()
 
     run(go())

@@ -323,10 +323,10 @@ def _last_out_entry(cluster, request_id: str) -> OutEntry | None:
 
     r = sync_redis.Redis.from_url(cluster.redis_url)
     try:
-        entries = r.xrevrange(Keys(cluster.cfg.namespace).out(request_id), count=1)
+        record = r.hget(Keys(cluster.cfg.namespace).owner(request_id), "fin")
     finally:
         r.close()
-    return entry_of(cluster_pb2.StepOutputs.FromString(entries[0][1][b"o"]).outputs[-1]) if entries else None
+    return entry_of(cluster_pb2.StepOutputs.FromString(record).outputs[-1]) if record else None
 
 
 def test_models_health_and_version(cluster, client):

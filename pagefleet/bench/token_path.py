@@ -150,10 +150,11 @@ def start_cluster(args, tmp: Path):
 
 def kept_bytes(r, keys, run: str) -> int:
     """What Redis keeps of run ``run``'s finished requests (their ids are ``<run>-<i>``): the
-    bytes of their own keys (output record, owner record, claim), until those expire. Counted
-    key by key: ``used_memory`` moves by more than a short run keeps (clients' buffers)."""
+    bytes of their own keys (owner record with the output record, claim; and ``out:``, where a
+    tree before ``--python``'s kept the output record), until those expire. Counted key by key:
+    ``used_memory`` moves by more than a short run keeps (clients' buffers)."""
     total = 0
-    for pattern in (keys.out(f"{run}-*"), keys.owner(f"{run}-*"), keys.idempotency(f"{run}-*")):
+    for pattern in (f"{keys.prefix}:out:{run}-*", keys.owner(f"{run}-*"), keys.idempotency(f"{run}-*")):
         for key in r.scan_iter(match=pattern, count=1000):
             total += int(r.memory_usage(key) or 0)
     return total

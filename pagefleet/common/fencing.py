@@ -15,26 +15,28 @@ it: nothing can be added behind that read, so the request continues after exactl
 tokens that any client could have seen. A fenced worker finds its next write refused,
 drops every request it holds, and writes on in a new incarnation's stream.
 
-**Owner records** (``<ns>:own:<request_id>``, a hash: ``epoch``, ``worker``, ``t``, ``done``):
-the scheduler takes a new epoch for each assignment (``assign``: one script that also
-refuses a scheduler whose own epoch is no longer the current one, and stamps ``t``, the
-assignment's time on Redis's clock, from which the request's messages are read back). The
+**Owner records** (``<ns>:own:<request_id>``, a hash: ``epoch``, ``worker``, ``t``, ``steps``,
+``done``, and the request's record ``out``, ``fin``): the scheduler takes a new epoch for each
+assignment (``assign_many``: one script for a round's assignments, that also refuses a
+scheduler whose own epoch is no longer the current one, and stamps ``t``, the assignment's
+time on Redis's clock, from which the request's messages are read back). The
 epoch fences finishes: a request's **final** write goes through ``FINISH`` (one script for
 all the requests a write finishes): its final message is appended with the step only if
 the writer's epoch is still the request's and it is not done, and in the same atomic step
-the owner record is marked done, the request's record of everything it wrote is added to
-its output stream, its entry in the requests stream is acknowledged and a record goes to
-``<ns>:done`` (where the scheduler learns of finishes). A request is finished exactly when
-its last message is durable.
+the owner record is marked done and takes the request's record of everything it wrote
+(``fin``), its entry in the requests stream is acknowledged and a record goes to
+``<ns>:done`` (where the scheduler learns of finishes; one entry for all the requests of a
+write). A request is finished exactly when its last message is durable.
 
-**The request's own output stream** (``<ns>:out:<request_id>``) holds only what a later
-reader needs that the steps streams may no longer hold: the tokens a request had when it was
-resumed (written by ``take_over``) and, at its finish, everything its last worker wrote (so a
-retry replays the whole output from it for ``DONE_TTL_S``).
+**The request's own record** (fields ``out`` and ``fin`` of its owner record, each a
+``StepOutputs``) holds only what a later reader needs that the steps streams may no longer
+hold: the tokens a request had when it was last resumed (``out``, written by ``take_over``)
+and, at its finish, everything its last worker wrote (``fin``: a retry replays the whole
+output from the two for ``DONE_TTL_S``).
 
 Lifetimes: the owner record lives ``REQUEST_TTL_S`` from its assignment (refreshed by the
-worker every few hundred messages), ``DONE_TTL_S`` after the finish, with the output stream
-and the idempotency key; after it, a retry with the same id is a new request. A steps stream
+worker every few hundred messages), ``DONE_TTL_S`` after the finish, with the idempotency
+key; after it, a retry with the same id is a new request. A steps stream
 keeps ``STEPS_KEEP_MS`` of entries (``MINID``; a gateway that falls further behind reads the
 request's own record) and expires ``STEPS_TTL_S`` after its writer's last write.
 """
@@ -164,25 +166,18 @@ class Fencing:
     async def assign(self, request_id: str, scheduler_epoch: int, worker_id: str) -> int:
         """A new epoch for ``request_id`` on ``worker_id``; 0 if it finished already, -1 if
         ``scheduler_epoch`` is no longer the current scheduler's (stop placing)."""
-        keys = [self.keys.owner(request_id), self.keys.scheduler_epoch]
-        args = [scheduler_epoch, worker_id, REQUEST_TTL_S, self.stream_of(worker_id) if worker_id else ""]
-        return int(await self._assign(keys=keys, args=args))
+        return (await self.assign_many([(request_id, worker_id)], scheduler_epoch))[0]
 
     async def assign_many(self, owners: list[tuple[str, str]], scheduler_epoch: int) -> list[int]:
-        """``assign`` for each ``(request_id, worker_id)`` of ``owners``, in one round trip."""
+        """``assign`` for each ``(request_id, worker_id)`` of ``owners``: one script for all."""
         if not owners:
             return []
-
-        def build(pipe) -> None:
-            for request_id, worker_id in owners:
-                queue_script(pipe, self._assign, [self.keys.owner(request_id), self.keys.scheduler_epoch],
-                             [scheduler_epoch, worker_id, REQUEST_TTL_S, self.stream_of(worker_id) if worker_id else ""])
-
-        results = await execute_pipeline(self.redis, build, [self._assign])
-        for r in results:
-            if isinstance(r, Exception):
-                raise r
-        return [int(e) for e in results]
+        keys = [self.keys.scheduler_epoch]
+        args: list = [scheduler_epoch, REQUEST_TTL_S]
+        for request_id, worker_id in owners:
+            keys.append(self.keys.owner(request_id))
+            args += [worker_id, self.stream_of(worker_id) if worker_id else ""]
+        return [int(e) for e in await self._assign(keys=keys, args=args)]
 
     def _steps_ttl(self) -> int:
         now = time.monotonic()
@@ -239,7 +234,7 @@ class Fencing:
             args.append(len(finals))
             for w in finals:
                 rid = w.request_id
-                keys += [self.keys.owner(rid), self.keys.out(rid), self.keys.idempotency(rid)]
+                keys += [self.keys.owner(rid), self.keys.idempotency(rid)]
                 args += [w.epoch, w.entry_id, rid, w.entry.finish_reason, w.field, step_piece(rid, w.entry),
                          step_piece(rid, w.record or w.entry)]
 
@@ -307,10 +302,10 @@ async def messages_in(redis, key: str, request_id: str, since: str = "0-0", unti
 
 
 async def read_record(redis, keys: Keys, request_id: str) -> list[OutEntry]:
-    """The messages of the request's own output stream (resume points, its finish)."""
-    raw = await retry(lambda: redis.xrange(keys.out(request_id)), what="xrange_out")
-    return [entry_of(o) for _, fields in raw if fields.get(b"o")
-            for o in cluster_pb2.StepOutputs.FromString(fields[b"o"]).outputs]
+    """The messages of the request's own record in its owner record: what it had when it was
+    last resumed (``out``), then everything its last worker wrote (``fin``, at its finish)."""
+    raw = await retry(lambda: redis.hmget(keys.owner(request_id), "out", "fin"), what="hmget_record")
+    return [entry_of(o) for piece in raw if piece for o in cluster_pb2.StepOutputs.FromString(piece).outputs]
 
 
 def merged(messages: list[OutEntry]) -> tuple[list[int], str, OutEntry | None]:
@@ -358,7 +353,7 @@ async def take_over(redis, keys: Keys, request_id: str, fence: bool | None = Non
     if len(tokens) > before and whole is not None:
         piece = step_piece(request_id, whole)
         pipe = redis.pipeline(transaction=False)
-        pipe.xadd(keys.out(request_id), {"o": piece})
-        pipe.expire(keys.out(request_id), REQUEST_TTL_S)
+        pipe.hset(keys.owner(request_id), "out", piece)
+        pipe.expire(keys.owner(request_id), REQUEST_TTL_S)
         await retry(pipe.execute, what="record_taken_over")
     return tokens, finish

@@ -10,10 +10,10 @@ namespace ``pf`` and the shard ``s0`` by default), so every script touches one s
   step, for all its requests, in one entry (field ``o``, a ``StepOutputs``): the output,
   durable once there; what gateways relay from. Trimmed by age; fenced by an entry with the
   largest id (``fencing``). ``...:steps_of:<worker_id>`` names a worker's current one.
-* ``...:out:<request_id>`` - one request's own record (``StepOutputs`` entries): its tokens
-  when it was resumed, everything at its finish; what a retry replays.
-* ``...:own:<request_id>`` - hash ``epoch``/``worker``/``t``/``done``: who may finish it (``fencing``).
-* ``...:done`` - stream of finished requests (``fencing``).
+* ``...:own:<request_id>`` - hash ``epoch``/``worker``/``t``/``steps``/``done``: who may finish
+  it (``fencing``); and the request's own record (``out``: its tokens when it was resumed,
+  ``fin``: everything at its finish, each a ``StepOutputs``): what a retry replays.
+* ``...:done`` - stream of finished requests, one entry a write (``fencing``).
 * ``...:req:<request_id>`` - idempotency key of a client-chosen request id.
 * ``...:workers`` - hash worker_id -> JSON {address, ts}; workers refresh it.
 * ``...:scheduler:lease``, ``...:scheduler:epoch`` - the active scheduler's lease and epoch.
@@ -61,9 +61,6 @@ class Keys:
     def requests(self) -> str:
         return f"{self.prefix}:requests"
 
-    def out(self, request_id: str) -> str:
-        return f"{self.prefix}:out:{request_id}"
-
     def steps(self, writer_id: str) -> str:
         """One worker's (or the scheduler's, ``SCHEDULER_STEPS``) stream of steps."""
         return f"{self.prefix}:steps:{writer_id}"
@@ -76,12 +73,14 @@ class Keys:
         return f"{self.prefix}:req:{request_id}"
 
     def owner(self, request_id: str) -> str:
-        """Hash ``epoch``/``worker``/``done``: who may write the request's output (``fencing``)."""
+        """Hash ``epoch``/``worker``/``done``: who may write the request's output, and its own
+        record (``out``, ``fin``) (``fencing``)."""
         return f"{self.prefix}:own:{request_id}"
 
     @property
     def done(self) -> str:
-        """Stream of finished requests, appended by their final write (``fencing``)."""
+        """Stream of finished requests, appended by their final write (``fencing``): fields
+        ``rid``, ``epoch``, ``f``, each a space-separated list, one item per request."""
         return f"{self.prefix}:done"
 
     @property

@@ -40,20 +40,43 @@ return {1, id}
 # handed out before the loss (at most the old primary's clock then) is below any handed out
 # after it (the new primary's clock, later). Needs clocks in step to better than a failover
 # takes (seconds); costs no WAIT on the hot path.
-# KEYS: own, scheduler epoch key. ARGV: scheduler epoch, worker id ('': a new epoch only, the
-# last worker, its steps stream and the time kept for ``take_over``), ttl, the worker's steps stream.
-# Returns the new epoch; 0 if the request is done already; -1 if this scheduler is stale.
+# One script for a whole round of assignments: the scheduler's epoch is checked and Redis's
+# clock read once, then each request costs its owner record's HMGET, HSET and EXPIRE.
+# KEYS: scheduler epoch key, then each request's own. ARGV: scheduler epoch, ttl, then for each
+# request: worker id ('': a new epoch only, the last worker, its steps stream and the time kept
+# for ``take_over``), the worker's steps stream.
+# Returns the new epoch of each request (0: it is done already); every entry -1 if this
+# scheduler is stale (nothing written). An epoch is written with '%.0f': Lua turns a number
+# into a string with 14 digits, and one in microseconds has 16 (exact below 2^53).
 ASSIGN = """
-if (redis.call('GET', KEYS[2]) or '0') ~= ARGV[1] then return -1 end
-if redis.call('HGET', KEYS[1], 'done') == '1' then return 0 end
-local now = redis.call('TIME')
-local last = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
-local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', math.max(1, now[1] * 1000000 + now[2] - last))
-if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[1], 'worker', ARGV[2], 't', now[1] * 1000 + math.floor(now[2] / 1000), 'steps', ARGV[4])
+local n = #KEYS - 1
+local out = {}
+if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then
+  for i = 1, n do out[i] = -1 end
+  return out
 end
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
-return epoch
+local now = redis.call('TIME')
+local now_us = now[1] * 1000000 + now[2]
+local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+local ttl = tonumber(ARGV[2])
+for i = 1, n do
+  local own, worker = KEYS[i + 1], ARGV[1 + 2 * i]
+  local cur = redis.call('HMGET', own, 'epoch', 'done')
+  if cur[2] == '1' then
+    out[i] = 0
+  else
+    local epoch = math.max(tonumber(cur[1] or '0') + 1, now_us)
+    if worker ~= '' then
+      redis.call('HSET', own, 'epoch', string.format('%.0f', epoch), 'worker', worker, 't', now_ms,
+                 'steps', ARGV[2 + 2 * i])
+    else
+      redis.call('HSET', own, 'epoch', string.format('%.0f', epoch))
+    end
+    redis.call('EXPIRE', own, ttl)
+    out[i] = epoch
+  end
+end
+return out
 """
 
 # The epoch of a scheduler that has just taken the lease (as ``ASSIGN``'s: never backwards).
@@ -66,8 +89,12 @@ return redis.call('INCRBY', KEYS[1], math.max(1, now[1] * 1000000 + now[2] - las
 
 # A write that finishes requests: the step's other messages and each final message whose
 # writer still owns its request, in one steps entry (a field per gateway process: each
-# message in the field of the gateway that relays its request); then, for those, the finish.
-# KEYS: steps stream, requests stream, done stream, then for each final: own, out, idempotency key.
+# message in the field of the gateway that relays its request); then, for those, the finish:
+# the owner record marked done with the request's record of everything its writer wrote
+# (field ``fin``), both lifetimes shortened, the requests' entries acknowledged and deleted
+# (one XACK and one XDEL for all), and one done entry naming them all (space-separated: ids
+# are A-Z a-z 0-9 . _ : -).
+# KEYS: steps stream, requests stream, done stream, then for each final: own, idempotency key.
 # ARGV: group, done maxlen, done ttl, steps MINID, steps ttl, m, then m pairs (field, the other
 # messages of that field: a StepOutputs), n, then for each final: epoch, entry id ('' for
 # none), request id, finish reason, its field, its message (a StepOutputs piece), its record
@@ -87,7 +114,7 @@ local n = tonumber(ARGV[base])
 local ok = {}
 for i = 1, n do
   local a = base + 1 + 7 * (i - 1)
-  local cur = redis.call('HMGET', KEYS[3 * i + 1], 'epoch', 'done')
+  local cur = redis.call('HMGET', KEYS[2 * i + 2], 'epoch', 'done')
   ok[i] = ((cur[1] or '0') == ARGV[a] and cur[2] ~= '1') and 1 or 0
   if ok[i] == 1 then
     local f = ARGV[a + 4]
@@ -111,21 +138,27 @@ end
 local id = redis.call('XADD', unpack(xadd))
 if ARGV[5] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5])) end
 local done_ttl = tonumber(ARGV[3])
+local rids, epochs, reasons, entries = {}, {}, {}, {}
 for i = 1, n do
   if ok[i] == 1 then
     local a = base + 1 + 7 * (i - 1)
-    local own, out, idem = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
-    redis.call('HSET', own, 'done', '1')
+    local own = KEYS[2 * i + 2]
+    redis.call('HSET', own, 'done', '1', 'fin', ARGV[a + 6])
     redis.call('EXPIRE', own, done_ttl)
-    redis.call('XADD', out, '*', 'o', ARGV[a + 6])
-    redis.call('EXPIRE', out, done_ttl)
-    redis.call('EXPIRE', idem, done_ttl)  -- the client's claim, if it made one (a no-op if not)
-    if ARGV[a + 1] ~= '' then
-      redis.call('XACK', KEYS[2], ARGV[1], ARGV[a + 1])
-      redis.call('XDEL', KEYS[2], ARGV[a + 1])
-    end
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'rid', ARGV[a + 2], 'epoch', ARGV[a], 'f', ARGV[a + 3])
+    redis.call('EXPIRE', KEYS[2 * i + 3], done_ttl)  -- the client's claim, if it made one (a no-op if not)
+    if ARGV[a + 1] ~= '' then entries[#entries + 1] = ARGV[a + 1] end
+    rids[#rids + 1] = ARGV[a + 2]
+    epochs[#epochs + 1] = ARGV[a]
+    reasons[#reasons + 1] = ARGV[a + 3]
   end
+end
+if #entries > 0 then
+  redis.call('XACK', KEYS[2], ARGV[1], unpack(entries))
+  redis.call('XDEL', KEYS[2], unpack(entries))
+end
+if #rids > 0 then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'rid', table.concat(rids, ' '),
+             'epoch', table.concat(epochs, ' '), 'f', table.concat(reasons, ' '))
 end
 return {id, ok}
 """
