@@ -197,11 +197,12 @@ class Fencing:
 
     def _entered(self, writes: list[Write], entry_id) -> None:
         ms = int((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)).split("-")[0])
+        first_ms = self._first_ms
         for w in writes:
-            if w.final:
-                self._first_ms.pop(w.request_id, None)
-            else:
-                self._first_ms.setdefault(w.request_id, ms)
+            if w.entry.finish_reason:
+                first_ms.pop(w.request_id, None)
+            elif w.request_id not in first_ms:
+                first_ms[w.request_id] = ms
 
     async def write(self, writes: list[Write], live: Iterable[str] | None = None) -> list[bool]:
         """Write every message in one round trip; for each, whether it was accepted (a
@@ -225,6 +226,16 @@ class Fencing:
         refresh = [self.keys.owner(w.request_id) for w in writes if w.refresh_ttl and not w.entry.finish_reason]
         minid = self._trim_floor(live)
         ttl = self._steps_ttl()
+        if not (finals or refresh or ttl):  # most steps: one XADD, sent alone (no pipeline's cost)
+            fields = [x for f, outs in steps.items() for x in (f, outs.SerializeToString())]
+            try:
+                entry_id = await self.redis.execute_command("XADD", self.steps_key, "MINID", "~", minid, "*", *fields)
+            except rx.ResponseError as e:
+                if "exhausted the last possible ID" in str(e):
+                    raise Fenced(self.steps_key) from e
+                raise
+            self._entered(writes, entry_id)
+            return [True] * len(writes)
         at = len(refresh)  # the steps entry's command (its reply: the entry's id)
         if finals:
             keys = [self.steps_key, self.keys.requests, self.keys.done]
