@@ -259,6 +259,8 @@ class Ledger:
         that fits nowhere ends the round, and is placed by preemption if nothing was claimed
         before it (see the module docstring). An empty decision: the queue is empty, or its
         head waits until a report shows room."""
+        if self.queue.peek() is None:
+            return Decision()
         live = list(self.workers.values())
         choose = self._chooser(live)  # valid while only this round's claims change the workers
         claims: list[tuple[Pending, Placement]] = []

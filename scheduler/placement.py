@@ -93,17 +93,19 @@ class Placer:
 
     def matches(self, workers: Sequence[WorkerEntry], p: Pending) -> dict[str, Match]:
         """The index's runs of ``p``'s keys on the workers of the keys' block size, at most
-        the blocks before its last token (a worker computes that one again for its logits)."""
+        the blocks before its last token (a worker computes that one again for its logits);
+        workers with none of those blocks are left out (as holding nothing of it)."""
         keys = p.assign.block_hashes
         size = p.assign.hash_block_size
-        if not keys or not size:
+        limit = (p.num_tokens - 1) // size if size else 0
+        if not keys or not limit:
             return {}
         found = self.index.match(keys)
         if not found:
             return {}
-        limit = (p.num_tokens - 1) // size
         return {w.worker_id: Match(min(m.num_matched_blocks, limit), min(m.num_shared_blocks, limit))
-                for w in workers if (m := found.get(w.worker_id)) is not None and w.block_size == size}
+                for w in workers if (m := found.get(w.worker_id)) is not None and m.num_matched_blocks
+                and w.block_size == size}
 
     def out_of_balance(self, workers: Sequence[WorkerEntry]) -> bool:
         loads = [w.load for w in workers if w.ready]
