@@ -41,6 +41,7 @@ from pagefleet.common.service import (
     add_common_flags,
     add_door_flags,
     add_health_and_reflection,
+    freeze_startup_heap,
     open_to_all,
     set_serving,
     setup_logging,
@@ -211,6 +212,7 @@ async def serve(args) -> int:
         servicer.core = core
         run = asyncio.create_task(core.run())
         await set_serving(health, names, True)
+        freeze_startup_heap()
         log.info("scheduler.active", port=port, policy=args.policy, placement=args.placement)
         done, _ = await asyncio.wait([run, lease, waiters[1]], return_when=asyncio.FIRST_COMPLETED)
         if lease in done or run in done:

@@ -49,6 +49,7 @@ from pagefleet.common.service import (
     add_common_flags,
     add_door_flags,
     add_health_and_reflection,
+    freeze_startup_heap,
     open_to_all,
     set_serving,
     setup_logging,
@@ -398,6 +399,7 @@ async def run_worker(w: Worker, args, port: int, health_port: int | None = None)
     register_task = asyncio.create_task(w.register())
     kv_task = asyncio.create_task(w.progress_kv_transfer()) if w.kv_transport is not None else None
     await set_serving(health, names, True)
+    freeze_startup_heap()
     log.info("worker.ready", address=w.address, model=args.model, num_blocks=engine.kv.num_blocks,
              block_size=engine.block_size, device=str(engine.device),
              cuda_graph_sizes=engine.executor.graph_sizes)

@@ -87,6 +87,18 @@ def setup_logging(component: str, args) -> None:
     setup_tracing(component)
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive now (modules, the model, the servers) out of the garbage
+    collector's sight: a full collection then scans only what serving allocated, not the
+    import-time heap (torch alone is ~190k objects, 70 ms a full collection). Call once, when
+    a process is ready to serve; its objects still die by reference counting (as vLLM's
+    engine core does after its start-up)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free right now (another process may still take it before you bind)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
