@@ -1,7 +1,7 @@
 """Relay a request's output to the client, in index order, from one read for all requests.
 
 Where tokens come from: every accepted message of a worker's write is both in the request's
-own output stream (``<ns>:out:<id>``, the durable record) and in the worker's steps stream
+own record (``out``/``fin`` of ``<ns>:own:<id>``, kept at a resume and a finish) and in the worker's steps stream
 (``<ns>:steps:<worker>``, one entry per write for all its requests). A gateway process reads
 the steps streams of every worker with **one** blocking ``XREAD`` (``StepReader``) and hands
 each message to the relay of its request, if this process holds one; so the Redis
