@@ -188,6 +188,38 @@ def test_a_client_id_is_claimed_only_with_its_entry(redis_server):
     assert (first, again, n) == (True, False, 1)
 
 
+def test_a_claim_is_one_set_nx_written_only_with_its_entry(redis_server):
+    """``ADMIT_AND_QUEUE`` claims a client id with one ``SET NX`` once the bound is met: a full
+    queue writes nothing (yet a request queued before is found), and an entry that cannot be
+    added leaves no claim."""
+    import redis.exceptions as rx
+
+    from pagefleet.common.scripts import ADMIT_AND_QUEUE
+
+    r = sync_redis.Redis.from_url(redis_server.url)
+    try:
+        keys = Keys("claim1")
+        admit = r.register_script(ADMIT_AND_QUEUE)
+
+        def call(rid, *fields, max_len=2):
+            return admit(keys=[keys.requests, keys.num_waiting, keys.idempotency(rid)],
+                         args=[max_len, 100, 3600, *fields])
+
+        r.config_resetstat()
+        assert call("a", "rid", "a")[0] == 1
+        stats = r.info("commandstats")
+        assert "cmdstat_exists" not in stats and stats["cmdstat_set"]["calls"] == 1
+        assert call("a", "rid", "a") == [0] and r.xlen(keys.requests) == 1  # a retry: queued before
+        assert call("b", "rid", "b")[0] == 1
+        assert call("c", "rid", "c") == [-1, 2, 2] and not r.exists(keys.idempotency("c"))  # full
+        assert call("a", "rid", "a") == [0]  # queued before, relayed even when full
+        with pytest.raises(rx.ResponseError):
+            call("d", "odd", max_len=10)  # the XADD fails: no claim stays without its entry
+        assert not r.exists(keys.idempotency("d")) and r.xlen(keys.requests) == 2
+    finally:
+        r.close()
+
+
 def test_a_lease_taken_after_retries_is_valid_from_the_attempt_that_took_it():
     """A standby that took the lease after retrying through a Redis outage timed its lease from
     before the outage, found it expired at once and exited (no scheduler at all)."""

@@ -13,22 +13,30 @@ messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (`
 # * the bound is exact: the requests stream's length (entries leave when their requests
 #   finish) and the scheduler's published queue length are read where the entry is added, so
 #   gateways racing each other (or one gateway's concurrent calls) never admit past it;
-# * a client-chosen id is claimed with its entry: a claim without an entry (Redis gone between
-#   the two) would make every retry wait for output that never comes. The entry first, so a
-#   failing XADD leaves no claim. A retry after a lost reply answers 0: queued already (and a
-#   request queued before is relayed even when the queue is full now).
+# * a client-chosen id is claimed with its entry, by one ``SET NX`` once the bound is met:
+#   taken already, the request was queued before (a retry after a lost reply answers 0, and is
+#   relayed even when the queue is full now: a full queue looks the claim up). A claim never
+#   stays without its entry (every retry would wait for output that never comes): a failing
+#   XADD deletes it again, in the same atomic step. Nothing is written before the bound's reads.
 # KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
 # max queue, the claim's TTL, then the entry's field/value pairs.
 # {1, entry id}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
 ADMIT_AND_QUEUE = """
-if #KEYS == 3 and redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
+local claim = #KEYS == 3
 local length = redis.call('XLEN', KEYS[1])
 local waiting = tonumber(redis.call('GET', KEYS[2]) or length)
-if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then return {-1, waiting, length} end
+if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then
+  if claim and redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
+  return {-1, waiting, length}
+end
+if claim and not redis.call('SET', KEYS[3], 1, 'NX', 'EX', tonumber(ARGV[3])) then return {0} end
 local fields = {}
 for i = 4, #ARGV do fields[i - 3] = ARGV[i] end
-local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
-if #KEYS == 3 then redis.call('SET', KEYS[3], 1, 'EX', tonumber(ARGV[3])) end
+local id = redis.pcall('XADD', KEYS[1], '*', unpack(fields))
+if type(id) == 'table' and id.err then
+  if claim then redis.call('DEL', KEYS[3]) end
+  return id
+end
 return {1, id}
 """
 
