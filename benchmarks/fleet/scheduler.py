@@ -218,7 +218,7 @@ def _measure(cluster, pid: int, url: str, r, keys, num_workers: int, num_queued:
                 first = zero
             else:
                 zero = (now, cpu, sample)
-        num_done = r.xlen(keys.done)
+        num_done = num_queued - r.xlen(keys.requests)  # a request's entry is deleted at its finish
         # Placed (or, for the few whose Assign was overtaken by a retry, finished) every one.
         if last is None and (sample.get(admissions, 0) >= num_queued or num_done >= num_queued):
             last = (now, cpu, sample)
@@ -226,7 +226,7 @@ def _measure(cluster, pid: int, url: str, r, keys, num_workers: int, num_queued:
             break
         if time.monotonic() > deadline:
             raise TimeoutError(f"{num_workers} workers x {num_queued}: not finished in {args.timeout}s "
-                               f"({int(sample.get(admissions, 0))} placed, {r.xlen(keys.done)} done)")
+                               f"({int(sample.get(admissions, 0))} placed, {num_done} done)")
         time.sleep(args.poll if first is not None else 0.02)
     wall = last[0] - first[0]
     placed = last[2][admissions] - first[2].get(admissions, 0.0)
