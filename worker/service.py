@@ -66,9 +66,6 @@ from .report import Holdings, occupancy_report
 
 SERVICE = "pagefleet.v1.Worker"
 REPORT_INTERVAL_S = 0.1
-# Reports on a change come at most this often: changes in the gap go in the next report (a
-# busy worker changes its requests nearly every step, and each report costs the scheduler).
-REPORT_MIN_GAP_S = 0.02
 REGISTER_INTERVAL_S = 1.0
 
 log = structlog.get_logger("worker")
@@ -180,12 +177,9 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
             # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
             while not self.w.stopped.is_set():
                 yield self.w.report(finished, kv_events, holdings)
-                sent = time.monotonic()
                 self.w.changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.w.changed.wait(), interval)
-                if (gap := sent + min(REPORT_MIN_GAP_S, interval) - time.monotonic()) > 0:
-                    await asyncio.sleep(gap)
         finally:
             self.w.loop.unsubscribe(finished)
             self.w.loop.kv_events.unsubscribe(kv_events)
