@@ -197,7 +197,8 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
     core = router.default
     refused = core.metrics.unauthenticated.labels("grpc").inc
     server = grpc.aio.server(options=server_options(max_receive_message_length=doors.limits.max_request_bytes,
-                                                    max_concurrent_streams=doors.limits.grpc_max_streams),
+                                                    max_concurrent_streams=doors.limits.grpc_max_streams,
+                                                    reuse_port=bool(getattr(args, "reuse_port", False))),
                              interceptors=doors.interceptors(on_refused=refused))
     add_generation_service(GenerationService(router), server)
     serve_metrics(args, core.metrics.registry, "gateway", **doors.metrics_guard())
