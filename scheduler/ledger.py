@@ -71,8 +71,11 @@ ROUND = 256
 ROUND_PER_WORKER = 4
 # Requests whose final write was seen, remembered this long (at most this many): a worker's
 # report can reach the scheduler after the finish it predates (a gRPC stream and a Redis
-# stream do not keep one order), and listing such a request is no orphan.
+# stream do not keep one order), and listing such a request is no orphan. A report is a few
+# hundred milliseconds old at most; a time bound, not only a count, lets the memory stop
+# growing within minutes at any rate (a count alone filled for half an hour at 35 requests/s).
 DONE_MEMORY = 65536
+DONE_MEMORY_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,7 @@ class LedgerConfig:
     placement: PlacementConfig = PlacementConfig()
     prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
     done_memory: int = DONE_MEMORY
+    done_memory_s: float = DONE_MEMORY_S
     moves: MoveConfig = MoveConfig()  # disaggregation and migration (moves.py)
 
 
@@ -132,7 +136,7 @@ class Ledger:
         self.where: dict[str, str] = {}  # request id -> the worker it is placed on
         self._in_hand: set[str] = set()
         self._deadlines: list[tuple[int, str]] = []  # (deadline_unix_ms, request id) of placed requests
-        self._done_recently: dict[str, None] = {}  # insertion-ordered: the oldest go first
+        self._done_recently: dict[str, float] = {}  # id -> when it finished; insertion-ordered: the oldest go first
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.num_reassigned = 0
@@ -239,9 +243,12 @@ class Ledger:
 
     def forget(self, request_id: str) -> None:
         """``request_id`` is finished (its final write is durable): drop every trace of it."""
-        self._done_recently[request_id] = None
-        if len(self._done_recently) > self.cfg.done_memory:
-            del self._done_recently[next(iter(self._done_recently))]
+        done, now = self._done_recently, self.clock()
+        done.pop(request_id, None)
+        done[request_id] = now
+        horizon = now - self.cfg.done_memory_s
+        while done and (len(done) > self.cfg.done_memory or next(iter(done.values())) < horizon):
+            del done[next(iter(done))]
         self.known.pop(request_id, None)
         self._in_hand.discard(request_id)
         self.queue.remove(request_id)

@@ -794,3 +794,17 @@ def test_random_events_with_moves_keep_one_owner_and_end_every_request_exactly_o
     world.drain()
     assert world.ended == {rid: 1 for rid in world.taken}
     assert not world.ledger.where and not world.ledger.queue.ordered() and not world.ledger.transfers
+
+
+def test_finished_requests_are_remembered_for_a_time_and_a_count():
+    clock = Clock()
+    ledger = ledger_with("a", clock=clock, done_memory=3, done_memory_s=10.0)
+    for i in range(4):
+        ledger.forget(f"r{i}")
+        clock.now += 1.0
+    assert [ledger.finished_recently(f"r{i}") for i in range(4)] == [False, True, True, True]  # the count
+    clock.now += 8.5  # r1 finished 11.5 s ago, r2 10.5 s, r3 9.5 s
+    ledger.forget("r4")
+    assert [ledger.finished_recently(f"r{i}") for i in range(1, 5)] == [False, False, True, True]  # the time
+    assert not ledger.is_new("r3") and ledger.is_new("r1")
+    ledger.check_integrity()
