@@ -14,7 +14,8 @@ each request went to is read from Redis (each request's owner key, ``Keys.owner`
 recomputed. Per primary: ``INFO cpu`` and ``INFO commandstats`` over the run, per token of its
 shards, and its CPU over a quiet spell before the run (the fleet up, no request: reports,
 polls, the cluster bus). Per shard's scheduler: its process's CPU per placement (the requests
-of its shard; no failure, so one placement each).
+of its shard; no failure, so one placement each), and the same less its quiet rate over the
+run's wall time (what placing cost beyond the reports and polls it pays whatever the load).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagefleet.bench.token_path import drive, start_cluster, summarize, tree_cpu
+from pagefleet.bench.token_path import _delta, drive, scrape, start_cluster, summarize, tree_cpu
 
-QUIET_S = 2.0  # the quiet spell before a run, for each primary's background CPU
+QUIET_S = 3.0  # the quiet spell before a run, for each primary's and scheduler's background CPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +120,9 @@ class NodeCounters:
         for c in self.clients:
             c.config_resetstat()
 
-    def commands(self) -> list[dict[str, int]]:
-        return [{k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in c.info("commandstats").items()}
+    def commands(self) -> list[dict[str, tuple[int, int]]]:
+        """Per primary: command -> (calls, µs spent running it) since ``reset``."""
+        return [{k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in c.info("commandstats").items()}
                 for c in self.clients]
 
     def shard_of_requests(self, keys_by_shard: dict, run: str) -> dict[str, str]:
@@ -163,23 +165,28 @@ def measure_shards(args, tmp: Path, mode: str) -> dict:
                        concurrency=min(64, args.concurrency), max_tokens=min(16, max_tokens)), tmp)
             time.sleep(1.0)
             schedulers = {shard: cluster.procs[name].pid for name, shard in cluster.scheduler_shards.items()}
+            worker_urls = [cluster.metrics_url(n) for n in cluster.procs if n.startswith("worker")]
             procs = {"gateway": [cluster.procs["gateway"].pid], "scheduler": list(schedulers.values()),
                      "workers": [p.pid for name, p in cluster.procs.items() if name.startswith("worker")]}
-            quiet0 = counters.cpu()
+            quiet0, squiet0 = counters.cpu(), {s: tree_cpu(p) for s, p in schedulers.items()}
             time.sleep(QUIET_S)
-            quiet1 = counters.cpu()
+            quiet1, squiet1 = counters.cpu(), {s: tree_cpu(p) for s, p in schedulers.items()}
             counters.reset()
+            w0 = [scrape(u) for u in worker_urls]
             cpu0 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
             sched0 = {s: tree_cpu(p) for s, p in schedulers.items()}
             rcpu0 = counters.cpu()
+            t0 = time.monotonic()
             out_path = tmp / f"client-{mode}.json"
             subprocess.run([sys.executable, "-m", "pagefleet.bench.token_client",
                             json.dumps(dict(base, run=mode, num_requests=args.requests, concurrency=args.concurrency,
                                             max_tokens=max_tokens, out=str(out_path)))], check=True)
             rcpu1 = counters.cpu()
+            run_s = time.monotonic() - t0
             cpu1 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
             sched1 = {s: tree_cpu(p) for s, p in schedulers.items()}
             stats = counters.commands()
+            w1 = [scrape(u) for u in worker_urls]
             shard_of = counters.shard_of_requests({s: Keys(cluster.cfg.namespace, s) for s in names}, mode)
         finally:
             counters.close()
@@ -201,19 +208,26 @@ def measure_shards(args, tmp: Path, mode: str) -> dict:
     for j, p in enumerate(primaries):
         mine = [name for name in names if p.serves(slot_of[name])]
         units = sum(by_shard[name][per_key] for name in mine)
-        calls = sum(stats[j].values())
+        calls = sum(n for n, _ in stats[j].values())
         nodes.append({
             "node": p.name, "num_slots": sum(b - a + 1 for a, b in p.slots), "shards": mine,
             "num_tokens": sum(by_shard[name]["num_tokens"] for name in mine),
             "num_requests": sum(by_shard[name]["num_requests"] for name in mine),
             "redis_cpu_us": (rcpu1[j] - rcpu0[j]) / units * 1e6 if units else None,
             "redis_commands": calls / units if units else None,
-            "redis_commands_by_name": {k: v / units for k, v in sorted(stats[j].items(), key=lambda kv: -kv[1])}
+            "redis_commands_by_name": {k: n / units for k, (n, _) in sorted(stats[j].items(), key=lambda kv: -kv[1][0])}
+            if units else {},
+            # The µs spent running each command (commandstats' usec; EVALSHA's include those of
+            # the commands its script calls, which are counted under their own names too).
+            "redis_command_us_by_name": {k: us / units for k, (_, us) in sorted(stats[j].items(), key=lambda kv: -kv[1][1])}
             if units else {},
             "quiet_cpu_pct": (quiet1[j] - quiet0[j]) / QUIET_S * 100,
         })
     per = s["num_tokens"] if mode == "stream" else s["num_streams"]
+    steps = sum(_delta(a, b, "pagefleet:iteration_tokens_total_count") or 0 for a, b in zip(w0, w1, strict=True))
+    writes = sum(_delta(a, b, "pagefleet:worker_output_writes_total") or 0 for a, b in zip(w0, w1, strict=True))
     placements = {name: by_shard[name]["num_requests"] for name in names}
+    squiet = {name: (squiet1[name] - squiet0[name]) / QUIET_S for name in names}  # CPU s per s
     return {
         "mode": mode, "backend": args.backend, "label": args.label, "max_tokens": max_tokens,
         "redis": f"Redis Cluster, {len(primaries)} primar{'y' if len(primaries) == 1 else 'ies'}"
@@ -226,14 +240,20 @@ def measure_shards(args, tmp: Path, mode: str) -> dict:
         "num_requests_found_in_shards": sum(placements.values()),
         "by_shard": by_shard,
         "primaries": nodes,
+        "steps_per_write": steps / writes if steps and writes else None,
         "redis_cpu_us": sum(rcpu1[j] - rcpu0[j] for j in range(len(primaries))) / per * 1e6,
-        "redis_commands": sum(sum(x.values()) for x in stats) / per,
+        "redis_commands": sum(n for x in stats for n, _ in x.values()) / per,
         "cpu_us": {k: (cpu1[k] - cpu0[k]) / per * 1e6 for k in procs},
-        "schedulers": [{"shard": name, "num_placements": placements[name],
+        "run_s": run_s,
+        "schedulers": [{"shard": name, "num_placements": placements[name], "quiet_cpu_pct": squiet[name] * 100,
                         "cpu_us_per_placement": (sched1[name] - sched0[name]) / placements[name] * 1e6
-                        if placements[name] else None} for name in names],
+                        if placements[name] else None,
+                        "cpu_us_per_placement_less_quiet": (sched1[name] - sched0[name] - squiet[name] * run_s)
+                        / placements[name] * 1e6 if placements[name] else None} for name in names],
         "scheduler_cpu_us_per_placement": (cpu1["scheduler"] - cpu0["scheduler"]) / max(1, sum(placements.values()))
         * 1e6,
+        "scheduler_cpu_us_per_placement_less_quiet": (cpu1["scheduler"] - cpu0["scheduler"] - sum(squiet.values())
+                                                      * run_s) / max(1, sum(placements.values())) * 1e6,
     }
 
 
@@ -246,12 +266,13 @@ def shards_row(x: dict) -> str:
              f"{','.join(x['shards'])}: {x['num_whole']}/{x['num_streams']} whole, {x['tokens_per_s']:.0f} tok/s; "
              f"per {x['per']}: Redis {x['redis_commands']:.3f} commands {x['redis_cpu_us']:.2f} us, gateway "
              f"{x['cpu_us']['gateway']:.1f} us, workers {x['cpu_us']['workers']:.1f} us; scheduler "
-             f"{x['scheduler_cpu_us_per_placement']:.0f} us a placement"]
+             f"{x['scheduler_cpu_us_per_placement']:.0f} us a placement; steps/write {f(x['steps_per_write'])}"]
     for p in x["primaries"]:
         lines.append(f"{'':>10}primary {p['node']} ({','.join(p['shards']) or 'no shard'}): {p['num_tokens']} tokens, "
                      f"{p['num_requests']} requests, per {x['per']} {f(p['redis_cpu_us'])} us CPU "
                      f"{f(p['redis_commands'], '.3f')} commands; quiet {p['quiet_cpu_pct']:.2f} % CPU")
     for s in x["schedulers"]:
         lines.append(f"{'':>10}scheduler {s['shard']}: {s['num_placements']} placements, "
-                     f"{f(s['cpu_us_per_placement'], '.0f')} us CPU a placement")
+                     f"{f(s['cpu_us_per_placement'], '.0f')} us CPU a placement "
+                     f"({f(s['cpu_us_per_placement_less_quiet'], '.0f')} less its quiet {s['quiet_cpu_pct']:.1f} %)")
     return "\n".join(lines)
