@@ -168,9 +168,9 @@ class GatewayCore:
         msg = cluster_pb2.AssignRequest(
             request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
             priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
-            block_hashes=block_hashes(prompt_ids, size), hash_block_size=size, reply_to=self.reader.reply_to,
+            block_hashes=block_hashes(prompt_ids, size), hash_block_size=size, reply_to=reader.reply_to,
         )
-        with enqueue_span(msg, keys.requests):  # sets msg.traceparent when tracing
+        with enqueue_span(msg, keys.requests, self.name, keys.shard):  # sets msg.traceparent when tracing
             # Never trimmed (no MAXLEN): the stream is a work queue whose entries leave when their
             # requests finish; trimming would drop requests no one has read. ``ADMIT_AND_QUEUE`` bounds it.
             fields = encode_request_entry(msg, int(time.time() * 1000))

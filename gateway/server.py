@@ -190,10 +190,11 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
 
     doors = doors or guard.Doors.from_args(args)
     redis = connect_args(args)
-    metrics = GatewayMetrics()
+    models = served_models(args.model, args.served_model_name, args.shards)
+    metrics = GatewayMetrics(by_model=len(models) > 1)
     router = Router([GatewayCore(redis, [Keys(args.namespace, s) for s in m.shards], load_model_spec(m.path), args,
-                                 doors.limits, name=m.name, metrics=metrics)
-                     for m in served_models(args.model, args.served_model_name, args.shards)])
+                                 doors.limits, name=m.name, metrics=metrics.for_model(m.name))
+                     for m in models])
     core = router.default
     refused = core.metrics.unauthenticated.labels("grpc").inc
     server = grpc.aio.server(options=server_options(max_receive_message_length=doors.limits.max_request_bytes,

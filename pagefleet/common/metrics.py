@@ -349,13 +349,21 @@ class GatewayMetrics:
     A completion request over HTTP counts as a Generate call (by the gRPC code its HTTP
     status stands for: 400 INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, ...); every HTTP
     response is also counted by route and HTTP status in ``http_requests``.
+
+    ``by_model``: the calls' series (requests, shed, in flight, TTFT, latency) carry a
+    ``model`` label (a gateway serving several models); each model's core counts through
+    ``for_model(name)``. Without it (one model) the series carry no model label, as before.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, by_model: bool = False) -> None:
         r = self.registry = _registry(registry)
+        self.model: str | None = None  # the model of a ``for_model`` view
+        self._root = self
+        self.by_model = by_model
+        per_call = ["model"] if by_model else []
         self.requests = Counter(
             "pagefleet:gateway_requests", "Generate calls (gRPC or HTTP completions) answered, by gRPC status code.",
-            ["code"], registry=r,
+            ["code", *per_call], registry=r,
         )
         self.http_requests = Counter(
             "pagefleet:gateway_http_requests", "HTTP requests answered, by route and HTTP status code.",
@@ -363,27 +371,44 @@ class GatewayMetrics:
         )
         self.shed = Counter(
             "pagefleet:gateway_shed_requests", "Requests refused with RESOURCE_EXHAUSTED (queue full).",
-            registry=r,
+            per_call, registry=r,
         )
         self.unauthenticated = Counter(
             "pagefleet:gateway_unauthenticated_requests",
             "Calls refused for a missing or wrong API key, by door (grpc, http).", ["door"], registry=r,
         )
-        self.in_flight = Gauge("pagefleet:gateway_requests_in_flight", "Generate calls open now.", registry=r,
-                               multiprocess_mode="livesum")  # summed over `gateway --processes`
+        self.in_flight = Gauge("pagefleet:gateway_requests_in_flight", "Generate calls open now.", per_call,
+                               registry=r, multiprocess_mode="livesum")  # summed over `gateway --processes`
         self.ttft = Histogram(
             "pagefleet:gateway_time_to_first_token_seconds", "From the call to its first streamed token.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            per_call, buckets=LATENCY_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
             "pagefleet:gateway_request_latency_seconds", "From the call to its end.",
-            buckets=REQUEST_BUCKETS, registry=r,
+            per_call, buckets=REQUEST_BUCKETS, registry=r,
         )
+
+    def for_model(self, model: str) -> GatewayMetrics:
+        """The series of ``model``'s calls (``""``: calls naming no served model); this set
+        itself when the series carry no model label."""
+        import copy
+
+        root = self._root
+        if not root.by_model:
+            return root
+        view = copy.copy(root)
+        view.model = model
+        for name in ("shed", "in_flight", "ttft", "e2e"):
+            setattr(view, name, getattr(root, name).labels(model=model))
+        return view
 
     def finished(self, code: Any, seconds: float | None = None) -> None:
         """Count one finished call; ``code`` a ``grpc.StatusCode`` or its name."""
         name = getattr(code, "name", None) or str(code)
-        self.requests.labels(name).inc()
+        if self.model is None:
+            self.requests.labels(name).inc()
+        else:
+            self.requests.labels(code=name, model=self.model).inc()
         if seconds is not None:
             self.e2e.observe(seconds)
 

@@ -79,12 +79,24 @@ def add_common_flags(parser: argparse.ArgumentParser, metrics_help: str = METRIC
 
 def setup_logging(component: str, args) -> None:
     """Logs as ``pagefleet.common.log`` sets them up, at the level and format of the flags; and
-    tracing, when the ``OTEL_*`` variables ask for it (``pagefleet.common.telemetry``)."""
+    tracing, when the ``OTEL_*`` variables ask for it (``pagefleet.common.telemetry``); a
+    process of one shard (``--shard``) names it and its model on every span."""
+    from pagefleet.common import telemetry
     from pagefleet.common.log import configure_logging
-    from pagefleet.common.telemetry import setup_tracing
 
     configure_logging(component, level=args.log_level, fmt=args.log_format)
-    setup_tracing(component)
+    telemetry.setup_tracing(component, attributes=shard_attributes(args))
+
+
+def shard_attributes(args) -> dict[str, str]:
+    """The shard and model of a one-shard process (a scheduler, a worker), from its flags."""
+    shard = getattr(args, "shard", None)
+    if not isinstance(shard, str):
+        return {}
+    from pagefleet.common import telemetry
+
+    model = getattr(args, "served_model_name", None) or getattr(args, "model", None)
+    return {telemetry.SHARD: shard, **({telemetry.MODEL: model} if isinstance(model, str) else {})}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
