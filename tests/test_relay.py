@@ -100,7 +100,7 @@ def test_a_relay_whose_client_does_not_read_is_bounded_and_loses_nothing(redis_u
         epoch = await f.assign("a", 1, "w1")
         await _write_all(f, "a", epoch, 100)  # the client reads nothing meanwhile
         await asyncio.sleep(0.3)
-        assert rel.detached and len(rel.buffer) == 0  # the backlog stays in Redis
+        assert rel.detached and rel.num_buffered == 0 and rel.num_tokens == 0  # the backlog stays in Redis
         msgs = [m async for m in relay_steps(r, keys, rel, 3)]
         _check_whole(msgs, 100)
         await reader.stop()
