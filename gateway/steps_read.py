@@ -8,7 +8,7 @@ comes (~40 µs of CPU less a read). With a Redis Cluster client (no single conne
 hold; all of a shard's steps streams share one slot) the read goes through the client.
 
 Either way a read returns ``[(stream, [(entry_id, [field, value, field, value, ...]), ...]), ...]``
-(streams as ``str``, the rest as ``bytes``); errors propagate (``retry`` sends it again), and a
+(pairs as lists or tuples; streams as ``str``, the rest as ``bytes``); errors propagate (``retry`` sends it again), and a
 connection that failed or was interrupted mid-reply is dropped, never reused.
 """
 
