@@ -160,12 +160,17 @@ class StepRelay:
     """
 
     __slots__ = ("request_id", "order", "detached", "wake_after", "num_buffered", "_start", "_token_ids",
-                 "_texts", "_logprobs", "_last", "_wake", "_loop")
+                 "_texts", "_logprobs", "_last", "_wake", "_loop", "_waiting", "wait_until")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """``loop``: the running one (default: looked up; each look-up costs a ``getpid``)."""
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None,
+                 waiting: set[StepRelay] | None = None) -> None:
+        """``loop``: the running one (default: looked up; each look-up costs a ``getpid``).
+        ``waiting``: where a waiting relay puts itself for its reader to end the waits past
+        their time (``StepReader``'s sweep: no timer per wait); None: a timer per wait."""
         self.request_id = request_id
         self._loop = loop or asyncio.get_running_loop()
+        self._waiting = waiting
+        self.wait_until = 0.0  # the loop's time at which a wait ends without news
         self.order = Reorder()  # fed up to ``order.next_index``; taken up to ``_start``
         self.detached = False  # past MAX_BUFFERED: read from the request's output stream instead
         self.wake_after = 1  # tokens fed before its reader is woken (``--stream-interval``)
@@ -259,13 +264,26 @@ class StepRelay:
             return True
         loop = self._loop
         wake = self._wake = loop.create_future()
-        timer = loop.call_later(timeout_s, _expire, wake)
+        waiting = self._waiting
+        if waiting is None:
+            timer = loop.call_later(timeout_s, _expire, wake)
+        else:
+            self.wait_until = loop.time() + timeout_s
+            waiting.add(self)
         try:
             await wake
             return bool(wake.result()) or self.detached
         finally:
-            timer.cancel()
+            if waiting is None:
+                timer.cancel()
+            else:
+                waiting.discard(self)
             self._wake = None
+
+    def expire(self) -> None:
+        """End a wait that is past its time (its ``wait`` returns False)."""
+        if self._wake is not None:
+            _expire(self._wake)
 
 
 def _expire(wake: asyncio.Future) -> None:
@@ -284,7 +302,8 @@ class StepReader:
 
     Started with the first relay. Every ``REFRESH_S`` it looks up the workers (one ``HKEYS``,
     and Redis's clock) and starts reading a new worker's stream ``LOOKBACK_MS`` before now, so
-    a worker found late loses nothing a relay could want.
+    a worker found late loses nothing a relay could want. Its sweep ends the relays' waits
+    that saw nothing for their time (``StepRelay.wait``), with no timer per wait.
     """
 
     def __init__(self, redis, keys: Keys) -> None:
@@ -296,6 +315,8 @@ class StepReader:
         self._cursors: dict[str, str] = {}  # steps stream -> last id read
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: set[StepRelay] = set()  # relays waiting for news (``StepRelay.wait``)
+        self._sweeper: asyncio.Task | None = None
         self._read = StepsRead(redis)
         self._refreshed_at = 0.0
         self.num_reads = 0
@@ -305,18 +326,21 @@ class StepReader:
         if self._task is None or self._task.done():
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._run())
+            if self._sweeper is None or self._sweeper.done():
+                self._sweeper = self._loop.create_task(self._sweep())
         r = self.relays.get(request_id)
         if r is None:
-            r = self.relays[request_id] = StepRelay(request_id, self._loop)
+            r = self.relays[request_id] = StepRelay(request_id, self._loop, self._waiting)
         return r
 
     def close(self, request_id: str) -> None:
         self.relays.pop(request_id, None)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._sweeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self._read.close()
 
     async def _refresh(self) -> None:
@@ -360,6 +384,15 @@ class StepReader:
             except Exception:  # a bug must not stop every relay: they fall back to their own streams
                 log.exception("steps.read_failed")
                 await asyncio.sleep(0.1)
+
+    async def _sweep(self) -> None:
+        """End the waits past their time, every fifth of ``SILENCE_S`` (so a wait ends within
+        1.2 times its time); apart from the read, so a Redis that does not answer delays none."""
+        while True:
+            await asyncio.sleep(SILENCE_S / 5)
+            now = self._loop.time()
+            for r in [r for r in self._waiting if r.wait_until <= now]:
+                r.expire()
 
     def _dispatch(self, raw: bytes) -> None:
         relays = self.relays
