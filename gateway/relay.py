@@ -7,8 +7,9 @@ the steps streams of every worker with **one** blocking ``XREAD`` (``StepReader`
 each message to the relay of its request, if this process holds one; so the Redis
 connections and commands of the reads do not grow with the requests relayed.
 
-Bounds: a relay buffers at most ``MAX_BUFFERED`` messages its client has not taken. Past
-that (a client that does not read) it is detached: the reader stops feeding it, and it
+Bounds: a relay buffers at most ``MAX_BUFFERED`` messages its client has not taken (gathered
+as they come into one pending message: ``StepRelay``). Past that (a client that does not
+read) it is detached: the reader stops feeding it, and it
 goes on from the request's own output stream at its client's pace, so the backlog stays in
 Redis, never in the gateway. Its client takes whatever waits at once: a client that falls
 behind gets several steps in one message. The same stream is read when a relay sees nothing

@@ -180,3 +180,29 @@ def test_logprobs_reach_the_responses_cut_with_their_tokens(redis_url):
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_a_step_relay_gathers_messages_in_order_and_a_detach_goes_back_to_what_was_taken(monkeypatch):
+    from pagefleet.gateway.relay import StepRelay
+
+    monkeypatch.setattr(relay_mod, "MAX_BUFFERED", 4)
+
+    async def go():
+        r = StepRelay("a", asyncio.get_running_loop())
+        r.feed(OutEntry(0, [0, 1], "ab"))
+        r.feed(OutEntry(3, [3], "d"))  # past a gap: held
+        r.feed(OutEntry(1, [1], "b"))  # a repeat: dropped
+        assert r.num_tokens == 2 and r.order.has_gap
+        r.feed(OutEntry(2, [2], "c"))  # fills the gap
+        msg = r.take()
+        assert (msg.index, list(msg.token_ids), msg.text) == (0, [0, 1, 2, 3], "abcd")
+        assert r.take() is None
+        r.feed(OutEntry(4, [4], "e"))
+        r.feed(OutEntry(5, [5], "f"))
+        for i in range(6, 9):  # past the bound, not taken: detached
+            r.feed(OutEntry(i, [i], "x"))
+        assert r.detached and r.num_tokens == 0 and r.order.next_index == 4  # goes on after what was taken
+        r.feed(OutEntry(9, [9], "y", "length"))
+        assert r.take() is None and not r.finished
+
+    asyncio.run(go())
