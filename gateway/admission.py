@@ -5,7 +5,8 @@ request with one ``ADMIT_AND_QUEUE`` (common/scripts.py). Sent one by one, each 
 Redis client round of its own (a connection from the pool, a send, a parse: ~100 µs of the
 gateway's CPU with redis-py); ``Admissions`` sends every call made in the same turn as one
 non-transactional pipeline, so that cost is shared. Nothing waits for company: the batch
-goes at the end of the turn in which its first call came, alone if it is alone.
+goes at the end of the turn in which its first call came, alone (a plain ``EVALSHA``) if it
+is alone.
 
 Each script stays one atomic step on its own keys (one slot), in the order the calls came;
 a pipeline is not a transaction and needs none. A call's answer is its script's, or the error
@@ -32,7 +33,7 @@ class Admissions:
         self.script = script
         self._batch: list[tuple[list, list, asyncio.Future]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.num_rounds = 0  # pipelines sent
+        self.num_rounds = 0  # round trips sent (a script Redis lost adds one)
 
     def __call__(self, keys: list, args: list) -> asyncio.Future:
         if self._loop is None:
@@ -51,6 +52,11 @@ class Admissions:
         import redis.exceptions as rx
 
         try:
+            if len(batch) == 1:  # alone: the plain call is cheaper than a pipeline of one
+                keys, args, fut = batch[0]
+                self.num_rounds += 1
+                _answer(fut, await self.script(keys=keys, args=args))
+                return
             todo = batch
             for attempt in range(2):
                 self.num_rounds += 1

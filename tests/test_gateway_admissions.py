@@ -120,3 +120,16 @@ def test_on_a_redis_cluster_both_go_through_the_cluster_client():
 
     with RedisClusterServer(num_primaries=3, replicas=0) as c:
         asyncio.run(go(c.url))
+
+
+def test_a_call_alone_in_its_turn_is_a_plain_call_and_loads_a_lost_script(redis_url):
+    async def go():
+        r = connect(redis_url)
+        admit = Admissions(r, r.register_script(ADMIT_AND_QUEUE))
+        await r.script_flush()
+        assert (await _call(admit, "a4", 0))[0] == 1
+        assert (await _call(admit, "a4", 0)) == [0]
+        assert admit.num_rounds == 2 and await r.xlen("a4:requests") == 1
+        await r.aclose()
+
+    asyncio.run(go())
