@@ -37,6 +37,7 @@ from pagefleet.common.scripts import ADMIT_AND_QUEUE
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
 
+from .admission import Admissions
 from .limits import Limits
 from .observe import enqueue_span
 from .relay import StepReader, relay, relay_steps
@@ -102,7 +103,7 @@ class GatewayCore:
         self.args = args
         self.limits = limits or Limits()
         self.metrics = metrics or GatewayMetrics()
-        self._admit_and_queue = redis.register_script(ADMIT_AND_QUEUE)
+        self._admit_and_queue = Admissions(redis, redis.register_script(ADMIT_AND_QUEUE))
         self._cancels: set[asyncio.Task] = set()
         # One read of every worker's steps for all relays, per shard (a shard's streams share a slot).
         self.readers = {k.shard: StepReader(redis, k) for k in self.shards}
@@ -185,7 +186,7 @@ class GatewayCore:
             opened = rid not in reader.relays
             reader.open(rid)
             try:
-                answer = await retry(lambda: self._admit_and_queue(keys=script_keys, args=args), what="enqueue",
+                answer = await retry(lambda: self._admit_and_queue(script_keys, args), what="enqueue",
                                      attempts=_ATTEMPTS)
             except BaseException:
                 if opened:
