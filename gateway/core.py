@@ -200,6 +200,7 @@ class GatewayCore:
                            "retry later", self.args.retry_after)
             if answer[0] == 0:
                 return Queued(rid, len(prompt_ids), fresh=False)
+        self.metrics.queued_to(self.name, keys.shard)
         log.info("request.enqueued", request_id=rid, num_prompt_tokens=len(prompt_ids),
                  priority=request.priority, traceparent=msg.traceparent, model=self.name, shard=keys.shard)
         entry_id = answer[1].decode() if isinstance(answer[1], bytes) else str(answer[1])

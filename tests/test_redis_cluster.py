@@ -184,6 +184,13 @@ def test_gateway_metrics_carry_the_model_of_each_call(fleet):
     ttft = "pagefleet:gateway_time_to_first_token_seconds_count"
     assert after[(ttft, (("model", "llama"),))] - before.get((ttft, (("model", "llama"),)), 0.0) == 1
 
+    def queued(g, model, shard):
+        return g.get(("pagefleet:gateway_queued_requests_total", (("model", model), ("shard", shard))), 0.0)
+
+    # Each request is counted on the shard it was queued to (one shard a model here).
+    assert queued(after, "llama", "s1") - queued(before, "llama", "s1") == 1
+    assert queued(after, "tiny", "s0") - queued(before, "tiny", "s0") == 1
+
 
 def test_stream_reads_on_the_cluster_ask_no_node_for_their_keys(redis_cluster):
     """redis-py would ask one node (``COMMAND GETKEYS``) for the keys of every XREAD and

@@ -232,6 +232,7 @@ class Worker:
             observer=WorkerObserver(self.worker_id, self.metrics, args.model),
             room=self.writer.has_room,
         )
+        self.metrics.observe_stats(self.loop.snapshot)  # the pool's size from the start, not from a first step
         self.scheduler_epoch = 0  # the newest scheduler epoch an Assign came with
         self.beat = 0
         self.draining = False

@@ -387,6 +387,10 @@ class GatewayMetrics:
             "pagefleet:gateway_request_latency_seconds", "From the call to its end.",
             per_call, buckets=REQUEST_BUCKETS, registry=r,
         )
+        self.queued = Counter(
+            "pagefleet:gateway_queued_requests", "Requests queued to a shard's request stream, by model and shard.",
+            ["model", "shard"], registry=r,
+        )
 
     def for_model(self, model: str) -> GatewayMetrics:
         """The series of ``model``'s calls (``""``: calls naming no served model); this set
@@ -401,6 +405,10 @@ class GatewayMetrics:
         for name in ("shed", "in_flight", "ttft", "e2e"):
             setattr(view, name, getattr(root, name).labels(model=model))
         return view
+
+    def queued_to(self, model: str, shard: str) -> None:
+        """Count one request queued to ``shard``'s request stream for ``model``."""
+        self.queued.labels(model=model, shard=shard).inc()
 
     def finished(self, code: Any, seconds: float | None = None) -> None:
         """Count one finished call; ``code`` a ``grpc.StatusCode`` or its name."""
