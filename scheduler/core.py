@@ -48,10 +48,12 @@ from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .ledger import Ledger, LedgerConfig
+from .moves import MoveConfig
 from .observe import assign_span
 from .placement import Placement, PlacementConfig
 from .prefix_index import DEFAULT_MAX_KEYS
 from .queue import Pending
+from .transfers import TransferRunner
 from .workers import ROLES, Placed, WorkerEntry
 
 log = structlog.get_logger("scheduler")
@@ -101,11 +103,12 @@ class SchedulerConfig:
     adopt_wait_s: float = 2.0
     placement: PlacementConfig = PlacementConfig()
     prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
+    moves: MoveConfig = MoveConfig()  # KV moves between workers (moves.py; transfers.py runs them)
 
     def ledger_config(self) -> LedgerConfig:
         return LedgerConfig(policy=self.policy, aging_s=self.aging_s, headroom_tokens=self.headroom_tokens,
                             preempt=self.preempt_mode != "off", placement=self.placement,
-                            prefix_index_size=self.prefix_index_size)
+                            prefix_index_size=self.prefix_index_size, moves=self.moves)
 
 
 class ClusterScheduler:
@@ -139,6 +142,8 @@ class ClusterScheduler:
         self._rounds: set[asyncio.Task] = set()  # rounds being fenced and sent (_dispatch)
         self._round_slots = asyncio.Semaphore(_ROUNDS_IN_FLIGHT)
         self.metrics.bind(self.ledger)
+        self.transfers = TransferRunner(self.ledger, self.metrics, resume=self._requeue, worker_dead=self._worker_dead,
+                                        cancel=self._tell_cancel_soon, wake=self._wake.set)
 
     # -- life ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -163,6 +168,7 @@ class ClusterScheduler:
     async def close(self) -> None:
         for t in (*self._tasks, *self._cancel_calls, *self._rounds):
             t.cancel()
+        await self.transfers.close()
         for w in self.ledger.workers.values():
             if w.channel is not None:
                 await w.channel.close()
@@ -302,10 +308,15 @@ class ClusterScheduler:
         if w is not None and w.alive:
             # Not awaited: the worker answers between two of its steps, and this is the intake's
             # path (a storm of cancels would hold every new request back a step each).
+            self._tell_cancel_soon(w, rid)
+            log.info("request.cancel_sent", request_id=rid, worker_id=w.worker_id)
+
+    def _tell_cancel_soon(self, w: WorkerEntry, rid: str) -> None:
+        """``_tell_cancel`` in the background."""
+        if w.alive:
             call = asyncio.create_task(self._tell_cancel(w, rid))
             self._cancel_calls.add(call)
             call.add_done_callback(self._cancel_calls.discard)
-            log.info("request.cancel_sent", request_id=rid, worker_id=w.worker_id)
 
     async def _tell_cancel(self, w: WorkerEntry, rid: str) -> None:
         """Best effort: ask ``w`` to drop ``rid`` now and free its blocks (its writes are fenced
@@ -485,6 +496,7 @@ class ClusterScheduler:
             for rid in running:
                 if rid in self.ledger.where:  # still running: cut it off
                     await self._cancel(rid, "error", "deadline exceeded while running")
+            await self.transfers.tick()
             self._wake.set()
             now = time.monotonic()
             n = self.ledger.num_waiting
@@ -513,6 +525,10 @@ class ClusterScheduler:
                     ((p, placement),) = decision.claims
                     if (await self._assign_claimed(decision.claims))[0]:
                         await self._preempt(placement.worker, decision.victims, p)
+                    self.transfers.start(decision.moves)
+                elif decision.moves:  # every victim moves to another worker instead
+                    self.transfers.start(decision.moves)
+                    await self._assign_claimed(decision.claims)
                 elif decision.claims:
                     await self._round_slots.acquire()
                     task = asyncio.create_task(self._send_round(decision.claims))
@@ -521,6 +537,7 @@ class ClusterScheduler:
                 else:
                     break  # empty, or head of line: it waits until a report shows room
                 self._reap_rounds()
+            self.transfers.start(self.ledger.decide_moves())
 
     async def _send_round(self, claimed: list[tuple[Pending, Placement]]) -> None:
         try:
@@ -639,4 +656,7 @@ class ClusterScheduler:
             policy=self.cfg.policy,
             placement=self.cfg.placement.policy,
             num_prefix_index_keys=ledger.num_prefix_index_keys,
+            num_migrated=ledger.num_transfers_done,
+            num_transfers_expired=ledger.num_transfers_expired,
+            num_in_transfer=ledger.num_in_transfer,
         )

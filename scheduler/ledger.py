@@ -40,10 +40,13 @@ nothing was claimed before it, the round places it by preempting lower-priority 
 (``workers.pick_victims``) when preemption is on. Head of line: no request is overtaken.
 
 Moving KV (moves.py): with workers of role ``prefill`` the rounds disaggregate
-conditionally; ``prefilled`` / ``decide_moves`` start transfers (to a decoding worker, for
-load balance), ``transfer_done`` hands a request over, ``expired_transfers`` takes back those
-past their lease, ``called_off`` names those a death or a drop ended. A request in transfer
-is placed on its source (``where``) and holds a reservation on its target's ``placed``.
+conditionally; ``prefilled`` / ``decide_moves`` start transfers (to a decoding worker, off a
+worker draining by migration, for load balance), ``transfer_done`` hands a request over,
+``expired_transfers`` takes back those past their lease, ``called_off`` names those a death or
+a drop ended. A request in transfer is placed on its source (``where``) and holds a
+reservation on its target's ``placed``. Its source's reports may stop naming it before the
+transfer's answer comes (the source lets it go at the handover): that is no drop; the answer
+(``transfer_done``, ``transfer_refused``) or the deadline settles it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from dataclasses import dataclass, field
 
 from pagefleet.protos import cluster_pb2
 
-from .moves import MoveConfig, Transfer, balance_moves, best_target, decodes, prefills
+from .moves import MoveConfig, Transfer, balance_moves, best_target, decodes, drain_moves, prefills
 from .placement import Placement, PlacementConfig, Placer
 from .prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
 from .queue import GlobalQueue, Pending
@@ -406,11 +409,16 @@ class Ledger:
 
     def decide_moves(self) -> list[Transfer]:
         """Transfers to start now: prefilled requests to decoding workers (in the order they
-        were prefilled, while one fits), then load-balance moves (``MoveConfig.migrate_above``).
+        were prefilled, while one fits), the requests of workers draining by migration, then
+        load-balance moves (``MoveConfig.migrate_above``).
         Each is recorded at once (its target's reservation placed); the caller starts the copy
         and reports its end with ``transfer_done`` (or lets the deadline take it back)."""
         moves = self._handovers()
         sending = Counter(t.source.worker_id for t in self.transfers.values())
+        for pl, source, target in drain_moves(list(self.workers.values()), self.where, self.transfers, sending,
+                                              self.cfg.headroom_tokens):
+            moves.append(self._start(pl.pending, source, target, "drain"))
+            sending[source.worker_id] += 1
         for pl, source, target in balance_moves([w for w in self.workers.values() if decodes(w)], self.where,
                                                 self.transfers, sending, self.cfg.moves, self.cfg.headroom_tokens):
             moves.append(self._start(pl.pending, source, target, "balance"))
@@ -517,9 +525,12 @@ class Ledger:
         self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
                                 report.block_hashes_reset)
         for rid in vanished:
-            if rid in self.transfers:  # either side dropped it: the move is off
+            t = self.transfers.get(rid)
+            if t is not None and w is t.target:  # the target dropped what it received: the move is off
                 self._call_off(rid)
-        resume = self.dropped(w, vanished)
+        # Gone from its source while in transfer: handed over, or dropped there; the transfer's
+        # answer (or its deadline) settles which, not this report.
+        resume = self.dropped(w, [rid for rid in vanished if rid not in self.transfers])
         withdraw = [] if self.adopting else self._orphans(orphans)
         return ReportOutcome(resume, withdraw, room is None or bool(vanished) or w.num_available_blocks > room)
 
