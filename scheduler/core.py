@@ -411,6 +411,8 @@ class ClusterScheduler:
                     return
                 out = self.ledger.on_report(w, report)
                 self.metrics.observe_report(w.worker_id, report)
+                if report.prefilled_request_ids or w.role == "prefill":
+                    self.transfers.prefilled(w, report.prefilled_request_ids)
                 for p in out.resume:  # dropped without a finish reported: resume (or forget) it
                     log.warning("request.vanished", request_id=p.request_id, worker_id=w.worker_id)
                     await self._requeue(p)

@@ -56,12 +56,24 @@ class TransferRunner:
         self.ledger, self.metrics = ledger, metrics
         self.resume, self.worker_dead, self.cancel, self.wake = resume, worker_dead, cancel, wake
         self._calls: set[asyncio.Task] = set()
+        self._prefilled: dict[str, set[str]] = {}  # prefill worker id -> the prefilled requests it named
 
     def start(self, transfers: list[Transfer]) -> None:
         for t in transfers:
             task = asyncio.create_task(self._run(t), name=f"migrate-{t.request_id}")
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
+
+    def prefilled(self, w: WorkerEntry, request_ids) -> None:
+        """``w`` (role prefill) reports these requests prefilled: start the handoffs to decode
+        workers the ledger decides for those it names for the first time (the others wait in the
+        ledger for a decode worker with room: ``decide_moves`` starts them)."""
+        seen = self._prefilled.get(w.worker_id, set())
+        now = set(request_ids)
+        for rid in request_ids:
+            if rid not in seen:
+                self.start(self.ledger.prefilled(rid))
+        self._prefilled[w.worker_id] = now
 
     async def close(self) -> None:
         for task in list(self._calls):

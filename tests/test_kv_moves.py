@@ -8,7 +8,7 @@ import signal
 import threading
 
 import pytest
-from cluster_fixtures import PROMPTS, generate_all, log_events, reference, start_cluster, wait_for
+from cluster_fixtures import PROMPTS, generate_all, log_events, start_cluster, wait_for
 
 from pagefleet import Engine, SamplingParams
 
@@ -16,11 +16,25 @@ MAX_TOKENS = 128
 SEED = 1234
 
 
+_ENGINE: list[Engine] = []
+
+
+def _engine() -> Engine:
+    """One in-process engine for every reference of this module (an undisturbed, colocated run)."""
+    if not _ENGINE:
+        _ENGINE.append(Engine(model="tiny", device="cpu"))
+    return _ENGINE[0]
+
+
+def reference(prompts: list[str], max_tokens: int) -> list[list[int]]:
+    outs = _engine().generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
 def seeded_reference(prompts: list[str], max_tokens: int) -> list[list[int]]:
-    engine = Engine(model="tiny", device="cpu")
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=SEED + i, ignore_eos=True)
               for i in range(len(prompts))]
-    return [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    return [_engine().generate([p], sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
 
 
 def run_seeded(target: str, prompts: list[str], max_tokens: int):
@@ -78,3 +92,68 @@ def test_drain_by_migration_moves_every_request_with_its_kv_tokens_identical(kv_
     assert state.num_migrated >= 2 and state.num_reassigned == 0 and state.num_transfers_expired == 0
     ended = [e for e in log_events(kv_cluster.log_dir, "scheduler") if e.get("event") == "transfer.ended"]
     assert {e["reason"] for e in ended} == {"drain"} and sum(e["outcome"] == "migrated" for e in ended) >= 2
+
+
+def transfers_ended(cluster, reason: str) -> list[dict]:
+    return [e for e in log_events(cluster.log_dir, "scheduler")
+            if e.get("event") == "transfer.ended" and e.get("reason") == reason]
+
+
+@pytest.mark.timeout(240)
+def test_the_scheduler_balances_load_by_live_migration(tmp_path):
+    """Every request lands on worker-0 (the only one that prefills: worker-1 decodes only); the
+    scheduler (--migrate-above) moves running requests to the idle worker-1 with their KV,
+    tokens as undisturbed."""
+    c = start_cluster(tmp_path, num_workers=1, worker_args=["--num-blocks", "96", "--kv-transfer", "nixl"],
+                      scheduler_args=["--migrate-above", "0.2", "--migrate-below", "0.2", "--short-prompt-tokens", "0"])
+    c.log_dir = tmp_path
+    try:
+        c.add_worker(["--role", "decode"])
+        c.wait_ready(num_workers=2)
+        prompts, max_tokens = PROMPTS[8:11], 128
+        results = generate_all(c.gateway_target, prompts, max_tokens)
+        assert [o.token_ids for o in results] == reference(prompts, max_tokens)
+        placed = {e["worker_id"] for e in log_events(c.log_dir, "scheduler") if e.get("event") == "request.placed"}
+        assert placed == {"worker-0"}
+        moved = [e for e in transfers_ended(c, "balance") if e["outcome"] == "migrated"]
+        assert moved and all((e["source"], e["target"]) == ("worker-0", "worker-1") for e in moved), moved
+        assert c.scheduler_state().num_reassigned == 0
+    finally:
+        c.stop()
+
+
+@pytest.mark.timeout(240)
+def test_prefill_decode_disaggregation_hands_prompts_over_with_their_kv(tmp_path):
+    """A prefill worker and a decode worker: long prompts prefill on the first and decode on the
+    second (their KV moved at once), short ones prefill on the decode worker; tokens identical
+    to a colocated run, greedy and seeded."""
+    c = start_cluster(tmp_path, num_workers=1, worker_args=["--num-blocks", "256", "--kv-transfer", "nixl",
+                                                             "--role", "prefill"],
+                      scheduler_args=["--short-prompt-tokens", "40"])
+    c.log_dir = tmp_path
+    try:
+        c.add_worker(["--role", "decode"])
+        c.wait_ready(num_workers=2)
+        long_prompts = [p + " and runs on into the long grass past the old stone wall" for p in PROMPTS[:3]]
+        greedy, seeded = [*long_prompts, "a short one"], [p + " again" for p in long_prompts]
+        results: dict[str, list] = {}
+        threads = [
+            threading.Thread(target=lambda: results.__setitem__("greedy", generate_all(c.gateway_target, greedy, 48))),
+            threading.Thread(target=lambda: results.__setitem__("seeded", run_seeded(c.gateway_target, seeded, 48))),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert [o.token_ids for o in results["greedy"]] == reference(greedy, 48)
+        assert [o.token_ids for o in results["seeded"]] == seeded_reference(seeded, 48)
+        handed = [e for e in transfers_ended(c, "disaggregation") if e["outcome"] == "migrated"]
+        assert len(handed) >= len(long_prompts) * 2 - 1, handed  # one may finish before its handoff
+        assert len({e["request_id"] for e in handed}) == len(handed), "each handed over once"
+        assert all((e["source"], e["target"]) == ("worker-0", "worker-1") for e in handed)
+        placed = {e["request_id"]: e["worker_id"] for e in log_events(c.log_dir, "scheduler")
+                  if e.get("event") == "request.placed"}
+        short_id = results["greedy"][3].request_id
+        assert placed[short_id] == "worker-1", "a short prompt prefills on the decode worker"
+    finally:
+        c.stop()

@@ -79,6 +79,10 @@ class EngineLoop:
         # request id -> its live migration out of here (migration.LiveMigration), advanced
         # between steps, and the future its stats go to when it ends
         self._migrations: dict[str, tuple[object, Future]] = {}
+        # On a worker of role prefill (set by its owner): the requests whose prompt is computed,
+        # refreshed with the snapshot, for the reports
+        self.track_prefilled = False
+        self.prefilled_ids: tuple[str, ...] = ()
         self._refresh(force_notify=True)
 
     # -- life --------------------------------------------------------------------------
@@ -275,6 +279,9 @@ class EngineLoop:
     # -- occupancy -----------------------------------------------------------------------
     def _refresh(self, force_notify: bool = False) -> None:
         snap = self.snapshot = self.engine.stats()  # once per step, on the engine thread
+        if self.track_prefilled:
+            self.prefilled_ids = tuple(rid for rid, r in self.engine.requests.items()
+                                       if r.num_output_tokens and r.num_computed_tokens >= r.num_tokens - 1)
         self.kv_events.publish(self.engine.kv)
         ids = frozenset(snap.request_ids)
         last_free, last_ids = self._last_notified

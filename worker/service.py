@@ -265,6 +265,7 @@ class Worker:
         self.address = ""
         self.kv_transport = None  # with --kv-transfer nixl: the pool registered (start_kv_transfer)
         self.migrations = Migrations(self)
+        self.loop.track_prefilled = args.role == "prefill"
 
     def start_kv_transfer(self) -> None:
         """Register the KV pool with NIXL (once, at start); peers meet it over ``KvPeer``."""
@@ -320,6 +321,8 @@ class Worker:
             block_hashes_reset=reset, holdings=holdings, role=self.args.role,
         )
         report.drain_by_migration = self.draining and self.drains_by_migration
+        if self.loop.track_prefilled:
+            report.prefilled_request_ids.extend(self.loop.prefilled_ids)
         return report
 
     @property
