@@ -142,7 +142,7 @@ class ClusterScheduler:
         self._rounds: set[asyncio.Task] = set()  # rounds being fenced and sent (_dispatch)
         self._round_slots = asyncio.Semaphore(_ROUNDS_IN_FLIGHT)
         self.metrics.bind(self.ledger)
-        self.transfers = TransferRunner(self.ledger, self.metrics, resume=self._requeue, worker_dead=self._worker_dead,
+        self.transfers = TransferRunner(self.ledger, self.metrics, redis, keys, resume=self._requeue, worker_dead=self._worker_dead,
                                         cancel=self._tell_cancel_soon, wake=self._wake.set)
 
     # -- life ------------------------------------------------------------------------------
@@ -280,15 +280,15 @@ class ClusterScheduler:
             raise StaleScheduler(f"scheduler epoch {self.epoch} is no longer the current one")
         return epoch
 
-    async def _requeue(self, p: Pending, worker_dead: bool = False) -> None:
+    async def _requeue(self, p: Pending, worker_dead: str = "") -> None:
         """Queue ``p`` (in the ledger's hand) again to resume after the tokens it emitted:
         fenced first, so the output read is final (nobody before can add to it); ``worker_dead``:
-        its worker was declared dead (its steps stream is fenced: it can add nothing more)."""
+        the worker declared dead it was on (its steps stream is fenced: it can add nothing more)."""
         if await self._fence(p.request_id, "") == 0:
             self.ledger.forget(p.request_id)
             await self._ack(p.entry_id)
             return
-        emitted, finish = await take_over(self.redis, self.keys, p.request_id, fence=True if worker_dead else None)
+        emitted, finish = await take_over(self.redis, self.keys, p.request_id, fence=worker_dead or None)
         if finish:
             self.ledger.forget(p.request_id)
             await self._ack(p.entry_id)
@@ -471,6 +471,7 @@ class ClusterScheduler:
     async def _worker_dead(self, w: WorkerEntry, reason: str) -> None:
         in_table = self.ledger.workers.get(w.worker_id) is w
         num_placed = len(w.placed)
+        moving = self.transfers.moving_from(w)
         resume = self.ledger.worker_dead(w)
         if resume is None:
             return
@@ -480,8 +481,10 @@ class ClusterScheduler:
         await retry(lambda: self.redis.hdel(self.keys.workers, w.worker_id), what="hdel_worker")
         log.warning("worker.dead", worker_id=w.worker_id, reason=reason, num_requests=num_placed)
         for p in resume:
+            if await self.transfers.handed_over(p, moving):  # it runs on its transfer's target
+                continue
             self.metrics.reassignments.inc()
-            await self._requeue(p, worker_dead=True)
+            await self._requeue(p, worker_dead=w.worker_id)
         with contextlib.suppress(Exception):
             await w.channel.close(grace=0)
         self._wake.set()

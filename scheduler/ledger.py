@@ -497,6 +497,22 @@ class Ledger:
         self.num_transfers_expired += len(out)
         return out
 
+    def handover_found(self, p: Pending, target: WorkerEntry) -> bool:
+        """``p`` is in hand because its source died while moving it to ``target``, and Redis
+        names ``target`` its owner (the handover landed before the source's answer could come):
+        it is placed there, counted as a handover, not a reassignment. False (nothing changes)
+        if ``p`` is not in hand or ``target`` is not a live worker of the table."""
+        rid = p.request_id
+        if rid not in self._in_hand or self.workers.get(target.worker_id) is not target:
+            return False
+        self._in_hand.discard(rid)
+        target.place(p, self.cfg.headroom_tokens, now=self.clock())
+        self._hold(target, p)
+        self.where[rid] = target.worker_id
+        self.num_reassigned -= 1
+        self.num_transfers_done += 1
+        return True
+
     def called_off(self) -> list[Transfer]:
         """Transfers ended without a handover since the last call (a side died or dropped the
         request, or it finished): the caller tells the target to drop what it received."""

@@ -6,10 +6,13 @@ lease in the ledger while the call is in flight (the source answers when the mig
 ended, which takes as long as the request's KV takes to copy), and takes the answer in:
 
 * ``MIGRATED``: ``transfer_done`` (the target owns the request: it took it over in Redis).
-  If the ledger had called the move off meanwhile, the target is told to drop it (the
-  request was resumed elsewhere under a newer epoch: the target's writes are refused anyway).
-* any other outcome: ``transfer_refused`` (the source keeps it); if the source's reports
-  stopped naming it meanwhile, it is resumed from its tokens as any dropped request.
+  If the ledger had called the move off meanwhile (the target died), the target is told to
+  drop it, and the request resumes from its tokens elsewhere (a resume fences it: the
+  target's writes are refused from then on).
+* any other outcome: ``transfer_refused`` (the source keeps it).
+* either way, a request its source's reports stopped naming is resumed from its tokens, as
+  any dropped request (``Ledger.dropped``; before the answer, the ledger keeps such a request
+  in transfer: its source lets it go at the handover).
 * no answer (the source is unreachable): the source is declared dead (its requests, this one
   included, resume elsewhere from their tokens); a call that outlived its deadline stops
   renewing, and ``tick`` takes the expired transfer back from both sides.
@@ -26,6 +29,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 import structlog
 
+from pagefleet.common.handover import owner_of
+from pagefleet.common.redis import Keys
 from pagefleet.protos import cluster_pb2
 
 from .ledger import Ledger
@@ -50,10 +55,12 @@ class TransferRunner:
     ``_requeue``); ``worker_dead``: declare a worker dead; ``cancel``: tell a worker to drop a
     request (best effort); ``wake``: placement may gain."""
 
-    def __init__(self, ledger: Ledger, metrics, *, resume: Callable[[Pending], Awaitable[None]],
+    def __init__(self, ledger: Ledger, metrics, redis, keys: Keys, *, resume: Callable[[Pending], Awaitable[None]],
                  worker_dead: Callable[[WorkerEntry, str], Awaitable[None]],
                  cancel: Callable[[WorkerEntry, str], None], wake: Callable[[], None]) -> None:
-        self.ledger, self.metrics = ledger, metrics
+        self.ledger, self.metrics, self.redis, self.keys = ledger, metrics, redis, keys
+        self._counted: set[int] = set()  # ids of the transfers whose outcome was counted
+        self._settling: set[str] = set()  # requests whose source died mid-transfer, Redis not yet asked
         self.resume, self.worker_dead, self.cancel, self.wake = resume, worker_dead, cancel, wake
         self._calls: set[asyncio.Task] = set()
         self._prefilled: dict[str, set[str]] = {}  # prefill worker id -> the prefilled requests it named
@@ -75,6 +82,32 @@ class TransferRunner:
                 self.start(self.ledger.prefilled(rid))
         self._prefilled[w.worker_id] = now
 
+    def moving_from(self, w: WorkerEntry) -> dict[str, Transfer]:
+        """The transfers in flight out of ``w``, by request id (taken before it is declared dead;
+        each is being settled until ``handed_over`` has looked it up)."""
+        moving = {rid: t for rid, t in self.ledger.transfers.items() if t.source is w}
+        self._settling.update(moving)
+        return moving
+
+    async def handed_over(self, p: Pending, moving: dict[str, Transfer]) -> bool:
+        """``p``'s source died while moving it (``moving``: ``moving_from`` the source): if Redis
+        names the transfer's target its owner, the handover landed and ``p`` is placed there
+        (True); else it resumes from its tokens as any request of a dead worker (False)."""
+        t = moving.get(p.request_id)
+        if t is None:
+            return False
+        try:
+            worker, _ = await owner_of(self.redis, self.keys, p.request_id)
+        finally:
+            self._settling.discard(p.request_id)
+        if worker != t.target.worker_id or not self.ledger.handover_found(p, t.target):
+            self._drop_at_target(t)
+            return False
+        self._count(t, "migrated")
+        log.info("transfer.handed_over", request_id=p.request_id, source=t.source.worker_id,
+                 target=t.target.worker_id, reason=t.reason)
+        return True
+
     async def close(self) -> None:
         for task in list(self._calls):
             task.cancel()
@@ -91,7 +124,7 @@ class TransferRunner:
                 self.cancel(w, t.request_id)
             await self.resume(t.pending)
         for t in self.ledger.called_off():
-            self.cancel(t.target, t.request_id)
+            self._drop_at_target(t)
 
     async def _run(self, t: Transfer) -> None:
         rid, source = t.request_id, t.source
@@ -101,6 +134,14 @@ class TransferRunner:
         log.info("transfer.started", request_id=rid, source=source.worker_id, target=t.target.worker_id,
                  reason=t.reason, num_blocks=t.num_blocks)
         renew = asyncio.create_task(self._renew(rid))
+        try:
+            await self._call(t, msg)
+        finally:
+            renew.cancel()
+            self._counted.discard(id(t))
+
+    async def _call(self, t: Transfer, msg: cluster_pb2.MigrateRequest) -> None:
+        rid, source = t.request_id, t.source
         try:
             resp = await source.stub.Migrate(msg, timeout=MIGRATION_DEADLINE_S + 10)
         except grpc.RpcError as e:
@@ -113,11 +154,13 @@ class TransferRunner:
             if source.alive:
                 raise
             return  # its channel closed under the call: declared dead meanwhile
-        finally:
-            renew.cancel()
-        if resp is None:
-            return  # the deadline takes it back (tick), unless a death did already
-        await self._answered(t, resp)
+        if resp is not None:
+            await self._answered(t, resp)
+        # Unless still in flight (the deadline takes it back: tick), a request its source let go
+        # (at a handover the ledger had called off meanwhile, or dropped) resumes from its tokens.
+        if self.ledger.transfers.get(t.request_id) is None and t.request_id not in t.source.held:
+            for p in self.ledger.dropped(t.source, [t.request_id]):
+                await self.resume(p)
 
     async def _answered(self, t: Transfer, resp: cluster_pb2.MigrateResponse) -> None:
         rid = t.request_id
@@ -126,13 +169,21 @@ class TransferRunner:
         log.info("transfer.ended", request_id=rid, source=t.source.worker_id, target=t.target.worker_id,
                  reason=t.reason, outcome=outcome, num_stages=resp.num_stages, num_bytes=resp.num_bytes,
                  downtime_ms=round(resp.downtime_ms, 3), error=resp.error)
+        current = self.ledger.transfers.get(rid) is t  # not called off (and no newer move of it started)
         if resp.outcome == cluster_pb2.MIGRATE_OUTCOME_MIGRATED:
-            if not self.ledger.transfer_done(rid):  # called off meanwhile: it lives on elsewhere
-                self.cancel(t.target, rid)
-        elif self.ledger.transfer_refused(rid) and rid not in t.source.held:
-            for p in self.ledger.dropped(t.source, [rid]):  # its source let it go meanwhile
-                await self.resume(p)
+            if not current or not self.ledger.transfer_done(rid):  # called off meanwhile: it resumes elsewhere
+                self._drop_at_target(t)
+        elif current:
+            self.ledger.transfer_refused(rid)
         self.wake()
+
+    def _drop_at_target(self, t: Transfer) -> None:
+        """Tell ``t``'s target to drop what it received of a move called off (best effort: once
+        the request resumes elsewhere under a newer epoch, the target's writes are refused
+        anyway), unless the request lives on there (a handover found in Redis) or may."""
+        rid = t.request_id
+        if self.ledger.where.get(rid) != t.target.worker_id and rid not in self._settling:
+            self.cancel(t.target, rid)
 
     async def _renew(self, rid: str) -> None:
         """Renew ``rid``'s transfer in the ledger while its Migrate call is in flight."""
@@ -142,4 +193,7 @@ class TransferRunner:
                 await asyncio.sleep(every)
 
     def _count(self, t: Transfer, outcome: str) -> None:
-        self.metrics.transfers.labels(reason=t.reason, outcome=outcome).inc()
+        """Count ``t``'s outcome once (its source's death and its answer may both settle it)."""
+        if id(t) not in self._counted:
+            self._counted.add(id(t))
+            self.metrics.transfers.labels(reason=t.reason, outcome=outcome).inc()

@@ -58,10 +58,11 @@ def test_the_source_takes_back_first_and_the_targets_late_handover_is_refused(re
     async def go():
         r, keys, a, b, epoch = await _placed(redis_url, "mv2")
         await a.write([Write("r", epoch, OutEntry(0, [5], "a"))])
-        back = await move_owner(r, keys, "r", epoch, "a", "a", a.steps_key, b"")
+        back = await move_owner(r, keys, "r", epoch, "a", "a", a.steps_key, step_piece("r", OutEntry(0, [5], "a")))
         assert back > epoch and await owner_of(r, keys, "r") == ("a", back)
         assert await move_owner(r, keys, "r", epoch, "a", "b", b.steps_key, b"") == 0
-        # A resume reads every token from the source (its stream, from the assignment on).
+        # A resume reads every token: what a wrote before taking it back from the record, the rest
+        # from its stream.
         await a.write([Write("r", back, OutEntry(1, [6], "b"))])
         tokens, finish = await take_over(r, keys, "r", fence=False)
         assert tokens == [5, 6] and finish == ""

@@ -157,3 +157,38 @@ def test_prefill_decode_disaggregation_hands_prompts_over_with_their_kv(tmp_path
         assert placed[short_id] == "worker-1", "a short prompt prefills on the decode worker"
     finally:
         c.stop()
+
+
+@pytest.mark.timeout(300)
+def test_the_target_killed_mid_transfer_loses_nothing_and_the_drain_moves_on(tmp_path):
+    """A drain's target is frozen (SIGSTOP) so its migration hangs mid-transfer, then killed -9:
+    the source keeps the request (it never handed it over), the scheduler moves it to the
+    third worker instead, and the dead target's own requests resume from their tokens.
+    Every token once, in order, as undisturbed."""
+    import os
+
+    c = start_cluster(tmp_path, num_workers=2, worker_args=["--num-blocks", "128", "--kv-transfer", "nixl"],
+                      scheduler_args=["--dead-after", "3.0"])
+    c.log_dir = tmp_path
+    try:
+        c.add_worker(["--num-blocks", "512"])  # worker-2: the most room, the drain's first choice
+        c.wait_ready(num_workers=3)
+        prompts = PROMPTS[:6]
+        results: list = []
+        t = threading.Thread(target=lambda: results.extend(generate_all(c.gateway_target, prompts, MAX_TOKENS)))
+        t.start()
+        wait_for(lambda: busy_worker(c, 1) and any(w.worker_id == "worker-0" and w.report.blocks_per_request
+                                                   for w in c.scheduler_state().workers),
+                 60, "worker-0 running requests", every_s=0.02)
+        os.killpg(c.procs["worker-2"].pid, signal.SIGSTOP)
+        os.killpg(c.procs["worker-0"].pid, signal.SIGTERM)
+        wait_for(lambda: any(e.get("event") == "transfer.started" and e.get("target") == "worker-2"
+                             for e in log_events(tmp_path, "scheduler")), 30, "a drain move to the frozen worker-2")
+        c.kill("worker-2")
+        t.join(240)
+        assert [o.token_ids for o in results] == reference(prompts, MAX_TOKENS)
+        assert all(o.finish_reason == "length" for o in results)
+        ended = [e for e in log_events(tmp_path, "scheduler") if e.get("event") == "transfer.ended"]
+        assert not any(e["outcome"] == "migrated" and e["target"] == "worker-2" for e in ended)
+    finally:
+        c.stop()

@@ -225,6 +225,9 @@ class EngineLoop:
         self._migrations[migration.request_id] = (migration, fut)
         return fut
 
+    def is_migrating(self, request_id: str) -> bool:
+        return request_id in self._migrations
+
     def _advance_migrations(self) -> None:
         for rid, (mig, fut) in list(self._migrations.items()):
             try:

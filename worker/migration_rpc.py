@@ -132,6 +132,7 @@ class Migrations:
         self.peer_agents: dict[str, str] = {}  # worker id -> its transport agent (met over KvPeer)
         self.receivers: dict[str, object] = {}  # request id -> its migration.MigrationReceiver
         self.num_migrated_out = 0  # migrations out that handed the request over
+        self.num_in_flight = 0  # Migrate calls not yet answered
         # address -> (a stub on the event loop, a blocking one for the engine thread, their channels)
         self._stubs: dict[str, tuple[object, object, tuple]] = {}
         self._pump: asyncio.Task | None = None
@@ -156,7 +157,11 @@ class Migrations:
     async def migrate(self, req: cluster_pb2.MigrateRequest) -> cluster_pb2.MigrateResponse:
         reason = REASONS.get(req.reason, "unspecified")
         t0 = time.perf_counter()
-        resp = await self._migrate(req)
+        self.num_in_flight += 1
+        try:
+            resp = await self._migrate(req)
+        finally:
+            self.num_in_flight -= 1
         outcome = next(k for k, v in OUTCOMES.items() if v == resp.outcome)
         self.w.metrics.migrations.labels(outcome=outcome, reason=reason).inc()
         if outcome == "migrated":
@@ -177,15 +182,19 @@ class Migrations:
             lambda: list(r.prompt_token_ids) if (r := w.engine.requests.get(rid)) is not None else None))
         if prompt is None:
             return cluster_pb2.MigrateResponse(outcome=OUTCOMES["not_found"], error="not on this worker")
+        if w.loop.is_migrating(rid):
+            return _refused("it is migrating already")
         aio_stub, sync_stub = self.stubs(req.target_address)
         try:
             if req.target_worker_id not in self.peer_agents:
-                await w.meet(req.target_address)
+                await asyncio.wait_for(w.meet(req.target_address), RPC_TIMEOUT_S)
             begin = await aio_stub.MigrateBegin(cluster_pb2.MigrateBeginRequest(
                 request_id=rid, source_worker_id=w.worker_id, prompt_token_ids=prompt,
                 deadline_s=req.deadline_s or DEADLINE_S, lease_s=req.lease_s or LEASE_S), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             return _refused(f"the target did not answer: {e.code().name}: {e.details()}")
+        except TimeoutError:
+            return _refused("the target did not answer KvPeer in time")
         if not begin.accepted:
             return _refused(begin.error)
         from .migration import Lease, LiveMigration
@@ -196,14 +205,14 @@ class Migrations:
                        lease=Lease.start(req.deadline_s or DEADLINE_S, req.lease_s or LEASE_S))
 
         def start():
-            if rid not in w.engine.requests:
+            if rid not in w.engine.requests or w.loop.is_migrating(rid):
                 return None
             return w.loop.migrate(LiveMigration(w.engine, rid, receiver, **options))
 
         fut = await asyncio.wrap_future(w.loop.call(start))
         if fut is None:
             await asyncio.to_thread(_quietly, receiver.abort)
-            return cluster_pb2.MigrateResponse(outcome=OUTCOMES["not_found"], error="finished meanwhile")
+            return cluster_pb2.MigrateResponse(outcome=OUTCOMES["not_found"], error="finished or moving meanwhile")
         try:
             stats = await asyncio.wrap_future(fut)
         except Exception as e:

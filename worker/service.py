@@ -8,8 +8,10 @@ The engine runs on its own thread (``EngineLoop``); the gRPC handlers only queue
 it. The worker registers its address in Redis (``<ns>:workers``) every second so the
 scheduler finds it, writes every step's tokens to Redis in one round trip
 (``OutputWriter``) and streams its occupancy to the scheduler. SIGTERM drains: nothing
-new is accepted, the requests held get ``--drain-timeout`` seconds to finish, and the
-rest are handed back (the scheduler resumes them elsewhere from their emitted tokens).
+new is accepted; with ``--drain-policy migrate`` (and a KV transport) the reports ask the
+scheduler to move the requests held to peers with their KV (``migration_rpc.py``); those
+still here after ``--drain-timeout`` seconds are handed back (the scheduler resumes them
+elsewhere from their emitted tokens: recomputed).
 
 With ``--cluster-ca``, ``--cluster-cert`` and ``--cluster-key`` the port speaks mutual TLS
 only: Assign, Preempt, Cancel, Drain (and everything else) need a peer whose certificate
@@ -341,7 +343,8 @@ class Worker:
         num_held, num_migrated_before = self.loop.num_requests, self.migrations.num_migrated_out
         try:
             deadline = time.monotonic() + timeout_s
-            while self.loop.num_requests and time.monotonic() < deadline:
+            # (A migration's answer goes out before the worker stops: the scheduler learns the handover from it.)
+            while (self.loop.num_requests or self.migrations.num_in_flight) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             migrated = self.migrations.num_migrated_out - num_migrated_before
             recomputed = self.loop.num_requests
