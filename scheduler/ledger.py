@@ -79,6 +79,9 @@ ROUND_PER_WORKER = 4
 # growing within minutes at any rate (a count alone filled for half an hour at 35 requests/s).
 DONE_MEMORY = 65536
 DONE_MEMORY_S = 120.0
+# A request whose move was refused (no room after all, a pairing refused, a failed copy) is not
+# moved again for load balance or a drain for this long (seconds): no storm of doomed moves.
+MOVE_RETRY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,7 @@ class Ledger:
         self._called_off: list[Transfer] = []
         self.num_transfers_done = 0
         self.num_transfers_expired = 0
+        self._move_refused: dict[str, float] = {}  # request id -> when its last move was refused
 
     # -- the public state ----------------------------------------------------------------------
     @property
@@ -258,6 +262,7 @@ class Ledger:
         if request_id in self.transfers:
             self._call_off(request_id)
         self._awaiting_decode.pop(request_id, None)
+        self._move_refused.pop(request_id, None)
         self.index.release(request_id)
         if (w := self.placed_on(request_id)) is not None:
             w.unplace(request_id)
@@ -415,12 +420,17 @@ class Ledger:
         and reports its end with ``transfer_done`` (or lets the deadline take it back)."""
         moves = self._handovers()
         sending = Counter(t.source.worker_id for t in self.transfers.values())
-        for pl, source, target in drain_moves(list(self.workers.values()), self.where, self.transfers, sending,
+        now = self.clock()
+        for rid in [rid for rid, at in self._move_refused.items() if now - at >= MOVE_RETRY_S]:
+            del self._move_refused[rid]
+        busy = self.transfers.keys() | self._move_refused.keys()  # moving, or refused a moment ago
+        for pl, source, target in drain_moves(list(self.workers.values()), self.where, busy, sending,
                                               self.cfg.headroom_tokens):
             moves.append(self._start(pl.pending, source, target, "drain"))
             sending[source.worker_id] += 1
+        busy = self.transfers.keys() | self._move_refused.keys()
         for pl, source, target in balance_moves([w for w in self.workers.values() if decodes(w)], self.where,
-                                                self.transfers, sending, self.cfg.moves, self.cfg.headroom_tokens):
+                                                busy, sending, self.cfg.moves, self.cfg.headroom_tokens):
             moves.append(self._start(pl.pending, source, target, "balance"))
         return moves
 
@@ -479,6 +489,7 @@ class Ledger:
             return False
         self._call_off(request_id)
         self._called_off.pop()  # the caller knows: nothing to tell the target
+        self._move_refused[request_id] = self.clock()  # not moved again for MOVE_RETRY_S (balance, drain)
         return True
 
     def expired_transfers(self) -> list[Transfer]:

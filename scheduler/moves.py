@@ -32,7 +32,7 @@ Occupancy is ``1 - num_available_blocks / pool_size``: blocks in use, swapped ou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from .queue import Pending
@@ -120,14 +120,15 @@ def best_target(workers: Iterable[WorkerEntry], p: Pending, source: WorkerEntry,
     return best
 
 
-def movable(w: WorkerEntry, owned: dict[str, str], moving: dict) -> list[Placed]:
-    """Requests ``w`` owns and runs with device blocks, not finished and not moving already."""
+def movable(w: WorkerEntry, owned: dict[str, str], moving: Container[str]) -> list[Placed]:
+    """Requests ``w`` owns and runs with device blocks, not finished and not in ``moving``
+    (moving already, or not to be moved now)."""
     wid = w.worker_id
     return [pl for rid, pl in w.placed.items()
             if owned.get(rid) == wid and rid not in moving and not pl.finished and w.held.get(rid, 0) > 0]
 
 
-def balance_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: dict, sending: dict[str, int],
+def balance_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: Container[str], sending: dict[str, int],
                   cfg: MoveConfig, headroom_tokens: int) -> list[tuple[Placed, WorkerEntry, WorkerEntry]]:
     """Load-balance moves, one at most per overloaded source: ``(request, source, target)``,
     the fullest sources first. ``sending``: transfers in flight by source id. The caller
@@ -158,7 +159,7 @@ def drains_by_migration(w: WorkerEntry) -> bool:
     return w.alive and r is not None and r.draining and r.drain_by_migration
 
 
-def drain_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: dict, sending: dict[str, int],
+def drain_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: Container[str], sending: dict[str, int],
                 headroom_tokens: int) -> list[tuple[Placed, WorkerEntry, WorkerEntry]]:
     """Moves off the workers draining by migration: ``(request, source, target)``, the requests
     with the most blocks first (the most to recompute), each to the decoding worker with the most

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pagefleet.common.blocks import block_hashes
 from pagefleet.protos import cluster_pb2, generation_pb2
-from pagefleet.scheduler.ledger import ROUND, Decision, Ledger, LedgerConfig
+from pagefleet.scheduler.ledger import MOVE_RETRY_S, ROUND, Decision, Ledger, LedgerConfig
 from pagefleet.scheduler.moves import DRAIN_TRANSFERS_PER_SOURCE, MoveConfig
 from pagefleet.scheduler.prefix_index import Match
 from pagefleet.scheduler.workers import WorkerEntry
@@ -479,6 +479,25 @@ def test_the_source_letting_go_at_the_handover_is_no_drop_the_answer_settles_it(
     assert ledger.transfer_refused("r") and ledger.where == {"r": "p"}
     (p,) = ledger.dropped(ledger.workers["p"], ["r"])
     assert p.request_id == "r" and not ledger.where
+    ledger.check_integrity()
+
+
+def test_a_refused_move_is_not_tried_again_at_once():
+    clock = Clock()
+    ledger = roled({"a": "both", "b": "both"}, clock=clock, num_blocks=64, free={"b": 0},
+                   migrate_above=0.8, migrate_below=0.7)
+    for i in range(3):
+        ledger.take(f"r{i}", f"e{i}", assign(f"r{i}", [i + 1] * 200, max_tokens=8))
+    place_all(ledger)
+    holding(ledger, "a", {f"r{i}": 19 for i in range(3)}, num_blocks=64)
+    holding(ledger, "b", {}, num_blocks=64)
+    (t,) = ledger.decide_moves()
+    assert ledger.transfer_refused(t.request_id)
+    (t2,) = ledger.decide_moves()
+    assert t2.request_id != t.request_id, "another request moves meanwhile"
+    assert ledger.transfer_refused(t2.request_id)
+    clock.now += MOVE_RETRY_S
+    assert {x.request_id for x in ledger.decide_moves()} <= {t.request_id, t2.request_id}
     ledger.check_integrity()
 
 
