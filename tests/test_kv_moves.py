@@ -159,6 +159,7 @@ def test_prefill_decode_disaggregation_hands_prompts_over_with_their_kv(tmp_path
         c.stop()
 
 
+@pytest.mark.slow  # waits out a death (--dead-after) and a lease; the mechanism's kill -9 tests are fast
 @pytest.mark.timeout(300)
 def test_the_target_killed_mid_transfer_loses_nothing_and_the_drain_moves_on(tmp_path):
     """A drain's target is frozen (SIGSTOP) so its migration hangs mid-transfer, then killed -9:
@@ -190,5 +191,43 @@ def test_the_target_killed_mid_transfer_loses_nothing_and_the_drain_moves_on(tmp
         assert all(o.finish_reason == "length" for o in results)
         ended = [e for e in log_events(tmp_path, "scheduler") if e.get("event") == "transfer.ended"]
         assert not any(e["outcome"] == "migrated" and e["target"] == "worker-2" for e in ended)
+    finally:
+        c.stop()
+
+
+@pytest.mark.slow  # waits out a death (--dead-after) and a lease; the mechanism's kill -9 tests are fast
+@pytest.mark.timeout(300)
+def test_the_source_frozen_then_killed_mid_transfer_loses_nothing_and_frees_the_targets_blocks(tmp_path):
+    """A draining source is frozen (SIGSTOP) once the target has opened a migration (most
+    often mid-transfer; a migration already handed over is settled by Redis), then killed -9:
+    the target's reservations lapse with their lease and free every block, the scheduler
+    resumes the requests from the tokens Redis holds, exactly once, as undisturbed."""
+    import os
+
+    c = start_cluster(tmp_path, num_workers=2, worker_args=["--num-blocks", "128", "--kv-transfer", "nixl"],
+                      scheduler_args=["--dead-after", "3.0"])
+    c.log_dir = tmp_path
+    try:
+        prompts = PROMPTS[:6]
+        results: list = []
+        t = threading.Thread(target=lambda: results.extend(generate_all(c.gateway_target, prompts, MAX_TOKENS)))
+        t.start()
+        name = wait_for(lambda: busy_worker(c, 2), 60, "a worker with requests mid-generation", every_s=0.02)
+        other = next(w for w in ("worker-0", "worker-1") if w != name)
+        os.killpg(c.procs[name].pid, signal.SIGTERM)
+        wait_for(lambda: any(e.get("event") == "migration.begun" for e in log_events(tmp_path, other)),
+                 30, "a drain move under way at the target", every_s=0.005)
+        os.killpg(c.procs[name].pid, signal.SIGSTOP)
+        wait_for(lambda: any(e.get("event") == "worker.dead" and e.get("worker_id") == name
+                             for e in log_events(tmp_path, "scheduler")), 30, "the frozen source declared dead")
+        c.kill(name)
+        t.join(240)
+        assert [o.token_ids for o in results] == reference(prompts, MAX_TOKENS)
+        assert all(o.finish_reason == "length" for o in results)
+
+        def idle():
+            (w,) = [w for w in c.scheduler_state().workers if w.worker_id == other]
+            return not w.report.request_ids and w.report.num_free_blocks == w.report.num_blocks
+        wait_for(idle, 30, f"{other} idle with every block free (no reservation left behind)")
     finally:
         c.stop()

@@ -272,6 +272,8 @@ class Migrations:
         except ValueError as e:
             return _not_begun(str(e))
         self.receivers[rid] = recv
+        log.info("migration.begun", request_id=rid, source=req.source_worker_id,
+                 num_cached_blocks=recv.num_cached_blocks)
         if self._pump is None or self._pump.done():
             self._pump = asyncio.ensure_future(self._run_pump())
         return cluster_pb2.MigrateBeginResponse(accepted=True)
