@@ -118,8 +118,13 @@ class EngineLoop:
 
     # -- the thread --------------------------------------------------------------------
     def pause(self) -> None:
-        """Run no more steps (commands still run): the held requests are being handed back."""
+        """Run no more steps (commands still run): the held requests are being handed back.
+        Migrations out of here end first (the requests stay here, to be resumed elsewhere)."""
         self._paused = True
+        for rid, (mig, fut) in list(self._migrations.items()):
+            mig.fail()
+            del self._migrations[rid]
+            fut.set_result(mig.stats)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -297,8 +302,11 @@ class EngineLoop:
     def assign(self, msg: cluster_pb2.AssignRequest, parent=None) -> None:
         """``parent``: the trace context of the scheduler's Assign call."""
         rid = msg.request_id
-        if rid in self.engine.requests:
-            return  # a repeated Assign (the scheduler retried): already here
+        if rid in self.engine.requests:  # a repeated Assign (the scheduler retried): already here
+            entry_id, epoch, field = self.assignments.get(rid, _UNASSIGNED)
+            if msg.epoch > epoch:  # re-placed here while it runs here (it came by migration): write under it
+                self.assignments[rid] = (msg.entry_id or entry_id, msg.epoch, steps_field(msg.reply_to))
+            return
         try:
             self.engine.add_request(
                 list(msg.prompt_token_ids),

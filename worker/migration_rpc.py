@@ -131,6 +131,7 @@ class Migrations:
         self.w = worker
         self.peer_agents: dict[str, str] = {}  # worker id -> its transport agent (met over KvPeer)
         self.receivers: dict[str, object] = {}  # request id -> its migration.MigrationReceiver
+        self.committing: dict[str, object] = {}  # those whose MigrateCommit is under way
         self.num_migrated_out = 0  # migrations out that handed the request over
         self.num_in_flight = 0  # Migrate calls not yet answered
         # address -> (a stub on the event loop, a blocking one for the engine thread, their channels)
@@ -305,14 +306,35 @@ class Migrations:
         self.w.metrics.migrations_received.labels(outcome="aborted").inc()
         return cluster_pb2.MigrateAbortResponse(found=True)
 
+    def drop_incoming(self, request_ids: list[str]) -> None:
+        """The scheduler assigned these here afresh (it resumed them from their tokens): a
+        migration of any of them still open here is over; its reservation is freed before the
+        assignment runs (both on the engine thread, in this order), never shared with it."""
+        if not self.receivers and not self.committing:
+            return
+        for rid in request_ids:
+            recv = self.receivers.pop(rid, None) or self.committing.pop(rid, None)
+            if recv is not None:  # a commit under way finds it aborted and answers false
+                self.w.loop.call(recv.abort)
+                self.w.metrics.migrations_received.labels(outcome="aborted").inc()
+                log.info("migration.superseded", request_id=rid)
+
     async def commit(self, msg: cluster_pb2.MigrateCommitRequest) -> cluster_pb2.MigrateCommitResponse:
         """Verify, take the ownership over in Redis, run the request here (see the module docstring)."""
         w, rid = self.w, msg.request_id
         recv = self.receivers.pop(rid, None)
         if recv is None or recv.state != "open":
             return _not_committed(w, "no migration of it is open here (aborted or expired)")
+        self.committing[rid] = recv
+        try:
+            return await self._commit(msg, recv)
+        finally:
+            self.committing.pop(rid, None)
+
+    async def _commit(self, msg: cluster_pb2.MigrateCommitRequest, recv) -> cluster_pb2.MigrateCommitResponse:
         from .migration import Handover
 
+        w, rid = self.w, msg.request_id
         call = w.loop.call
         try:
             while recv.poll() == "PROC":

@@ -142,6 +142,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         parent = telemetry.extract_grpc(context)  # the scheduler's assign span
         resp = self._admit(request)
         if resp.accepted:
+            self.w.migrations.drop_incoming([request.request_id])
             self.w.loop.call(lambda: self.w.loop.assign(request, parent))  # answered before the engine runs it
         return resp
 
@@ -150,6 +151,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         responses = [self._admit(r) for r in request.requests]
         taken = [r for r, resp in zip(request.requests, responses, strict=True) if resp.accepted]
         if taken:  # one command for the engine thread: the whole batch between two steps
+            self.w.migrations.drop_incoming([r.request_id for r in taken])
             self.w.loop.call(lambda: [self.w.loop.assign(r, parent) for r in taken])
         return cluster_pb2.AssignBatchResponse(responses=responses)
 
