@@ -89,7 +89,7 @@ def run_policy(policy: str, args) -> dict:
         "policy": policy, "worker": name, "num_requests_held": drained["num_requests"],
         "num_migrated": drained["num_migrated"], "num_recomputed": drained["num_recomputed"],
         "num_finished_there": drained["num_finished"],
-        "num_tokens_recomputed": sum(e["num_tokens"] + e["num_resumed_tokens"] for e in resumed),
+        "num_tokens_recomputed": sum(e["num_tokens"] for e in resumed),  # prompt and resumed output
         "downtime_ms": {"median": statistics.median(downtimes), "max": max(downtimes)} if downtimes else None,
         "num_bytes_moved": sum(e.get("num_bytes", 0) for e in sched if e.get("event") == "transfer.ended"
                                and e.get("outcome") == "migrated"),
