@@ -42,7 +42,7 @@ log = structlog.get_logger("worker.migration")
 # The defaults of migration.py (which needs torch: imported where a migration runs, so that a
 # worker of --engine sim starts without it).
 DEADLINE_S, LEASE_S, FINAL_STAGE_BLOCKS, MAX_STAGES = 30.0, 5.0, 16, 3
-RPC_TIMEOUT_S = 10.0  # one stage message between the two workers
+RPC_TIMEOUT_S = 5.0  # one stage message between the two workers (a target silent this long is gone: its lease)
 SETTLE_TIMEOUT_S = 10.0  # the source asking Redis who owns a request whose commit went unanswered
 REASONS = {
     cluster_pb2.MIGRATE_REASON_UNSPECIFIED: "unspecified",
