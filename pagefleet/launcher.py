@@ -470,6 +470,9 @@ def build_parser() -> EnvArgumentParser:
                    help="--engine sim: simulated seconds per real second (inf: never sleep)")
     p.add_argument("--workers-per-process", type=int, default=None,
                    help="workers hosted by one worker process (default: 64 with --engine sim, else 1)")
+    p.add_argument("--kv-transfer", default="off", choices=("nixl", "off"),
+                   help="nixl: workers move KV between them (NIXL over UCX): a drained worker's requests move to "
+                        "the others with their KV (see `pagefleet worker --help`)")
     p.add_argument("--policy", default="fcfs", help="scheduler queue policy: fcfs | priority | deadline")
     p.add_argument("--placement", default="prefix", choices=PLACEMENTS,
                    help="scheduler placement policy (see `pagefleet scheduler --help`)")
@@ -532,6 +535,10 @@ def main(argv: list[str]) -> int:
         worker_args.append("--enforce-eager")
     if args.load_format != "auto":
         worker_args += ["--load-format", args.load_format]
+    if args.kv_transfer != "off":
+        if args.engine == "sim":
+            parser.error("--kv-transfer nixl needs --engine model (a simulated engine has no KV pool)")
+        worker_args += ["--kv-transfer", args.kv_transfer]
     if args.engine == "sim":
         worker_args += ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale)]
     per_process = args.workers_per_process or (64 if args.engine == "sim" else 1)

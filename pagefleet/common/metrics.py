@@ -142,6 +142,24 @@ class WorkerMetrics:
             "(cma: one copy between processes; tcp: ptrace rules forbid cma, 5-15x slower; network).",
             ["path"], registry=r,
         )
+        self.migrations = Counter(
+            "pagefleet:kv_migrations",
+            "Live migrations this worker ran as the source, by outcome (migrated, gave_up, failed, expired, "
+            "refused) and reason (balance, preemption, disaggregation, drain).",
+            ["outcome", "reason"], registry=r,
+        )
+        self.migrations_received = Counter(
+            "pagefleet:kv_migrations_received",
+            "Migrations this worker received, by outcome (committed, aborted, expired: the lease or the "
+            "deadline passed and its blocks were reclaimed).",
+            ["outcome"], registry=r,
+        )
+        self.drained_requests = Counter(
+            "pagefleet:drained_requests",
+            "Requests a drain let go, by how: migrated (to a peer with their KV), recomputed (handed back "
+            "to resume from their tokens) or finished (here, before the drain ended).",
+            ["outcome"], registry=r,
+        )
         self.ttft = Histogram(
             "pagefleet:time_to_first_token_seconds", "From arrival at the worker to the first token.",
             buckets=LATENCY_BUCKETS, registry=r,
@@ -294,6 +312,12 @@ class SchedulerMetrics:
             "pagefleet:scheduler_reassignments", "Requests moved to another worker.", registry=r
         )
         self.dead_workers = Counter("pagefleet:scheduler_dead_workers", "Workers declared dead.", registry=r)
+        self.transfers = Counter(
+            "pagefleet:scheduler_transfers",
+            "KV transfers (live migrations) the scheduler started, by reason (drain, balance, preemption, "
+            "disaggregation) and outcome (migrated, gave_up, failed, expired, refused, not_found).",
+            ["reason", "outcome"], registry=r,
+        )
         self.decision_latency = Histogram(
             "pagefleet:scheduler_decision_latency_seconds", "Time to take one scheduling decision.",
             buckets=DECISION_BUCKETS, registry=r,
