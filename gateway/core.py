@@ -37,6 +37,7 @@ from pagefleet.common.scripts import ADMIT_AND_QUEUE
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
 
+from .admission import Admissions
 from .limits import Limits
 from .observe import enqueue_span
 from .relay import StepReader, relay, relay_steps
@@ -102,7 +103,7 @@ class GatewayCore:
         self.args = args
         self.limits = limits or Limits()
         self.metrics = metrics or GatewayMetrics()
-        self._admit_and_queue = redis.register_script(ADMIT_AND_QUEUE)
+        self._admit_and_queue = Admissions(redis, redis.register_script(ADMIT_AND_QUEUE))
         self._cancels: set[asyncio.Task] = set()
         # One read of every worker's steps for all relays, per shard (a shard's streams share a slot).
         self.readers = {k.shard: StepReader(redis, k) for k in self.shards}
@@ -168,9 +169,9 @@ class GatewayCore:
         msg = cluster_pb2.AssignRequest(
             request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
             priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
-            block_hashes=block_hashes(prompt_ids, size), hash_block_size=size, reply_to=self.reader.reply_to,
+            block_hashes=block_hashes(prompt_ids, size), hash_block_size=size, reply_to=reader.reply_to,
         )
-        with enqueue_span(msg, keys.requests):  # sets msg.traceparent when tracing
+        with enqueue_span(msg, keys.requests, self.name, keys.shard):  # sets msg.traceparent when tracing
             # Never trimmed (no MAXLEN): the stream is a work queue whose entries leave when their
             # requests finish; trimming would drop requests no one has read. ``ADMIT_AND_QUEUE`` bounds it.
             fields = encode_request_entry(msg, int(time.time() * 1000))
@@ -185,7 +186,7 @@ class GatewayCore:
             opened = rid not in reader.relays
             reader.open(rid)
             try:
-                answer = await retry(lambda: self._admit_and_queue(keys=script_keys, args=args), what="enqueue",
+                answer = await retry(lambda: self._admit_and_queue(script_keys, args), what="enqueue",
                                      attempts=_ATTEMPTS)
             except BaseException:
                 if opened:
@@ -199,6 +200,7 @@ class GatewayCore:
                            "retry later", self.args.retry_after)
             if answer[0] == 0:
                 return Queued(rid, len(prompt_ids), fresh=False)
+        self.metrics.queued_to(self.name, keys.shard)
         log.info("request.enqueued", request_id=rid, num_prompt_tokens=len(prompt_ids),
                  priority=request.priority, traceparent=msg.traceparent, model=self.name, shard=keys.shard)
         entry_id = answer[1].decode() if isinstance(answer[1], bytes) else str(answer[1])

@@ -90,11 +90,24 @@ class CallObserver:
 
 def _model_name(servicer, request) -> str:
     """The name of the model ``request`` asks for (the servicer's only one if it names none)."""
+    core = _model_core(servicer, request)
+    return request.model if core is None else core.name
+
+
+def _model_core(servicer, request):
+    """The core of the model ``request`` asks for; None for a model not served (the call is
+    refused with NOT_FOUND)."""
     core_for = getattr(servicer, "core_for", None)
     try:
-        return (core_for(request) if core_for else servicer.core).name
-    except LookupError:  # a model not served: the call is refused with NOT_FOUND
-        return request.model
+        return core_for(request) if core_for else servicer.core
+    except LookupError:
+        return None
+
+
+def _call_metrics(servicer, request):
+    """The metrics ``request``'s call counts in: its model's (a model not served: \"\")."""
+    core = _model_core(servicer, request)
+    return servicer.core.metrics.for_model("") if core is None else core.metrics
 
 
 def observed_generate(method):
@@ -120,7 +133,7 @@ def observed_generate(method):
             attrs.update(_caller())
             span = tracer.start_span(f"{GRPC_SERVICE}/Generate", context=telemetry.extract_grpc(context),
                                      kind=telemetry.SpanKind.SERVER, attributes=attrs)
-        call = CallObserver(self.core.metrics, span)
+        call = CallObserver(_call_metrics(self, request), span)
         code = grpc.StatusCode.OK
         try:
             with call.current():
@@ -172,20 +185,22 @@ def _status_code(context: Any, error: BaseException):
     return grpc.StatusCode.UNKNOWN
 
 
-def enqueue_span(msg: Any, stream: str):
-    """Around the gateway's XADD: a PRODUCER span whose context ``msg.traceparent`` carries.
+def enqueue_span(msg: Any, stream: str, model: str, shard: str):
+    """Around the gateway's XADD: a PRODUCER span whose context ``msg.traceparent`` carries,
+    naming the request's model and shard.
 
     A no-op context manager while tracing is off (``msg.traceparent`` stays as it was).
     """
     if not telemetry.enabled():
         return contextlib.nullcontext()
-    return _enqueue_span(msg, stream)
+    return _enqueue_span(msg, stream, model, shard)
 
 
 @contextlib.contextmanager
-def _enqueue_span(msg: Any, stream: str):
+def _enqueue_span(msg: Any, stream: str, model: str, shard: str):
     tracer = telemetry.get_tracer("gateway")
-    attrs = {telemetry.REQUEST_ID: msg.request_id, "messaging.system": "redis",
+    attrs = {telemetry.REQUEST_ID: msg.request_id, telemetry.MODEL: model, telemetry.SHARD: shard,
+             "messaging.system": "redis",
              "messaging.operation.type": "send", "messaging.destination.name": stream,
              telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(msg.prompt_token_ids)}
     with tracer.start_as_current_span(f"send {stream}", kind=telemetry.SpanKind.PRODUCER,

@@ -7,8 +7,9 @@ the steps streams of every worker with **one** blocking ``XREAD`` (``StepReader`
 each message to the relay of its request, if this process holds one; so the Redis
 connections and commands of the reads do not grow with the requests relayed.
 
-Bounds: a relay buffers at most ``MAX_BUFFERED`` messages its client has not taken. Past
-that (a client that does not read) it is detached: the reader stops feeding it, and it
+Bounds: a relay buffers at most ``MAX_BUFFERED`` messages its client has not taken (gathered
+as they come into one pending message: ``StepRelay``). Past that (a client that does not
+read) it is detached: the reader stops feeding it, and it
 goes on from the request's own output stream at its client's pace, so the backlog stays in
 Redis, never in the gateway. Its client takes whatever waits at once: a client that falls
 behind gets several steps in one message. The same stream is read when a relay sees nothing
@@ -25,7 +26,6 @@ token exactly once, in order. A message's logprobs (one per token) are cut with 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -36,6 +36,8 @@ from pagefleet.common.fencing import entry_of, outputs_of, read_record, steps_fi
 from pagefleet.common.redis import SCHEDULER_STEPS, Keys, OutEntry, retry
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
+
+from .steps_read import StepsRead
 
 log = structlog.get_logger("gateway.relay")
 
@@ -149,52 +151,140 @@ def _finished(msg: pb.GenerateResponse, order: Reorder, num_prompt_tokens: int) 
 
 
 class StepRelay:
-    """One request's messages as the reader hands them over (``StepReader.open``)."""
+    """One request's messages as the reader hands them over (``StepReader.open``).
 
-    __slots__ = ("request_id", "buffer", "detached", "wake_after", "_num_tokens", "_wake")
+    The reader's ``feed`` puts each message in order (``Reorder``) as it comes and gathers what
+    is ready into one pending message (its tokens, text pieces and logprobs); its relay's
+    ``take`` hands that over as one ``GenerateResponse``. So a token costs a list extend here,
+    not an object of its own, and a message is built once, whatever number of steps it holds.
+    Bound: ``MAX_BUFFERED`` messages fed and not taken, then detached (see the module doc).
+    """
 
-    def __init__(self, request_id: str) -> None:
+    __slots__ = ("request_id", "order", "detached", "wake_after", "num_buffered", "_start", "_token_ids",
+                 "_texts", "_logprobs", "_last", "_wake", "_loop", "_waiting", "wait_until")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None,
+                 waiting: set[StepRelay] | None = None) -> None:
+        """``loop``: the running one (default: looked up; each look-up costs a ``getpid``).
+        ``waiting``: where a waiting relay puts itself for its reader to end the waits past
+        their time (``StepReader``'s sweep: no timer per wait); None: a timer per wait."""
         self.request_id = request_id
-        self.buffer: collections.deque = collections.deque()
+        self._loop = loop or asyncio.get_running_loop()
+        self._waiting = waiting
+        self.wait_until = 0.0  # the loop's time at which a wait ends without news
+        self.order = Reorder()  # fed up to ``order.next_index``; taken up to ``_start``
         self.detached = False  # past MAX_BUFFERED: read from the request's output stream instead
         self.wake_after = 1  # tokens fed before its reader is woken (``--stream-interval``)
-        self._num_tokens = 0  # fed since the reader last took the buffer
+        self.num_buffered = 0  # messages fed since the last take
+        self._start = 0
+        self._token_ids: list[int] = []
+        self._texts: list[str] = []
+        self._logprobs: list = []
+        self._last: OutEntry | None = None  # the message with the finish reason, once fed
         self._wake: asyncio.Future | None = None
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed and not taken."""
+        return len(self._token_ids)
+
+    @property
+    def finished(self) -> bool:
+        """Its last message was fed."""
+        return self._last is not None
+
     def feed(self, o) -> None:
+        """One message of the request (a ``StepOutput`` or an ``OutEntry``), in any order."""
         if self.detached:
             return
-        self.buffer.append(o)
-        self._num_tokens += len(o.token_ids)
-        if len(self.buffer) > MAX_BUFFERED:
-            self.detached = True
-            self.buffer.clear()
-        elif self._num_tokens < self.wake_after and not o.finish_reason:
-            return  # its reader would only hold these back: no wake-up per token
+        self.num_buffered += 1
+        if self.num_buffered > MAX_BUFFERED:
+            self.detach()
+        else:
+            order = self.order
+            if o.index == order.next_index and not o.finish_reason and not order.has_gap:  # the common case
+                ids = o.token_ids
+                if ids:
+                    self._token_ids.extend(ids)
+                    order.next_index += len(ids)
+                    lp = o.logprobs
+                    if lp:
+                        self._logprobs.extend(lp)
+                self._texts.append(o.text)
+            else:
+                for e in order.add(o):
+                    self._add(e)
+            if len(self._token_ids) < self.wake_after and self._last is None:
+                return  # its reader would only hold these back: no wake-up per token
         w = self._wake
         if w is not None and not w.done():
             w.set_result(True)
 
-    def take(self):
-        """What was fed since the last take, oldest first."""
-        self._num_tokens = 0
-        while self.buffer:
-            yield self.buffer.popleft()
+    def _add(self, e: OutEntry) -> None:
+        self._token_ids.extend(e.token_ids)
+        self._texts.append(e.text)
+        if e.logprobs:
+            self._logprobs.extend(e.logprobs)
+        if e.finish_reason:
+            self._last = e
+
+    def detach(self) -> None:
+        """Stop taking messages from the reader: what was fed and not taken is dropped (its
+        relay reads it from the request's own stream, from the last index taken)."""
+        self.detached = True
+        self.order = Reorder()
+        self.order.next_index = self._start
+        self._clear()
+
+    def _clear(self) -> None:
+        self.num_buffered = 0
+        self._token_ids = []
+        self._texts = []
+        self._logprobs = []
+
+    def take(self) -> pb.GenerateResponse | None:
+        """What was fed since the last take as one message (None if nothing): the request's
+        last message, with its finish reason, if that was fed."""
+        last = self._last
+        if not self._token_ids and last is None and not any(self._texts):
+            self.num_buffered = 0
+            return None
+        msg = pb.GenerateResponse(request_id=self.request_id, index=self._start, token_ids=self._token_ids,
+                                  text="".join(self._texts), logprobs=self._logprobs or None)
+        if last is not None:
+            msg.finish_reason = FINISH.get(last.finish_reason, pb.FINISH_REASON_ERROR)
+            msg.error = last.error
+        self._start = self.order.next_index
+        self._clear()
+        return msg
 
     async def wait(self, timeout_s: float) -> bool:
         """Until ``wake_after`` tokens or a last message were fed (or the relay detached); False
         after ``timeout_s`` of that not happening."""
-        if self.detached or self._num_tokens >= self.wake_after or (self.buffer and self.buffer[-1].finish_reason):
+        if self.detached or len(self._token_ids) >= self.wake_after or self._last is not None:
             return True
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         wake = self._wake = loop.create_future()
-        timer = loop.call_later(timeout_s, _expire, wake)
+        waiting = self._waiting
+        if waiting is None:
+            timer = loop.call_later(timeout_s, _expire, wake)
+        else:
+            self.wait_until = loop.time() + timeout_s
+            waiting.add(self)
         try:
             await wake
-            return bool(wake.result()) or bool(self.buffer) or self.detached
+            return bool(wake.result()) or self.detached
         finally:
-            timer.cancel()
+            if waiting is None:
+                timer.cancel()
+            else:
+                waiting.discard(self)
             self._wake = None
+
+    def expire(self) -> None:
+        """End a wait that is past its time (its ``wait`` returns False)."""
+        if self._wake is not None:
+            _expire(self._wake)
 
 
 def _expire(wake: asyncio.Future) -> None:
@@ -213,7 +303,8 @@ class StepReader:
 
     Started with the first relay. Every ``REFRESH_S`` it looks up the workers (one ``HKEYS``,
     and Redis's clock) and starts reading a new worker's stream ``LOOKBACK_MS`` before now, so
-    a worker found late loses nothing a relay could want.
+    a worker found late loses nothing a relay could want. Its sweep ends the relays' waits
+    that saw nothing for their time (``StepRelay.wait``), with no timer per wait.
     """
 
     def __init__(self, redis, keys: Keys) -> None:
@@ -224,25 +315,34 @@ class StepReader:
         self.relays: dict[str, StepRelay] = {}
         self._cursors: dict[str, str] = {}  # steps stream -> last id read
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: set[StepRelay] = set()  # relays waiting for news (``StepRelay.wait``)
+        self._sweeper: asyncio.Task | None = None
+        self._read = StepsRead(redis)
         self._refreshed_at = 0.0
         self.num_reads = 0
 
     def open(self, request_id: str) -> StepRelay:
         """The relay of ``request_id`` (opened before its request is queued, so nothing is missed)."""
+        if self._task is None or self._task.done():
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run())
+            if self._sweeper is None or self._sweeper.done():
+                self._sweeper = self._loop.create_task(self._sweep())
         r = self.relays.get(request_id)
         if r is None:
-            r = self.relays[request_id] = StepRelay(request_id)
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
+            r = self.relays[request_id] = StepRelay(request_id, self._loop, self._waiting)
         return r
 
     def close(self, request_id: str) -> None:
         self.relays.pop(request_id, None)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._sweeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await self._read.close()
 
     async def _refresh(self) -> None:
         loop = asyncio.get_running_loop()
@@ -266,25 +366,34 @@ class StepReader:
             del self._cursors[key]
 
     async def _run(self) -> None:
+        wanted = self._fields
         while True:
             try:
                 await self._refresh()
-                resp = await retry(lambda: self.redis.xread(dict(self._cursors), count=1024,
-                                                            block=int(REFRESH_S * 1000)), what="xread_steps")
+                resp = await retry(lambda: self._read(self._cursors, 1024, int(REFRESH_S * 1000)), what="xread_steps")
                 self.num_reads += 1
-                for key, entries in resp or ():
-                    key = key.decode() if isinstance(key, bytes) else key
-                    for entry_id, fields in entries:
-                        self._cursors[key] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                        for field in self._fields:
-                            raw = fields.get(field)
-                            if raw:
-                                self._dispatch(raw)
+                for key, entries in resp:
+                    for _, fields in entries:
+                        for i in range(0, len(fields), 2):
+                            if fields[i] in wanted and fields[i + 1]:
+                                self._dispatch(fields[i + 1])
+                    if entries:
+                        last = entries[-1][0]
+                        self._cursors[key] = last.decode() if isinstance(last, bytes) else last
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug must not stop every relay: they fall back to their own streams
                 log.exception("steps.read_failed")
                 await asyncio.sleep(0.1)
+
+    async def _sweep(self) -> None:
+        """End the waits past their time, every fifth of ``SILENCE_S`` (so a wait ends within
+        1.2 times its time); apart from the read, so a Redis that does not answer delays none."""
+        while True:
+            await asyncio.sleep(SILENCE_S / 5)
+            now = self._loop.time()
+            for r in [r for r in self._waiting if r.wait_until <= now]:
+                r.expire()
 
     def _dispatch(self, raw: bytes) -> None:
         relays = self.relays
@@ -302,33 +411,25 @@ async def relay_steps(redis, keys: Keys, r: StepRelay, num_prompt_tokens: int,
     ``stream_interval``: hold tokens back until that many are waiting (or the request ends).
     ``on_silence``: awaited after each ``SILENCE_S`` without a message while none was relayed
     yet (the gateway checks the request was not lost)."""
-    order = Reorder()
-    held: list[OutEntry] = []  # ready, held back for stream_interval
     r.wake_after = stream_interval
     while True:
         fed = await r.wait(SILENCE_S)
-        ready: list[OutEntry] = []
-        for o in r.take():  # a StepOutput has the fields an OutEntry has: no copy on the way
-            ready.extend(order.add(o))
-        held.extend(ready)
-        if not fed and on_silence is not None and order.next_index == 0 and not held:
+        if not fed and on_silence is not None and r.order.next_index == 0:
             await on_silence()
-        behind = r.detached or (not fed and await _stream_ahead(redis, keys, r.request_id, order))
-        if held and (behind or held[-1].finish_reason or _num_tokens(held) >= stream_interval):
-            msg = _finished(_merged(r.request_id, held), order, num_prompt_tokens)
-            held = []
-            yield msg
-            if msg.finish_reason:
-                return
+        behind = r.detached or (not fed and await _stream_ahead(redis, keys, r.request_id, r.order))
+        if behind or r.finished or r.num_tokens >= stream_interval:
+            msg = r.take()
+            if msg is not None:
+                yield _finished(msg, r.order, num_prompt_tokens)
+                if msg.finish_reason:
+                    return
         if behind:
-            log.info("relay.from_stream", request_id=r.request_id, detached=r.detached, next_index=order.next_index)
-            async for msg in relay(redis, keys, r.request_id, num_prompt_tokens, order):
+            if not r.detached:
+                r.detach()  # from here on its own stream has it all: the reader feeds it no more
+            log.info("relay.from_stream", request_id=r.request_id, next_index=r.order.next_index)
+            async for msg in relay(redis, keys, r.request_id, num_prompt_tokens, r.order):
                 yield msg
             return
-
-
-def _num_tokens(ms: list[OutEntry]) -> int:
-    return sum(len(m.token_ids) for m in ms)
 
 
 async def _stream_ahead(redis, keys: Keys, request_id: str, order: Reorder) -> bool:

@@ -39,6 +39,7 @@ from pagefleet.protos import generation_pb2_grpc
 from . import guard
 from .core import DEADLINE_ERROR, GatewayCore, QueueUnavailable, Shed, traceparent_or_new
 from .http import add_http_flags
+from .limits import Limits
 from .models import Router, UnknownModel, served_models
 from .observe import GRPC_SERVICE, observed_generate
 from .validate import BadField, bad_request_metadata, retry_metadata
@@ -136,14 +137,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     """The gRPC door: protobuf in, the core of the request's model, protobuf out; refusals as
     status codes (a model not served: NOT_FOUND naming the served ones)."""
 
-    def __init__(self, router: Router | GatewayCore) -> None:
+    def __init__(self, router: Router | GatewayCore, streams: guard.StreamsPerPeer | None = None) -> None:
+        """``streams``: the bound on a connection's open Generate calls (default: ``Limits()``'s)."""
         self.router = router if isinstance(router, Router) else Router([router])
         self.core = self.router.default  # metrics (shared by every model's core)
+        self.streams = streams or guard.StreamsPerPeer(Limits())
 
     def core_for(self, request) -> GatewayCore:
         """The core of ``request.model`` (``UnknownModel`` if not served)."""
         return self.router.core_for(request.model if request.HasField("model") else None)
 
+    @guard.limit_streams
     @observed_generate
     async def Generate(self, request, context):
         await _refuse_undecodable(request, context)
@@ -190,16 +194,18 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
 
     doors = doors or guard.Doors.from_args(args)
     redis = connect_args(args)
-    metrics = GatewayMetrics()
+    models = served_models(args.model, args.served_model_name, args.shards)
+    metrics = GatewayMetrics(by_model=len(models) > 1)
     router = Router([GatewayCore(redis, [Keys(args.namespace, s) for s in m.shards], load_model_spec(m.path), args,
-                                 doors.limits, name=m.name, metrics=metrics)
-                     for m in served_models(args.model, args.served_model_name, args.shards)])
+                                 doors.limits, name=m.name, metrics=metrics.for_model(m.name))
+                     for m in models])
     core = router.default
     refused = core.metrics.unauthenticated.labels("grpc").inc
     server = grpc.aio.server(options=server_options(max_receive_message_length=doors.limits.max_request_bytes,
-                                                    max_concurrent_streams=doors.limits.grpc_max_streams),
+                                                    max_concurrent_streams=doors.limits.grpc_max_streams,
+                                                    reuse_port=bool(getattr(args, "reuse_port", False))),
                              interceptors=doors.interceptors(on_refused=refused))
-    add_generation_service(GenerationService(router), server)
+    add_generation_service(GenerationService(router, guard.StreamsPerPeer(doors.limits)), server)
     serve_metrics(args, core.metrics.registry, "gateway", **doors.metrics_guard())
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = add_port(server, f"{args.host}:{args.port}", doors.tls)

@@ -94,17 +94,29 @@ class ClusterConfig:
     # and ``shards_per_model`` shards, each with its scheduler, for each model.
     models: list[str] | None = None
     shards_per_model: int = 1
+    # The shards' names in ``plan`` order (e.g. picked so that their hash tags land on different
+    # Redis Cluster primaries); None: ``s0``, ``s1``, ...
+    shard_names: list[str] | None = None
 
     def plan(self) -> list[tuple[str, str, str]]:
         """``(shard, model name, model path)`` for every shard, in order: model i's shards are
-        ``s<i*N>`` .. ``s<i*N+N-1>`` (N ``shards_per_model``; one model, one shard: ``s0``)."""
+        ``s<i*N>`` .. ``s<i*N+N-1>`` (N ``shards_per_model``; one model, one shard: ``s0``), or
+        the ``shard_names`` in that order."""
+        from pagefleet.common.redis import check_shard
         from pagefleet.gateway.models import served_models
 
         n = self.shards_per_model
         if n < 1:
             raise ValueError(f"shards_per_model must be at least 1, got {n}")
         models = served_models(self.models or [self.model])
-        return [(f"s{i * n + j}", m.name, m.path) for i, m in enumerate(models) for j in range(n)]
+        plan = [(f"s{i * n + j}", m.name, m.path) for i, m in enumerate(models) for j in range(n)]
+        if self.shard_names is None:
+            return plan
+        names = [check_shard(s) for s in self.shard_names]
+        if len(names) != len(plan) or len(set(names)) != len(names):
+            raise ValueError(f"shard_names: {len(plan)} distinct names wanted (models x shards_per_model), "
+                             f"got {names}")
+        return [(name, m, path) for name, (_, m, path) in zip(names, plan, strict=True)]
 
 
 class LocalCluster:
@@ -268,7 +280,7 @@ class LocalCluster:
 
     def _model_flags(self) -> list[str]:
         """The gateway's ``--model`` (and ``--shards``) flags: every model and its shards."""
-        if len(self.shards) == 1 and not self.cfg.models:
+        if len(self.shards) == 1 and not self.cfg.models and self.shards[0][0] == "s0":
             return ["--model", self.cfg.model]
         flags: list[str] = []
         names = list(dict.fromkeys((m, p) for _, m, p in self.shards))
@@ -458,6 +470,9 @@ def build_parser() -> EnvArgumentParser:
                    help="--engine sim: simulated seconds per real second (inf: never sleep)")
     p.add_argument("--workers-per-process", type=int, default=None,
                    help="workers hosted by one worker process (default: 64 with --engine sim, else 1)")
+    p.add_argument("--kv-transfer", default="off", choices=("nixl", "off"),
+                   help="nixl: workers move KV between them (NIXL over UCX): a drained worker's requests move to "
+                        "the others with their KV (see `pagefleet worker --help`)")
     p.add_argument("--policy", default="fcfs", help="scheduler queue policy: fcfs | priority | deadline")
     p.add_argument("--placement", default="prefix", choices=PLACEMENTS,
                    help="scheduler placement policy (see `pagefleet scheduler --help`)")
@@ -520,6 +535,10 @@ def main(argv: list[str]) -> int:
         worker_args.append("--enforce-eager")
     if args.load_format != "auto":
         worker_args += ["--load-format", args.load_format]
+    if args.kv_transfer != "off":
+        if args.engine == "sim":
+            parser.error("--kv-transfer nixl needs --engine model (a simulated engine has no KV pool)")
+        worker_args += ["--kv-transfer", args.kv_transfer]
     if args.engine == "sim":
         worker_args += ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale)]
     per_process = args.workers_per_process or (64 if args.engine == "sim" else 1)

@@ -70,6 +70,36 @@ class WorkerStub:
                 request_serializer=cluster__pb2.KvPoolInfo.SerializeToString,
                 response_deserializer=cluster__pb2.KvPoolInfo.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/pagefleet.v1.Worker/Migrate',
+                request_serializer=cluster__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=cluster__pb2.MigrateResponse.FromString,
+                _registered_method=True)
+        self.MigrateBegin = channel.unary_unary(
+                '/pagefleet.v1.Worker/MigrateBegin',
+                request_serializer=cluster__pb2.MigrateBeginRequest.SerializeToString,
+                response_deserializer=cluster__pb2.MigrateBeginResponse.FromString,
+                _registered_method=True)
+        self.MigrateRead = channel.unary_unary(
+                '/pagefleet.v1.Worker/MigrateRead',
+                request_serializer=cluster__pb2.MigrateReadRequest.SerializeToString,
+                response_deserializer=cluster__pb2.MigrateReadResponse.FromString,
+                _registered_method=True)
+        self.MigratePoll = channel.unary_unary(
+                '/pagefleet.v1.Worker/MigratePoll',
+                request_serializer=cluster__pb2.MigratePollRequest.SerializeToString,
+                response_deserializer=cluster__pb2.MigratePollResponse.FromString,
+                _registered_method=True)
+        self.MigrateCommit = channel.unary_unary(
+                '/pagefleet.v1.Worker/MigrateCommit',
+                request_serializer=cluster__pb2.MigrateCommitRequest.SerializeToString,
+                response_deserializer=cluster__pb2.MigrateCommitResponse.FromString,
+                _registered_method=True)
+        self.MigrateAbort = channel.unary_unary(
+                '/pagefleet.v1.Worker/MigrateAbort',
+                request_serializer=cluster__pb2.MigrateAbortRequest.SerializeToString,
+                response_deserializer=cluster__pb2.MigrateAbortResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -129,6 +159,54 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Move a request this worker holds to another worker with its KV (the scheduler to the
+        source): Llumnix's multi-stage live copy (the request keeps decoding here while its full
+        blocks are read, then stops for a short final stage), the request's ownership moved in
+        Redis at the handover. Answered when the migration ends, whatever its outcome; the
+        request runs on exactly one of the two workers then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateBegin(self, request, context):
+        """The source to the target: reserve room for a request coming in (the prompt's full blocks
+        the target's prefix cache holds are not read again). Opens the target's lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateRead(self, request, context):
+        """The source to the target: read one stage's blocks from the source's pool (NIXL).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigratePoll(self, request, context):
+        """The source to the target: the state of the stage's reads (renews the target's lease).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateCommit(self, request, context):
+        """The source to the target: the final stage is read; check it, take the request's ownership
+        in Redis (a new epoch, the source's writes refused from then on) and run it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateAbort(self, request, context):
+        """The source to the target: the migration is off; free every block it reserved.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +244,36 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.KvPeer,
                     request_deserializer=cluster__pb2.KvPoolInfo.FromString,
                     response_serializer=cluster__pb2.KvPoolInfo.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=cluster__pb2.MigrateRequest.FromString,
+                    response_serializer=cluster__pb2.MigrateResponse.SerializeToString,
+            ),
+            'MigrateBegin': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateBegin,
+                    request_deserializer=cluster__pb2.MigrateBeginRequest.FromString,
+                    response_serializer=cluster__pb2.MigrateBeginResponse.SerializeToString,
+            ),
+            'MigrateRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateRead,
+                    request_deserializer=cluster__pb2.MigrateReadRequest.FromString,
+                    response_serializer=cluster__pb2.MigrateReadResponse.SerializeToString,
+            ),
+            'MigratePoll': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigratePoll,
+                    request_deserializer=cluster__pb2.MigratePollRequest.FromString,
+                    response_serializer=cluster__pb2.MigratePollResponse.SerializeToString,
+            ),
+            'MigrateCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateCommit,
+                    request_deserializer=cluster__pb2.MigrateCommitRequest.FromString,
+                    response_serializer=cluster__pb2.MigrateCommitResponse.SerializeToString,
+            ),
+            'MigrateAbort': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateAbort,
+                    request_deserializer=cluster__pb2.MigrateAbortRequest.FromString,
+                    response_serializer=cluster__pb2.MigrateAbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +466,168 @@ class Worker:
             '/pagefleet.v1.Worker/KvPeer',
             cluster__pb2.KvPoolInfo.SerializeToString,
             cluster__pb2.KvPoolInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.Worker/Migrate',
+            cluster__pb2.MigrateRequest.SerializeToString,
+            cluster__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateBegin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.Worker/MigrateBegin',
+            cluster__pb2.MigrateBeginRequest.SerializeToString,
+            cluster__pb2.MigrateBeginResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.Worker/MigrateRead',
+            cluster__pb2.MigrateReadRequest.SerializeToString,
+            cluster__pb2.MigrateReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigratePoll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.Worker/MigratePoll',
+            cluster__pb2.MigratePollRequest.SerializeToString,
+            cluster__pb2.MigratePollResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.Worker/MigrateCommit',
+            cluster__pb2.MigrateCommitRequest.SerializeToString,
+            cluster__pb2.MigrateCommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateAbort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.Worker/MigrateAbort',
+            cluster__pb2.MigrateAbortRequest.SerializeToString,
+            cluster__pb2.MigrateAbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,10 +48,12 @@ from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .ledger import Ledger, LedgerConfig
+from .moves import MoveConfig
 from .observe import assign_span
 from .placement import Placement, PlacementConfig
 from .prefix_index import DEFAULT_MAX_KEYS
 from .queue import Pending
+from .transfers import TransferRunner
 from .workers import ROLES, Placed, WorkerEntry
 
 log = structlog.get_logger("scheduler")
@@ -101,11 +103,12 @@ class SchedulerConfig:
     adopt_wait_s: float = 2.0
     placement: PlacementConfig = PlacementConfig()
     prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
+    moves: MoveConfig = MoveConfig()  # KV moves between workers (moves.py; transfers.py runs them)
 
     def ledger_config(self) -> LedgerConfig:
         return LedgerConfig(policy=self.policy, aging_s=self.aging_s, headroom_tokens=self.headroom_tokens,
                             preempt=self.preempt_mode != "off", placement=self.placement,
-                            prefix_index_size=self.prefix_index_size)
+                            prefix_index_size=self.prefix_index_size, moves=self.moves)
 
 
 class ClusterScheduler:
@@ -139,6 +142,8 @@ class ClusterScheduler:
         self._rounds: set[asyncio.Task] = set()  # rounds being fenced and sent (_dispatch)
         self._round_slots = asyncio.Semaphore(_ROUNDS_IN_FLIGHT)
         self.metrics.bind(self.ledger)
+        self.transfers = TransferRunner(self.ledger, self.metrics, redis, keys, resume=self._requeue, worker_dead=self._worker_dead,
+                                        cancel=self._tell_cancel_soon, wake=self._wake.set)
 
     # -- life ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -163,6 +168,7 @@ class ClusterScheduler:
     async def close(self) -> None:
         for t in (*self._tasks, *self._cancel_calls, *self._rounds):
             t.cancel()
+        await self.transfers.close()
         for w in self.ledger.workers.values():
             if w.channel is not None:
                 await w.channel.close()
@@ -274,15 +280,15 @@ class ClusterScheduler:
             raise StaleScheduler(f"scheduler epoch {self.epoch} is no longer the current one")
         return epoch
 
-    async def _requeue(self, p: Pending, worker_dead: bool = False) -> None:
+    async def _requeue(self, p: Pending, worker_dead: str = "") -> None:
         """Queue ``p`` (in the ledger's hand) again to resume after the tokens it emitted:
         fenced first, so the output read is final (nobody before can add to it); ``worker_dead``:
-        its worker was declared dead (its steps stream is fenced: it can add nothing more)."""
+        the worker declared dead it was on (its steps stream is fenced: it can add nothing more)."""
         if await self._fence(p.request_id, "") == 0:
             self.ledger.forget(p.request_id)
             await self._ack(p.entry_id)
             return
-        emitted, finish = await take_over(self.redis, self.keys, p.request_id, fence=True if worker_dead else None)
+        emitted, finish = await take_over(self.redis, self.keys, p.request_id, fence=worker_dead or None)
         if finish:
             self.ledger.forget(p.request_id)
             await self._ack(p.entry_id)
@@ -302,10 +308,15 @@ class ClusterScheduler:
         if w is not None and w.alive:
             # Not awaited: the worker answers between two of its steps, and this is the intake's
             # path (a storm of cancels would hold every new request back a step each).
+            self._tell_cancel_soon(w, rid)
+            log.info("request.cancel_sent", request_id=rid, worker_id=w.worker_id)
+
+    def _tell_cancel_soon(self, w: WorkerEntry, rid: str) -> None:
+        """``_tell_cancel`` in the background."""
+        if w.alive:
             call = asyncio.create_task(self._tell_cancel(w, rid))
             self._cancel_calls.add(call)
             call.add_done_callback(self._cancel_calls.discard)
-            log.info("request.cancel_sent", request_id=rid, worker_id=w.worker_id)
 
     async def _tell_cancel(self, w: WorkerEntry, rid: str) -> None:
         """Best effort: ask ``w`` to drop ``rid`` now and free its blocks (its writes are fenced
@@ -400,6 +411,8 @@ class ClusterScheduler:
                     return
                 out = self.ledger.on_report(w, report)
                 self.metrics.observe_report(w.worker_id, report)
+                if report.prefilled_request_ids or w.role == "prefill":
+                    self.transfers.prefilled(w, report.prefilled_request_ids)
                 for p in out.resume:  # dropped without a finish reported: resume (or forget) it
                     log.warning("request.vanished", request_id=p.request_id, worker_id=w.worker_id)
                     await self._requeue(p)
@@ -459,6 +472,7 @@ class ClusterScheduler:
     async def _worker_dead(self, w: WorkerEntry, reason: str) -> None:
         in_table = self.ledger.workers.get(w.worker_id) is w
         num_placed = len(w.placed)
+        moving = self.transfers.moving_from(w)
         resume = self.ledger.worker_dead(w)
         if resume is None:
             return
@@ -468,8 +482,10 @@ class ClusterScheduler:
         await retry(lambda: self.redis.hdel(self.keys.workers, w.worker_id), what="hdel_worker")
         log.warning("worker.dead", worker_id=w.worker_id, reason=reason, num_requests=num_placed)
         for p in resume:
+            if await self.transfers.handed_over(p, moving):  # it runs on its transfer's target
+                continue
             self.metrics.reassignments.inc()
-            await self._requeue(p, worker_dead=True)
+            await self._requeue(p, worker_dead=w.worker_id)
         with contextlib.suppress(Exception):
             await w.channel.close(grace=0)
         self._wake.set()
@@ -486,6 +502,7 @@ class ClusterScheduler:
             for rid in running:
                 if rid in self.ledger.where:  # still running: cut it off
                     await self._cancel(rid, "error", "deadline exceeded while running")
+            await self.transfers.tick()
             self._wake.set()
             now = time.monotonic()
             n = self.ledger.num_waiting
@@ -514,6 +531,10 @@ class ClusterScheduler:
                     ((p, placement),) = decision.claims
                     if (await self._assign_claimed(decision.claims))[0]:
                         await self._preempt(placement.worker, decision.victims, p)
+                    self.transfers.start(decision.moves)
+                elif decision.moves:  # every victim moves to another worker instead
+                    self.transfers.start(decision.moves)
+                    await self._assign_claimed(decision.claims)
                 elif decision.claims:
                     await self._round_slots.acquire()
                     task = asyncio.create_task(self._send_round(decision.claims))
@@ -522,6 +543,7 @@ class ClusterScheduler:
                 else:
                     break  # empty, or head of line: it waits until a report shows room
                 self._reap_rounds()
+            self.transfers.start(self.ledger.decide_moves())
 
     async def _send_round(self, claimed: list[tuple[Pending, Placement]]) -> None:
         try:
@@ -640,4 +662,7 @@ class ClusterScheduler:
             policy=self.cfg.policy,
             placement=self.cfg.placement.policy,
             num_prefix_index_keys=ledger.num_prefix_index_keys,
+            num_migrated=ledger.num_transfers_done,
+            num_transfers_expired=ledger.num_transfers_expired,
+            num_in_transfer=ledger.num_in_transfer,
         )

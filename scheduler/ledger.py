@@ -40,10 +40,13 @@ nothing was claimed before it, the round places it by preempting lower-priority 
 (``workers.pick_victims``) when preemption is on. Head of line: no request is overtaken.
 
 Moving KV (moves.py): with workers of role ``prefill`` the rounds disaggregate
-conditionally; ``prefilled`` / ``decide_moves`` start transfers (to a decoding worker, for
-load balance), ``transfer_done`` hands a request over, ``expired_transfers`` takes back those
-past their lease, ``called_off`` names those a death or a drop ended. A request in transfer
-is placed on its source (``where``) and holds a reservation on its target's ``placed``.
+conditionally; ``prefilled`` / ``decide_moves`` start transfers (to a decoding worker, off a
+worker draining by migration, for load balance), ``transfer_done`` hands a request over,
+``expired_transfers`` takes back those past their lease, ``called_off`` names those a death or
+a drop ended. A request in transfer is placed on its source (``where``) and holds a
+reservation on its target's ``placed``. Its source's reports may stop naming it before the
+transfer's answer comes (the source lets it go at the handover): that is no drop; the answer
+(``transfer_done``, ``transfer_refused``) or the deadline settles it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from dataclasses import dataclass, field
 
 from pagefleet.protos import cluster_pb2
 
-from .moves import MoveConfig, Transfer, balance_moves, best_target, decodes, prefills
+from .moves import MoveConfig, Transfer, balance_moves, best_target, decodes, drain_moves, prefills
 from .placement import Placement, PlacementConfig, Placer
 from .prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
 from .queue import GlobalQueue, Pending
@@ -71,8 +74,14 @@ ROUND = 256
 ROUND_PER_WORKER = 4
 # Requests whose final write was seen, remembered this long (at most this many): a worker's
 # report can reach the scheduler after the finish it predates (a gRPC stream and a Redis
-# stream do not keep one order), and listing such a request is no orphan.
+# stream do not keep one order), and listing such a request is no orphan. A report is a few
+# hundred milliseconds old at most; a time bound, not only a count, lets the memory stop
+# growing within minutes at any rate (a count alone filled for half an hour at 35 requests/s).
 DONE_MEMORY = 65536
+DONE_MEMORY_S = 120.0
+# A request whose move was refused (no room after all, a pairing refused, a failed copy) is not
+# moved again for load balance or a drain for this long (seconds): no storm of doomed moves.
+MOVE_RETRY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,7 @@ class LedgerConfig:
     placement: PlacementConfig = PlacementConfig()
     prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
     done_memory: int = DONE_MEMORY
+    done_memory_s: float = DONE_MEMORY_S
     moves: MoveConfig = MoveConfig()  # disaggregation and migration (moves.py)
 
 
@@ -132,7 +142,7 @@ class Ledger:
         self.where: dict[str, str] = {}  # request id -> the worker it is placed on
         self._in_hand: set[str] = set()
         self._deadlines: list[tuple[int, str]] = []  # (deadline_unix_ms, request id) of placed requests
-        self._done_recently: dict[str, None] = {}  # insertion-ordered: the oldest go first
+        self._done_recently: dict[str, float] = {}  # id -> when it finished; insertion-ordered: the oldest go first
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.num_reassigned = 0
@@ -143,6 +153,7 @@ class Ledger:
         self._called_off: list[Transfer] = []
         self.num_transfers_done = 0
         self.num_transfers_expired = 0
+        self._move_refused: dict[str, float] = {}  # request id -> when its last move was refused
 
     # -- the public state ----------------------------------------------------------------------
     @property
@@ -239,15 +250,19 @@ class Ledger:
 
     def forget(self, request_id: str) -> None:
         """``request_id`` is finished (its final write is durable): drop every trace of it."""
-        self._done_recently[request_id] = None
-        if len(self._done_recently) > self.cfg.done_memory:
-            del self._done_recently[next(iter(self._done_recently))]
+        done, now = self._done_recently, self.clock()
+        done.pop(request_id, None)
+        done[request_id] = now
+        horizon = now - self.cfg.done_memory_s
+        while done and (len(done) > self.cfg.done_memory or next(iter(done.values())) < horizon):
+            del done[next(iter(done))]
         self.known.pop(request_id, None)
         self._in_hand.discard(request_id)
         self.queue.remove(request_id)
         if request_id in self.transfers:
             self._call_off(request_id)
         self._awaiting_decode.pop(request_id, None)
+        self._move_refused.pop(request_id, None)
         self.index.release(request_id)
         if (w := self.placed_on(request_id)) is not None:
             w.unplace(request_id)
@@ -401,13 +416,23 @@ class Ledger:
 
     def decide_moves(self) -> list[Transfer]:
         """Transfers to start now: prefilled requests to decoding workers (in the order they
-        were prefilled, while one fits), then load-balance moves (``MoveConfig.migrate_above``).
+        were prefilled, while one fits), the requests of workers draining by migration, then
+        load-balance moves (``MoveConfig.migrate_above``).
         Each is recorded at once (its target's reservation placed); the caller starts the copy
         and reports its end with ``transfer_done`` (or lets the deadline take it back)."""
         moves = self._handovers()
         sending = Counter(t.source.worker_id for t in self.transfers.values())
+        now = self.clock()
+        for rid in [rid for rid, at in self._move_refused.items() if now - at >= MOVE_RETRY_S]:
+            del self._move_refused[rid]
+        busy = self.transfers.keys() | self._move_refused.keys()  # moving, or refused a moment ago
+        for pl, source, target in drain_moves(list(self.workers.values()), self.where, busy, sending,
+                                              self.cfg.headroom_tokens):
+            moves.append(self._start(pl.pending, source, target, "drain"))
+            sending[source.worker_id] += 1
+        busy = self.transfers.keys() | self._move_refused.keys()
         for pl, source, target in balance_moves([w for w in self.workers.values() if decodes(w)], self.where,
-                                                self.transfers, sending, self.cfg.moves, self.cfg.headroom_tokens):
+                                                busy, sending, self.cfg.moves, self.cfg.headroom_tokens):
             moves.append(self._start(pl.pending, source, target, "balance"))
         return moves
 
@@ -466,6 +491,7 @@ class Ledger:
             return False
         self._call_off(request_id)
         self._called_off.pop()  # the caller knows: nothing to tell the target
+        self._move_refused[request_id] = self.clock()  # not moved again for MOVE_RETRY_S (balance, drain)
         return True
 
     def expired_transfers(self) -> list[Transfer]:
@@ -483,6 +509,22 @@ class Ledger:
             self._in_hand.add(rid)
         self.num_transfers_expired += len(out)
         return out
+
+    def handover_found(self, p: Pending, target: WorkerEntry) -> bool:
+        """``p`` is in hand because its source died while moving it to ``target``, and Redis
+        names ``target`` its owner (the handover landed before the source's answer could come):
+        it is placed there, counted as a handover, not a reassignment. False (nothing changes)
+        if ``p`` is not in hand or ``target`` is not a live worker of the table."""
+        rid = p.request_id
+        if rid not in self._in_hand or self.workers.get(target.worker_id) is not target:
+            return False
+        self._in_hand.discard(rid)
+        target.place(p, self.cfg.headroom_tokens, now=self.clock())
+        self._hold(target, p)
+        self.where[rid] = target.worker_id
+        self.num_reassigned -= 1
+        self.num_transfers_done += 1
+        return True
 
     def called_off(self) -> list[Transfer]:
         """Transfers ended without a handover since the last call (a side died or dropped the
@@ -512,9 +554,12 @@ class Ledger:
         self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
                                 report.block_hashes_reset)
         for rid in vanished:
-            if rid in self.transfers:  # either side dropped it: the move is off
+            t = self.transfers.get(rid)
+            if t is not None and w is t.target:  # the target dropped what it received: the move is off
                 self._call_off(rid)
-        resume = self.dropped(w, vanished)
+        # Gone from its source while in transfer: handed over, or dropped there; the transfer's
+        # answer (or its deadline) settles which, not this report.
+        resume = self.dropped(w, [rid for rid in vanished if rid not in self.transfers])
         withdraw = [] if self.adopting else self._orphans(orphans)
         return ReportOutcome(resume, withdraw, room is None or bool(vanished) or w.num_available_blocks > room)
 

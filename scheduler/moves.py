@@ -16,6 +16,10 @@ Three reasons to move a request's KV from the worker holding it (the *source*) t
   ``migrate_below`` after taking it; off while ``migrate_above`` is None.
 * ``preemption``: a victim the round chose (``workers.pick_victims``) goes to a worker that
   can hold it rather than being swapped out or recomputed (``migrate_victims``).
+* ``drain``: a worker draining by migration (``pagefleet worker --drain-policy migrate``: its
+  reports say ``drain_by_migration``) sheds every request it runs to the decoding worker with
+  the most room that can hold it, ``DRAIN_TRANSFERS_PER_SOURCE`` at a time; a request no peer
+  has room for stays (it finishes there, or is handed back and recomputed when the drain ends).
 
 A move is a ``Transfer``. While it is in flight the request is **owned by its source only**
 (``Ledger.where`` names the source; it goes on running or waiting there), and the target
@@ -28,13 +32,14 @@ Occupancy is ``1 - num_available_blocks / pool_size``: blocks in use, swapped ou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from .queue import Pending
 from .workers import Placed, WorkerEntry
 
-REASONS = ("disaggregation", "balance", "preemption")
+REASONS = ("disaggregation", "balance", "preemption", "drain")
+DRAIN_TRANSFERS_PER_SOURCE = 4  # moves in flight out of one draining worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +120,15 @@ def best_target(workers: Iterable[WorkerEntry], p: Pending, source: WorkerEntry,
     return best
 
 
-def movable(w: WorkerEntry, owned: dict[str, str], moving: dict) -> list[Placed]:
-    """Requests ``w`` owns and runs with device blocks, not finished and not moving already."""
+def movable(w: WorkerEntry, owned: dict[str, str], moving: Container[str]) -> list[Placed]:
+    """Requests ``w`` owns and runs with device blocks, not finished and not in ``moving``
+    (moving already, or not to be moved now)."""
     wid = w.worker_id
     return [pl for rid, pl in w.placed.items()
             if owned.get(rid) == wid and rid not in moving and not pl.finished and w.held.get(rid, 0) > 0]
 
 
-def balance_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: dict, sending: dict[str, int],
+def balance_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: Container[str], sending: dict[str, int],
                   cfg: MoveConfig, headroom_tokens: int) -> list[tuple[Placed, WorkerEntry, WorkerEntry]]:
     """Load-balance moves, one at most per overloaded source: ``(request, source, target)``,
     the fullest sources first. ``sending``: transfers in flight by source id. The caller
@@ -144,4 +150,32 @@ def balance_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: dic
                 out.append((pl, src, tgt))
                 chosen_targets.add(tgt.worker_id)
                 break
+    return out
+
+
+def drains_by_migration(w: WorkerEntry) -> bool:
+    """Whether ``w``'s latest report asks for its requests to be moved away (draining by migration)."""
+    r = w.report
+    return w.alive and r is not None and r.draining and r.drain_by_migration
+
+
+def drain_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: Container[str], sending: dict[str, int],
+                headroom_tokens: int) -> list[tuple[Placed, WorkerEntry, WorkerEntry]]:
+    """Moves off the workers draining by migration: ``(request, source, target)``, the requests
+    with the most blocks first (the most to recompute), each to the decoding worker with the most
+    room left after taking it; at most ``DRAIN_TRANSFERS_PER_SOURCE`` in flight out of a source
+    (``sending``: in flight by source id). Targets are checked against the table as it is: the
+    caller records each move (its reservation) before the next is chosen."""
+    out = []
+    for src in workers:
+        if not drains_by_migration(src):
+            continue
+        room = DRAIN_TRANSFERS_PER_SOURCE - sending.get(src.worker_id, 0)
+        for pl in sorted(movable(src, owned, moving), key=lambda pl: -src.held[pl.pending.request_id]):
+            if room <= 0:
+                break
+            tgt = best_target(workers, pl.pending, src, headroom_tokens)
+            if tgt is not None:
+                out.append((pl, src, tgt))
+                room -= 1
     return out

@@ -58,6 +58,7 @@ from pagefleet.common.tls import (
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .core import ClusterScheduler, SchedulerConfig
+from .moves import MoveConfig
 from .placement import PLACEMENTS, PlacementConfig
 from .prefix_index import DEFAULT_MAX_KEYS
 from .queue import POLICIES
@@ -97,6 +98,25 @@ def build_parser() -> EnvArgumentParser:
                    help="prefix: the longest cached prefix wins if it covers at least this fraction of "
                         "the prompt's blocks, else the least loaded")
     add_cluster_tls_flags(p)
+    m = MoveConfig()
+    p.add_argument("--migrate-above", type=float, default=None, metavar="OCCUPANCY",
+                   help="load balance by live migration: a worker whose KV occupancy (0-1) is past this sheds "
+                        "a running request with its KV to the emptiest worker (default: off)")
+    p.add_argument("--migrate-below", type=float, default=m.migrate_below, metavar="OCCUPANCY",
+                   help="--migrate-above: the target's occupancy after taking the request must stay below this")
+    p.add_argument("--migrate-victims", action="store_true",
+                   help="a preemption victim moves with its KV to a worker that can hold it, instead of being "
+                        "swapped out or recomputed")
+    p.add_argument("--transfer-timeout", type=float, default=m.timeout_s, metavar="SECONDS",
+                   help="a KV transfer's lease: renewed while its Migrate call is in flight; past it the transfer "
+                        "is taken back from both sides and the request resumes from its tokens")
+    p.add_argument("--short-prompt-tokens", type=int, default=m.short_prompt_tokens,
+                   help="prefill/decode disaggregation: prompts this short prefill on a decode worker")
+    p.add_argument("--decode-cache-threshold", type=float, default=m.decode_cache_threshold,
+                   help="disaggregation: a prompt a decode worker caches this share of prefills there")
+    p.add_argument("--prefill-queue-tokens", type=int, default=m.prefill_queue_tokens,
+                   help="disaggregation: a prefill worker with this many prompt tokens still to prefill takes no "
+                        "more (they prefill on a decode worker)")
     p.add_argument("--worker-tls-name", default=WORKER_TLS_NAME, metavar="NAME",
                    help="with --cluster-ca: the name a worker's certificate must carry (empty: the host "
                         "of the address the worker advertises)")
@@ -206,7 +226,7 @@ async def serve(args) -> int:
             policy=args.policy, aging_s=args.aging_seconds, headroom_tokens=args.headroom_tokens,
             preempt_mode=args.preempt_mode, dead_after_s=args.dead_after,
             placement=placement_config(args),
-            prefix_index_size=args.prefix_index_size,
+            prefix_index_size=args.prefix_index_size, moves=move_config(args),
         ), metrics=metrics, epoch=holder.epoch, lease_ok=holder.valid,
             dial=dialer(tls, args.worker_tls_name or None))
         servicer.core = core
@@ -241,11 +261,24 @@ def placement_config(args) -> PlacementConfig:
     return PlacementConfig(args.placement, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
 
 
+def move_config(args) -> MoveConfig:
+    """The KV moves the flags ask for; ``ValueError`` naming what to fix."""
+    try:
+        return MoveConfig(short_prompt_tokens=args.short_prompt_tokens, decode_cache_threshold=args.decode_cache_threshold,
+                          prefill_queue_tokens=args.prefill_queue_tokens, migrate_above=args.migrate_above,
+                          migrate_below=args.migrate_below, migrate_victims=args.migrate_victims,
+                          timeout_s=args.transfer_timeout)
+    except ValueError as e:
+        raise ValueError(f"--migrate-above/--migrate-below/--transfer-timeout/--short-prompt-tokens/"
+                         f"--decode-cache-threshold/--prefill-queue-tokens: {e}") from None
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         placement_config(args)
+        move_config(args)
     except ValueError as e:
         parser.error(str(e))
     try:

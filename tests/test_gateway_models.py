@@ -47,3 +47,70 @@ def test_an_unknown_model_names_the_served_ones():
 def test_the_commands_refuse_bad_model_and_shard_flags(argv, error):
     out = subprocess.run([sys.executable, "-m", "pagefleet", *argv], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and error in out.stderr, out.stderr
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_each_model_has_its_own_tokenizer_and_chat_template_at_one_gateway(tmp_path):
+    """One gateway process serving the byte-level ``tiny`` and a checkpoint with a BPE tokenizer
+    and a chat template of its own: ``/tokenize`` of a model's name gives that model's tokens
+    (the chat rendered with that model's template, as transformers renders it)."""
+    import os
+    import time
+    import urllib.request
+
+    import transformers
+    from conftest import make_checkpoint
+    from test_openai import CONVERSATIONS, build_tokenizer, write_tokenizer_config
+
+    from pagefleet.common.model_config import load_model_spec
+    from pagefleet.common.redis import RedisServer
+    from pagefleet.common.service import free_port
+
+    bpe = tmp_path / "bpe"
+    bpe.mkdir()
+    make_checkpoint(bpe, "llama", vocab_size=build_tokenizer(bpe), max_position_embeddings=2048)
+    write_tokenizer_config(bpe)
+    hf = transformers.AutoTokenizer.from_pretrained(bpe)
+    with RedisServer() as redis:
+        port, http = free_port(), free_port()
+        gateway = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port), "--http-port",
+                                    str(http), "--model", "tiny", "--model", f"bpe={bpe}", "--redis-url", redis.url],
+                                   env=dict(os.environ, PAGEFLEET_LOG_LEVEL="warning"))
+        try:
+            base = f"http://127.0.0.1:{http}"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{base}/v1/models", timeout=5):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline or gateway.poll() is not None:
+                        raise
+                    time.sleep(0.2)
+            tiny = load_model_spec("tiny").tokenizer
+            status, body = _post(f"{base}/tokenize", {"model": "tiny", "prompt": "hello world"})
+            assert status == 200 and body["tokens"] == tiny.encode("hello world")
+            status, body = _post(f"{base}/tokenize", {"model": "bpe", "prompt": "hello world"})
+            assert status == 200 and body["tokens"] == hf("hello world")["input_ids"] != tiny.encode("hello world")
+            messages = CONVERSATIONS[1]
+            status, body = _post(f"{base}/tokenize", {"model": "bpe", "messages": messages})
+            assert status == 200
+            assert body["tokens"] == list(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                                  return_dict=False))
+            status, body = _post(f"{base}/tokenize", {"model": "gpt-9", "prompt": "hi"})
+            assert status == 404 and "`tiny`" in body["error"]["message"] and "`bpe`" in body["error"]["message"]
+        finally:
+            gateway.terminate()
+            gateway.wait(10)

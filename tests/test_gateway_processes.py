@@ -98,3 +98,28 @@ def test_a_process_that_dies_is_replaced(cluster):
     time.sleep(1.0)
     with Client(cluster.gateway_target) as c:
         assert len(c.generate("again", max_tokens=5, temperature=0, ignore_eos=True, timeout=60).token_ids) == 5
+
+
+def test_only_the_gateways_processes_share_a_port():
+    """grpc binds with SO_REUSEPORT by default: a server given a port already in use would
+    share it silently and answer its clients "Method not found". Every server binds alone
+    (a bind to a taken port fails), except gateway processes, which share theirs on purpose."""
+    import asyncio
+
+    from pagefleet.common.service import SERVER_OPTIONS, server_options
+
+    async def bind_twice(options) -> bool:
+        first = grpc.aio.server(options=options)
+        port = first.add_insecure_port("127.0.0.1:0")
+        await first.start()
+        try:
+            grpc.aio.server(options=options).add_insecure_port(f"127.0.0.1:{port}")
+            return True
+        except RuntimeError:
+            return False
+        finally:
+            await first.stop(None)
+
+    assert not asyncio.run(bind_twice(SERVER_OPTIONS))
+    assert not asyncio.run(bind_twice(server_options()))
+    assert asyncio.run(bind_twice(server_options(reuse_port=True)))

@@ -181,6 +181,34 @@ def test_live_migration_tokens_identical_to_an_undisturbed_run(pair, params):
     assert stats.stage_blocks[0] == 3 and stats.num_bytes > 0
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_received_request_is_preempted_like_any_other(mode):
+    """Preempting a request that came in by migration swaps it out (or drops its KV to
+    recompute) as it would any other, and it finishes with the undisturbed tokens."""
+    src, dst = _engine(), _engine(num_swap_blocks=32)
+    ts, td = LocalTransport("tiny"), LocalTransport("tiny")
+    hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
+    ts.connect(hd)
+    peer = td.connect(hs)
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=77)
+    out = Collector(f"pre-{mode}")
+    src.add_request(PROMPT, params, request_id=out.rid)
+    while len(out.tokens) < 3:
+        out.take(src.step())
+    recv = MigrationReceiver(dst, td, peer, out.rid, list(PROMPT))
+    assert LiveMigration(src, out.rid, recv, final_stage_blocks=2).run(lambda: out.take(src.step())).outcome \
+        == "migrated"
+    out.take(dst.step())
+    assert dst.preempt_request(out.rid, mode=mode)
+    assert out.rid not in dst.kv.block_tables or not dst.kv.block_tables[out.rid]
+    assert dst.stats().num_swapped == (1 if mode == "swap" else 0)
+    while out.finish is None:
+        out.take(dst.step())
+    ts.close()
+    td.close()
+    assert out.ids() == undisturbed(params)
+
+
 def test_stop_and_copy_is_one_frozen_stage(pair):
     src, dst, td, peer = pair
     params = SamplingParams(max_tokens=12, temperature=0)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from pagefleet.common.blocks import block_hashes
 from pagefleet.protos import cluster_pb2, generation_pb2
-from pagefleet.scheduler.ledger import ROUND, Decision, Ledger, LedgerConfig
-from pagefleet.scheduler.moves import MoveConfig
+from pagefleet.scheduler.ledger import MOVE_RETRY_S, ROUND, Decision, Ledger, LedgerConfig
+from pagefleet.scheduler.moves import DRAIN_TRANSFERS_PER_SOURCE, MoveConfig
 from pagefleet.scheduler.prefix_index import Match
 from pagefleet.scheduler.workers import WorkerEntry
 
@@ -467,6 +467,63 @@ def test_finishing_a_request_in_transfer_calls_the_move_off():
     ledger.check_integrity()
 
 
+def test_the_source_letting_go_at_the_handover_is_no_drop_the_answer_settles_it():
+    ledger, (t,) = prefilled_on_p()
+    holding(ledger, "p", {})  # p released r at the handover, before the Migrate answer came
+    assert ledger.transfers == {"r": t} and ledger.where == {"r": "p"} and ledger.called_off() == []
+    ledger.check_integrity()
+    assert ledger.transfer_done("r") and ledger.where == {"r": "d"}
+    ledger.check_integrity()
+    ledger, (t,) = prefilled_on_p()
+    holding(ledger, "p", {})  # p dropped it, and the move failed: resumed from its tokens
+    assert ledger.transfer_refused("r") and ledger.where == {"r": "p"}
+    (p,) = ledger.dropped(ledger.workers["p"], ["r"])
+    assert p.request_id == "r" and not ledger.where
+    ledger.check_integrity()
+
+
+def test_a_refused_move_is_not_tried_again_at_once():
+    clock = Clock()
+    ledger = roled({"a": "both", "b": "both"}, clock=clock, num_blocks=64, free={"b": 0},
+                   migrate_above=0.8, migrate_below=0.7)
+    for i in range(3):
+        ledger.take(f"r{i}", f"e{i}", assign(f"r{i}", [i + 1] * 200, max_tokens=8))
+    place_all(ledger)
+    holding(ledger, "a", {f"r{i}": 19 for i in range(3)}, num_blocks=64)
+    holding(ledger, "b", {}, num_blocks=64)
+    (t,) = ledger.decide_moves()
+    assert ledger.transfer_refused(t.request_id)
+    (t2,) = ledger.decide_moves()
+    assert t2.request_id != t.request_id, "another request moves meanwhile"
+    assert ledger.transfer_refused(t2.request_id)
+    clock.now += MOVE_RETRY_S
+    assert {x.request_id for x in ledger.decide_moves()} <= {t.request_id, t2.request_id}
+    ledger.check_integrity()
+
+
+def test_a_worker_draining_by_migration_sheds_its_requests_to_workers_with_room():
+    ledger = roled({"a": "both", "b": "both", "c": "both"}, num_blocks=64, free={"c": 10})
+    for i in range(6):
+        ledger.take(f"r{i}", f"e{i}", assign(f"r{i}", [i + 1] * 100, max_tokens=8))
+    placed = dict(place_all(ledger))
+    on_a = {rid: 7 for rid, wid in placed.items() if wid == "a"}
+    holding(ledger, "a", on_a, num_blocks=64)
+    ledger.on_report(ledger.workers["a"], report("a", free=64 - 7 * len(on_a), num_blocks=64, request_ids=list(on_a),
+                                                 blocks_per_request=on_a, draining=True))
+    assert ledger.decide_moves() == [], "draining without migration: the requests stay (recomputed at the end)"
+    ledger.on_report(ledger.workers["a"], report("a", free=64 - 7 * len(on_a), num_blocks=64, request_ids=list(on_a),
+                                                 blocks_per_request=on_a, draining=True, drain_by_migration=True))
+    moves = ledger.decide_moves()
+    assert 0 < len(moves) <= min(len(on_a), DRAIN_TRANSFERS_PER_SOURCE)
+    assert {(t.source.worker_id, t.target.worker_id, t.reason) for t in moves} == {("a", "b", "drain")}, \
+        "c has no room for a request of 8 blocks"
+    ledger.check_integrity()
+    for t in moves:
+        assert ledger.transfer_done(t.request_id)
+    ledger.check_integrity()
+    assert all(ledger.where[t.request_id] == "b" for t in moves)
+
+
 def test_an_overloaded_worker_sheds_its_smallest_running_request_to_the_emptiest_worker():
     ledger = roled({"a": "both", "b": "both", "c": "both", "p": "prefill"}, num_blocks=64,
                    free={"b": 0, "c": 0, "p": 64}, migrate_above=0.8, migrate_below=0.6, short_prompt_tokens=4096)
@@ -794,3 +851,17 @@ def test_random_events_with_moves_keep_one_owner_and_end_every_request_exactly_o
     world.drain()
     assert world.ended == {rid: 1 for rid in world.taken}
     assert not world.ledger.where and not world.ledger.queue.ordered() and not world.ledger.transfers
+
+
+def test_finished_requests_are_remembered_for_a_time_and_a_count():
+    clock = Clock()
+    ledger = ledger_with("a", clock=clock, done_memory=3, done_memory_s=10.0)
+    for i in range(4):
+        ledger.forget(f"r{i}")
+        clock.now += 1.0
+    assert [ledger.finished_recently(f"r{i}") for i in range(4)] == [False, True, True, True]  # the count
+    clock.now += 8.5  # r1 finished 11.5 s ago, r2 10.5 s, r3 9.5 s
+    ledger.forget("r4")
+    assert [ledger.finished_recently(f"r{i}") for i in range(1, 5)] == [False, False, True, True]  # the time
+    assert not ledger.is_new("r3") and ledger.is_new("r1")
+    ledger.check_integrity()

@@ -122,3 +122,25 @@ def test_observe_many_is_observe_repeated():
             h_one.observe(value)
         observe_many(h_many, value, count)
     assert samples(one) == samples(many)
+
+
+def test_gateway_metrics_by_model_count_each_models_calls_apart():
+    one = GatewayMetrics()
+    assert one.for_model("tiny") is one  # one model: no model label, series as before
+    m = GatewayMetrics(by_model=True)
+    a, b = m.for_model("a"), m.for_model("b")
+    a.finished(grpc.StatusCode.OK, 0.1)
+    b.finished("RESOURCE_EXHAUSTED")
+    b.shed.inc()
+    a.in_flight.inc()
+    a.ttft.observe(0.05)
+    srv = start_metrics_server(0, m.registry, host="127.0.0.1")
+    try:
+        g = scrape(f"http://127.0.0.1:{srv.port}/metrics", shard_labels=True)
+    finally:
+        srv.close()
+    assert g[("pagefleet:gateway_requests_total", (("code", "OK"), ("model", "a")))] == 1
+    assert g[("pagefleet:gateway_requests_total", (("code", "RESOURCE_EXHAUSTED"), ("model", "b")))] == 1
+    assert g[("pagefleet:gateway_shed_requests_total", (("model", "b"),))] == 1
+    assert g[("pagefleet:gateway_requests_in_flight", (("model", "a"),))] == 1
+    assert g[("pagefleet:gateway_time_to_first_token_seconds_count", (("model", "a"),))] == 1

@@ -161,3 +161,75 @@ def test_worker_and_scheduler_metrics_carry_the_model_and_the_shard(fleet):
     assert worker[("pagefleet:num_gpu_blocks", (("model", "llama"), ("shard", "s1")))] == 128
     scheduler = scrape(fleet.metrics_url("scheduler"), shard_labels=True)
     assert scheduler[("pagefleet:scheduler_workers", (("model", "tiny"), ("shard", "s0")))] == 1
+
+
+def test_gateway_metrics_carry_the_model_of_each_call(fleet):
+    from test_metrics import scrape
+
+    def calls(g, model, code="OK"):
+        return g.get(("pagefleet:gateway_requests_total", (("code", code), ("model", model))), 0.0)
+
+    before = scrape(fleet.metrics_url("gateway"), shard_labels=True)
+    with Client(fleet.gateway_target) as c:
+        c.generate(LLAMA_PROMPTS[2], model="llama", max_tokens=3, temperature=0, timeout=60)
+        c.generate("metrics", model="tiny", max_tokens=3, temperature=0, timeout=60)
+        with pytest.raises(grpc.RpcError):
+            c.generate("hi", model="gpt-9", max_tokens=2, timeout=30)
+    after = scrape(fleet.metrics_url("gateway"), shard_labels=True)
+    assert calls(after, "llama") - calls(before, "llama") == 1
+    assert calls(after, "tiny") - calls(before, "tiny") == 1
+    # A model not served is no label of its own (clients choose that name): it counts under "".
+    assert calls(after, "", "NOT_FOUND") - calls(before, "", "NOT_FOUND") == 1
+    assert not any(dict(labels).get("model") == "gpt-9" for _, labels in after)
+    ttft = "pagefleet:gateway_time_to_first_token_seconds_count"
+    assert after[(ttft, (("model", "llama"),))] - before.get((ttft, (("model", "llama"),)), 0.0) == 1
+
+    def queued(g, model, shard):
+        return g.get(("pagefleet:gateway_queued_requests_total", (("model", model), ("shard", shard))), 0.0)
+
+    # Each request is counted on the shard it was queued to (one shard a model here).
+    assert queued(after, "llama", "s1") - queued(before, "llama", "s1") == 1
+    assert queued(after, "tiny", "s0") - queued(before, "tiny", "s0") == 1
+
+
+def test_stream_reads_on_the_cluster_ask_no_node_for_their_keys(redis_cluster):
+    """redis-py would ask one node (``COMMAND GETKEYS``) for the keys of every XREAD and
+    XREADGROUP: a round trip more per read, all on that node. The client of ``connect`` reads
+    them from the command itself."""
+    import asyncio
+
+    import redis as sync_redis
+
+    from pagefleet.common.redis import connect, stream_read_keys
+
+    assert stream_read_keys(("XREAD", "COUNT", 5, "BLOCK", 10, "STREAMS", "a", b"b", "0", "0")) == ("a", b"b")
+    assert stream_read_keys(("XREADGROUP", "GROUP", "g", "c", "streams", "k", ">")) == ("k",)
+    assert stream_read_keys(("GET", "k")) is None
+    primaries = redis_cluster.primary_ports()
+
+    def getkeys_calls() -> int:
+        total = 0
+        for port in primaries:
+            with sync_redis.Redis(port=port) as c:
+                total += int(c.info("commandstats").get("cmdstat_command", {}).get("calls", 0))
+        return total
+
+    async def reads() -> int:
+        r = connect(redis_cluster.url, cluster=True)
+        try:
+            await r.set(Keys("pf", "s0").num_waiting, 0)  # the client starts: one COMMAND for its table
+            before = getkeys_calls()
+            for shard in ("s0", "s2", "s3"):  # on the three primaries
+                key = Keys("pf", shard).steps("test-reads")
+                await r.xadd(key, {"o": "x"})
+                assert len((await r.xread({key: "0"}, count=10))[0][1]) == 1
+                await r.xgroup_create(key, "g", id="0")
+                assert (await r.xreadgroup("g", "c", {key: ">"}, count=10))[0][1]
+                await r.delete(key)
+            return before
+        finally:
+            await r.aclose()
+
+    before = asyncio.run(reads())
+    assert getkeys_calls() == before
+    assert len({redis_cluster.primary_port(Keys("pf", s).requests) for s in ("s0", "s2", "s3")}) == 3

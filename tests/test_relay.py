@@ -100,7 +100,7 @@ def test_a_relay_whose_client_does_not_read_is_bounded_and_loses_nothing(redis_u
         epoch = await f.assign("a", 1, "w1")
         await _write_all(f, "a", epoch, 100)  # the client reads nothing meanwhile
         await asyncio.sleep(0.3)
-        assert rel.detached and len(rel.buffer) == 0  # the backlog stays in Redis
+        assert rel.detached and rel.num_buffered == 0 and rel.num_tokens == 0  # the backlog stays in Redis
         msgs = [m async for m in relay_steps(r, keys, rel, 3)]
         _check_whole(msgs, 100)
         await reader.stop()
@@ -178,5 +178,31 @@ def test_logprobs_reach_the_responses_cut_with_their_tokens(redis_url):
         assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
         await reader.stop()
         await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_step_relay_gathers_messages_in_order_and_a_detach_goes_back_to_what_was_taken(monkeypatch):
+    from pagefleet.gateway.relay import StepRelay
+
+    monkeypatch.setattr(relay_mod, "MAX_BUFFERED", 4)
+
+    async def go():
+        r = StepRelay("a", asyncio.get_running_loop())
+        r.feed(OutEntry(0, [0, 1], "ab"))
+        r.feed(OutEntry(3, [3], "d"))  # past a gap: held
+        r.feed(OutEntry(1, [1], "b"))  # a repeat: dropped
+        assert r.num_tokens == 2 and r.order.has_gap
+        r.feed(OutEntry(2, [2], "c"))  # fills the gap
+        msg = r.take()
+        assert (msg.index, list(msg.token_ids), msg.text) == (0, [0, 1, 2, 3], "abcd")
+        assert r.take() is None
+        r.feed(OutEntry(4, [4], "e"))
+        r.feed(OutEntry(5, [5], "f"))
+        for i in range(6, 9):  # past the bound, not taken: detached
+            r.feed(OutEntry(i, [i], "x"))
+        assert r.detached and r.num_tokens == 0 and r.order.next_index == 4  # goes on after what was taken
+        r.feed(OutEntry(9, [9], "y", "length"))
+        assert r.take() is None and not r.finished
 
     asyncio.run(go())

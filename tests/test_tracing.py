@@ -27,16 +27,18 @@ MAX_TOKENS = 6
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """Keeps every exported span with its service name."""
+    """Keeps every exported span with its service name, and each service's resource attributes."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, object]] = []
+        self.resources: dict[str, dict[str, str]] = {}
         self.lock = threading.Lock()
 
     def Export(self, request, context):
         with self.lock:
             for rs in request.resource_spans:
                 attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+                self.resources[attrs.get("service.name", "")] = attrs
                 for ss in rs.scope_spans:
                     for span in ss.spans:
                         self.spans.append((attrs.get("service.name", ""), span))
@@ -140,6 +142,8 @@ def test_each_request_is_one_trace_across_three_processes(traced_cluster, receiv
         for name in ("prefill", "decode"):
             (_, phase), = by_name[name]
             assert phase.parent_span_id == work.span_id, name
+        sent = {kv.key: kv.value.string_value for kv in send.attributes}
+        assert (sent["pagefleet.model"], sent["pagefleet.shard"]) == ("tiny", "s0")
         a = {kv.key: kv.value for kv in assign.attributes}
         assert a["pagefleet.worker_id"].string_value == "worker-0"
         assert "pagefleet.num_free_blocks" in a
@@ -150,6 +154,10 @@ def test_each_request_is_one_trace_across_three_processes(traced_cluster, receiv
         assert [v.string_value for v in g["gen_ai.response.finish_reasons"].array_value.values] == ["length"]
         assert not any("tracing" in str(kv.value) for _, s in spans for kv in s.attributes), "prompt recorded"
         request_span_ids.add(work.span_id)
+    # Every span of the scheduler and of the worker names their shard and model.
+    for service in ("pagefleet-scheduler", "pagefleet-worker"):
+        res = receiver.resources[service]
+        assert (res["pagefleet.shard"], res["pagefleet.model"]) == ("s0", "tiny"), res
     # Forward passes are their own spans, linked to the requests they served.
     linked = {link.span_id for _, s in receiver.snapshot() if s.name == "forward" for link in s.links}
     assert request_span_ids <= linked

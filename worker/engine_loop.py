@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 import structlog
 
-from pagefleet.common.fencing import Write, steps_field
+from pagefleet.common.fencing import Write, step_piece, steps_field
 from pagefleet.common.redis import OutEntry
 from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import cluster_pb2
@@ -76,6 +76,13 @@ class EngineLoop:
         self.kv_events = KVEventLog(engine.kv)  # published on this thread, in _refresh
         self.snapshot: EngineStats = engine.stats()
         self._last_notified: tuple[int, frozenset[str]] = (-1, frozenset())
+        # request id -> its live migration out of here (migration.LiveMigration), advanced
+        # between steps, and the future its stats go to when it ends
+        self._migrations: dict[str, tuple[object, Future]] = {}
+        # On a worker of role prefill (set by its owner): the requests whose prompt is computed,
+        # refreshed with the snapshot, for the reports
+        self.track_prefilled = False
+        self.prefilled_ids: tuple[str, ...] = ()
         self._refresh(force_notify=True)
 
     # -- life --------------------------------------------------------------------------
@@ -111,15 +118,22 @@ class EngineLoop:
 
     # -- the thread --------------------------------------------------------------------
     def pause(self) -> None:
-        """Run no more steps (commands still run): the held requests are being handed back."""
+        """Run no more steps (commands still run): the held requests are being handed back.
+        Migrations out of here end first (the requests stay here, to be resumed elsewhere)."""
         self._paused = True
+        for rid, (mig, fut) in list(self._migrations.items()):
+            mig.fail()
+            del self._migrations[rid]
+            fut.set_result(mig.stats)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             busy = not self._paused and self.engine.has_unfinished_requests()
-            self._run_commands(block=not busy)
+            self._run_commands(block=not busy and not self._migrations)
             if self._stop.is_set():
                 break
+            if self._migrations:
+                self._advance_migrations()
             if self._paused or not self.engine.has_unfinished_requests():
                 continue
             if self.room is not None and not self.room.wait(0.05):
@@ -206,9 +220,76 @@ class EngineLoop:
         self.emit(batch)
         self._refresh()
 
+    # -- migrations (migration_rpc.py) ------------------------------------------------------
+    def migrate(self, migration) -> Future:
+        """Advance ``migration`` (a ``LiveMigration`` of a request here) between steps until it
+        ends; a future of its ``MigrationStats``. Run on this thread (``call``)."""
+        fut: Future = Future()
+        if migration.request_id in self._migrations:
+            raise ValueError(f"{migration.request_id!r} is migrating already")
+        self._migrations[migration.request_id] = (migration, fut)
+        return fut
+
+    def is_migrating(self, request_id: str) -> bool:
+        return request_id in self._migrations
+
+    def _advance_migrations(self) -> None:
+        for rid, (mig, fut) in list(self._migrations.items()):
+            try:
+                outcome = mig.advance()
+            except Exception as e:  # a bug: the request stays here (thawed), the caller hears of it
+                log.exception("migration.failed", request_id=rid)
+                mig.fail()
+                del self._migrations[rid]
+                fut.set_exception(e)
+                continue
+            if outcome == "running":
+                continue
+            del self._migrations[rid]
+            if outcome == "migrated":
+                self._handed_over(rid)
+            fut.set_result(mig.stats)
+            self._refresh(force_notify=True)
+
+    def _handed_over(self, request_id: str) -> None:
+        """``request_id`` runs on another worker now (its engine here let it go): forget it,
+        writing nothing; not reported finished (the reports show it gone, the scheduler knows why)."""
+        self.assignments.pop(request_id, None)
+        self._records.pop(request_id, None)
+        if self.observer:
+            self.observer.removed(request_id, "migrated")
+
+    def assignment(self, request_id: str) -> tuple[str, int, str]:
+        """``request_id``'s (entry id, epoch, steps field); ("", 0, "o") if unassigned."""
+        return self.assignments.get(request_id, _UNASSIGNED)
+
+    def record_piece(self, request_id: str) -> bytes:
+        """Everything this worker wrote for ``request_id`` since its assignment, as one
+        ``StepOutputs`` piece (empty if nothing): what a handover records in Redis."""
+        rec = self._records.get(request_id)
+        if rec is None or not rec[1]:
+            return b""
+        return step_piece(request_id, OutEntry(rec[0], rec[1], "".join(rec[2]), "", "", rec[3] or None))
+
+    def set_epoch(self, request_id: str, epoch: int) -> None:
+        """``request_id``'s writes go under ``epoch`` from now on (it took the request back)."""
+        entry_id, _, field = self.assignments.get(request_id, _UNASSIGNED)
+        self.assignments[request_id] = (entry_id, epoch, field)
+
+    def adopt(self, request_id: str, entry_id: str, epoch: int, field: str, assign=None) -> None:
+        """A request migrated in (its engine runs it already) is written under ``epoch``;
+        ``assign``: an ``AssignRequest`` describing it, for the metrics and traces."""
+        self.assignments[request_id] = (entry_id, epoch, field)
+        if self.observer and assign is not None:
+            self.observer.assigned(assign)
+        self._refresh(force_notify=True)
+
     # -- occupancy -----------------------------------------------------------------------
     def _refresh(self, force_notify: bool = False) -> None:
         snap = self.snapshot = self.engine.stats()  # once per step, on the engine thread
+        if self.track_prefilled:
+            self.prefilled_ids = tuple(rid for rid, r in self.engine.requests.items()
+                                       if r.num_output_tokens and r.num_computed_tokens >= r.num_tokens - 1)
         self.kv_events.publish(self.engine.kv)
         ids = frozenset(snap.request_ids)
         last_free, last_ids = self._last_notified
@@ -221,8 +302,11 @@ class EngineLoop:
     def assign(self, msg: cluster_pb2.AssignRequest, parent=None) -> None:
         """``parent``: the trace context of the scheduler's Assign call."""
         rid = msg.request_id
-        if rid in self.engine.requests:
-            return  # a repeated Assign (the scheduler retried): already here
+        if rid in self.engine.requests:  # a repeated Assign (the scheduler retried): already here
+            entry_id, epoch, field = self.assignments.get(rid, _UNASSIGNED)
+            if msg.epoch > epoch:  # re-placed here while it runs here (it came by migration): write under it
+                self.assignments[rid] = (msg.entry_id or entry_id, msg.epoch, steps_field(msg.reply_to))
+            return
         try:
             self.engine.add_request(
                 list(msg.prompt_token_ids),

@@ -163,6 +163,16 @@ class MigrationReceiver:
     def commit(self, h: Handover) -> bool:
         """Take the request over: True once it runs here. False (and aborted) when a read
         failed, a block is missing, or a final block's checksum differs from the source's."""
+        req = self.verify(h)
+        if req is None:
+            return False
+        self.adopt(req)
+        return True
+
+    def verify(self, h: Handover):
+        """The request ready to run here (not yet running: ``adopt`` runs it), once every read
+        landed and the final blocks match the source's checksums; None (and aborted) if not,
+        or if the handover is no request this engine can run."""
         self._check_open()
         if h.request_id != self.request_id:
             raise ValueError(f"handover for {h.request_id!r}, migrating {self.request_id!r}")
@@ -177,12 +187,21 @@ class MigrationReceiver:
                 or checksums(self.engine.kv_cache, [table[i] for i in read])
                 != [h.final_checksums[i - start] for i in read]):
             self.abort()
-            return False
-        req = self.engine._make_request(h.prompt_token_ids, h.params, h.request_id, h.priority, h.output_token_ids)
+            return None
+        try:
+            req = self.engine._make_request(h.prompt_token_ids, h.params, h.request_id, h.priority,
+                                            h.output_token_ids)
+        except ValueError:
+            self.abort()
+            return None
         req.num_computed_tokens = h.num_computed_tokens
+        return req
+
+    def adopt(self, req) -> None:
+        """Run ``req`` (from ``verify``) here: the migration is committed."""
+        self._check_open()
         self.engine.import_request(req)
         self.state = "committed"
-        return True
 
     def expire_if_due(self, now: float | None = None) -> bool:
         """Abort (freeing every block) if the source fell silent past the lease or the
@@ -247,6 +266,7 @@ class LiveMigration:
         self.progress = progress or (lambda: None)
         self.num_sent = 0  # leading blocks handed to the receiver
         self.in_flight = False
+        self.frozen = False  # the request is stopped here for the final stage
         self.stats = MigrationStats()
 
     def advance(self) -> str:
@@ -299,6 +319,7 @@ class LiveMigration:
         req = engine.freeze_request(self.request_id)
         if req is None:  # not running (preempted or swapped meanwhile): try later
             return "running"
+        self.frozen = True
         table = engine.kv.block_tables[self.request_id]
         end = engine.kv.num_blocks_for(req.num_computed_tokens)
         final_ids = table[self.num_sent : end]
@@ -312,12 +333,21 @@ class LiveMigration:
         except PEER_GONE:  # the receiver is gone: the request stays here (fencing settles a late commit)
             ok = False
         s.downtime_s = time.perf_counter() - t0
+        self.frozen = False
         if not ok:
             engine.thaw_request(self.request_id)
             return self._end("failed")
         engine.release_request(self.request_id)
         s.outcome = "migrated"
         return s.outcome
+
+    def fail(self) -> None:
+        """End the migration after an error on this side: the request runs on here."""
+        if self.frozen:
+            self.frozen = False
+            self.engine.thaw_request(self.request_id)
+        if self.stats.outcome == "running":
+            self._end("failed")
 
     def _read(self, ids: list[int]) -> int | None:
         n = self.receiver.read(self.num_sent, ids)

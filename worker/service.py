@@ -8,8 +8,10 @@ The engine runs on its own thread (``EngineLoop``); the gRPC handlers only queue
 it. The worker registers its address in Redis (``<ns>:workers``) every second so the
 scheduler finds it, writes every step's tokens to Redis in one round trip
 (``OutputWriter``) and streams its occupancy to the scheduler. SIGTERM drains: nothing
-new is accepted, the requests held get ``--drain-timeout`` seconds to finish, and the
-rest are handed back (the scheduler resumes them elsewhere from their emitted tokens).
+new is accepted; with ``--drain-policy migrate`` (and a KV transport) the reports ask the
+scheduler to move the requests held to peers with their KV (``migration_rpc.py``); those
+still here after ``--drain-timeout`` seconds are handed back (the scheduler resumes them
+elsewhere from their emitted tokens: recomputed).
 
 With ``--cluster-ca``, ``--cluster-cert`` and ``--cluster-key`` the port speaks mutual TLS
 only: Assign, Preempt, Cancel, Drain (and everything else) need a peer whose certificate
@@ -60,6 +62,7 @@ from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .engine_loop import EngineLoop
 from .kv_events import KVEventStream
+from .migration_rpc import Migrations
 from .observe import WorkerObserver
 from .redis_io import OutputWriter
 from .report import Holdings, occupancy_report
@@ -104,6 +107,10 @@ def build_parser() -> EnvArgumentParser:
                    help="auto: the checkpoint's weights; dummy: its shape with random weights (benchmarks)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let held requests finish on SIGTERM before handing them back")
+    p.add_argument("--drain-policy", default="migrate", choices=("migrate", "recompute"),
+                   help="on SIGTERM or Drain: migrate: the scheduler moves the requests held to peers with their "
+                        "KV (needs --kv-transfer nixl; recomputed only where no peer has room); recompute: they get "
+                        "--drain-timeout to finish, then are handed back to resume elsewhere from their tokens")
     p.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
                    help="prefill/decode disaggregation: the role this worker declares in its registration "
                         "and reports (the scheduler places by it; both: prefill and decode here)")
@@ -136,6 +143,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         parent = telemetry.extract_grpc(context)  # the scheduler's assign span
         resp = self._admit(request)
         if resp.accepted:
+            self.w.migrations.drop_incoming([request.request_id])
             self.w.loop.call(lambda: self.w.loop.assign(request, parent))  # answered before the engine runs it
         return resp
 
@@ -144,6 +152,7 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         responses = [self._admit(r) for r in request.requests]
         taken = [r for r, resp in zip(request.requests, responses, strict=True) if resp.accepted]
         if taken:  # one command for the engine thread: the whole batch between two steps
+            self.w.migrations.drop_incoming([r.request_id for r in taken])
             self.w.loop.call(lambda: [self.w.loop.assign(r, parent) for r in taken])
         return cluster_pb2.AssignBatchResponse(responses=responses)
 
@@ -195,10 +204,29 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         except ValueError as e:  # IncompatiblePeer included: refused before any request moves
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         path = t.transport_to(peer)
+        self.w.migrations.peer_agents[request.worker_id] = peer
         self.w.metrics.kv_transfer_peers.labels(path=path).set(
             sum(t.transport_to(p) == path for p in t.peers))
         log.info("kv_transfer.peer", peer=request.worker_id, agent=peer, path=path)
         return handle_to_proto(t.handle(), self.w.worker_id, path)
+
+    async def Migrate(self, request, context):
+        return await self.w.migrations.migrate(request)
+
+    async def MigrateBegin(self, request, context):
+        return await self.w.migrations.begin(request)
+
+    async def MigrateRead(self, request, context):
+        return await self.w.migrations.read(request)
+
+    async def MigratePoll(self, request, context):
+        return self.w.migrations.poll(request)
+
+    async def MigrateCommit(self, request, context):
+        return await self.w.migrations.commit(request)
+
+    async def MigrateAbort(self, request, context):
+        return await self.w.migrations.abort(request)
 
     async def Drain(self, request, context):
         n = self.w.loop.num_requests
@@ -233,6 +261,7 @@ class Worker:
             observer=WorkerObserver(self.worker_id, self.metrics, args.model),
             room=self.writer.has_room,
         )
+        self.metrics.observe_stats(self.loop.snapshot)  # the pool's size from the start, not from a first step
         self.scheduler_epoch = 0  # the newest scheduler epoch an Assign came with
         self.beat = 0
         self.draining = False
@@ -241,6 +270,8 @@ class Worker:
         self.drain_timeout = args.drain_timeout
         self.address = ""
         self.kv_transport = None  # with --kv-transfer nixl: the pool registered (start_kv_transfer)
+        self.migrations = Migrations(self)
+        self.loop.track_prefilled = args.role == "prefill"
 
     def start_kv_transfer(self) -> None:
         """Register the KV pool with NIXL (once, at start); peers meet it over ``KvPeer``."""
@@ -249,9 +280,11 @@ class Worker:
         if self.args.engine == "sim":
             raise SystemExit("--kv-transfer nixl needs --engine model (a simulated engine has no KV pool)")
         from .kv_transfer import NixlTransport
+        from .migration_rpc import LockedTransport
 
-        self.kv_transport = NixlTransport(self.args.model, agent_name=f"{self.worker_id}-{uuid.uuid4().hex[:6]}")
-        self.kv_transport.register(self.engine.kv_cache)
+        transport = NixlTransport(self.args.model, agent_name=f"{self.worker_id}-{uuid.uuid4().hex[:6]}")
+        transport.register(self.engine.kv_cache)
+        self.kv_transport = LockedTransport(transport)  # the engine thread and the event loop share it
 
     async def progress_kv_transfer(self) -> None:
         """NIXL without its progress thread (it spins a core): progress it from this loop."""
@@ -272,6 +305,7 @@ class Worker:
             stub = cluster_pb2_grpc.WorkerStub(ch)
             answer = await stub.KvPeer(handle_to_proto(self.kv_transport.handle(), self.worker_id))
             peer = self.kv_transport.connect(handle_from_proto(answer))
+            self.migrations.peer_agents[answer.worker_id] = peer
             return self.kv_transport.transport_to(peer)
         finally:
             if channel is None:
@@ -286,25 +320,43 @@ class Worker:
         ids = [finished.popleft() for _ in range(len(finished))]
         stored, evicted, reset = kv_events.take()
         self.report_seq += 1
-        return occupancy_report(
+        report = occupancy_report(
             s, worker_id=self.worker_id, seq=self.report_seq, finished_request_ids=ids,
             max_num_seqs=self.args.max_num_seqs, max_model_len=self.engine.max_model_len,
             draining=self.draining, stored_block_hashes=stored, evicted_block_hashes=evicted,
             block_hashes_reset=reset, holdings=holdings, role=self.args.role,
         )
+        report.drain_by_migration = self.draining and self.drains_by_migration
+        if self.loop.track_prefilled:
+            report.prefilled_request_ids.extend(self.loop.prefilled_ids)
+        return report
+
+    @property
+    def drains_by_migration(self) -> bool:
+        """``--drain-policy migrate`` with a KV transport to move the requests with."""
+        return getattr(self.args, "drain_policy", "migrate") == "migrate" and self.kv_transport is not None
 
     def begin_drain(self, timeout_s: float | None = None) -> None:
         if not self.draining:
             self.draining = True
             self.changed.set()
-            log.info("worker.draining", num_requests=self.loop.num_requests)
+            log.info("worker.draining", num_requests=self.loop.num_requests, by_migration=self.drains_by_migration)
             asyncio.ensure_future(self._drain(timeout_s or self.drain_timeout))
 
     async def _drain(self, timeout_s: float) -> None:
+        num_held, num_migrated_before = self.loop.num_requests, self.migrations.num_migrated_out
         try:
             deadline = time.monotonic() + timeout_s
-            while self.loop.num_requests and time.monotonic() < deadline:
+            # (A migration's answer goes out before the worker stops: the scheduler learns the handover from it.)
+            while (self.loop.num_requests or self.migrations.num_in_flight) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            migrated = self.migrations.num_migrated_out - num_migrated_before
+            recomputed = self.loop.num_requests
+            finished = max(0, num_held - migrated - recomputed)
+            for outcome, n in (("migrated", migrated), ("recomputed", recomputed), ("finished", finished)):
+                self.metrics.drained_requests.labels(outcome=outcome).inc(n)
+            log.info("worker.drained", num_requests=num_held, num_migrated=migrated, num_recomputed=recomputed,
+                     num_finished=finished, by_migration=self.drains_by_migration)
             if self.loop.num_requests:
                 log.info("worker.handing_back", num_requests=self.loop.num_requests)
                 # Stop generating before the scheduler resumes them elsewhere: no token of
@@ -410,6 +462,7 @@ async def run_worker(w: Worker, args, port: int, health_port: int | None = None)
         await health_server.stop(grace=0)
     await server.stop(grace=0.5)
     w.loop.stop()
+    await w.migrations.close()
     for t in (writer_task, register_task, kv_task):
         if t is not None:
             t.cancel()

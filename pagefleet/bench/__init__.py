@@ -8,6 +8,7 @@ import sys
 
 SUITES = {
     "decode": "pagefleet.benchmarks.decode",
+    "drain": "pagefleet.benchmarks.drain",
     "engine": "pagefleet.benchmarks.engine",
     "host-path": "pagefleet.benchmarks.host_path",
     "kernels": "pagefleet.benchmarks.kernels",

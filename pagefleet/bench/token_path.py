@@ -22,6 +22,11 @@ message is what a relay is compared with.
 
 ``--python PATH`` runs the cluster's processes with another interpreter (a venv where an
 older checkout is installed), so one machine measures before and after side by side.
+
+``--shards N`` serves the model from N shards, a scheduler each, the workers split over them;
+``--redis-cluster`` runs on a throwaway Redis Cluster of ``--primaries`` primaries (1, or 3 and
+more) whose shards' hash tags land on different primaries: Redis CPU and commands per token on
+each primary (its shards' tokens only), scheduler CPU per placement (``token_path_shards``).
 """
 
 from __future__ import annotations
@@ -128,7 +133,8 @@ def _ms(s: float | None) -> float | None:
 
 
 # -- the cluster ----------------------------------------------------------------------------------
-def start_cluster(args, tmp: Path):
+def start_cluster(args, tmp: Path, **config):
+    """The local cluster of a run; ``config``: more ``ClusterConfig`` fields (Redis, shards)."""
     from pagefleet.launcher import ClusterConfig, LocalCluster
 
     worker_args = ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale),
@@ -144,7 +150,7 @@ def start_cluster(args, tmp: Path):
                         scheduler_args=["--dead-after", "10", "--lease-ms", "15000"],
                         log_dir=str(args.log_dir or tmp), log_level="info" if args.log_dir else "warning", metrics_port=0,
                         workers_per_process=args.workers_per_process, python=args.python,
-                        env={"OMP_NUM_THREADS": "1"})
+                        env={"OMP_NUM_THREADS": "1"}, **config)
     return LocalCluster(cfg).start(timeout_s=180)
 
 
@@ -287,7 +293,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may take")
     p.add_argument("--json", default="bench-results/token-path.json", help="where to write the results")
     p.add_argument("--log-dir", default=None, help="keep the components' logs here (default: a temp dir)")
+    add_shard_flags(p)
     return p
+
+
+def add_shard_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("shards and Redis Cluster (token_path_shards)")
+    g.add_argument("--shards", type=int, default=None, metavar="N",
+                   help="serve the model from N shards, a scheduler each, the workers split over them; "
+                        "figures per Redis primary and per scheduler")
+    g.add_argument("--redis-cluster", action="store_true",
+                   help="on a Redis Cluster: a throwaway one of --primaries primaries, or --redis-url's")
+    g.add_argument("--primaries", type=int, default=3, help="primaries of the throwaway Redis Cluster (1, or 3+)")
+    g.add_argument("--replicas", type=int, default=0, help="replicas of each primary of the throwaway Redis Cluster")
+    g.add_argument("--redis-url", default=None,
+                   help="a running Redis (with --redis-cluster: a node of a running cluster) instead of a throwaway one")
+
+
+def shard_flags_error(args) -> str | None:
+    """What is wrong with the shard flags, or None."""
+    if args.shards is not None and not 1 <= args.shards <= args.workers:
+        return f"--shards must be between 1 and --workers ({args.workers}), got {args.shards}"
+    if args.primaries < 1 or args.primaries == 2:
+        return f"--primaries: 1, or 3 and more (redis-cli --cluster create wants 3), got {args.primaries}"
+    if args.replicas < 0:
+        return f"--replicas must be 0 or more, got {args.replicas}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [m for m in modes if m not in ("stream", "fixed")]:
         print(f"--modes: unknown {bad} (stream, fixed)", file=sys.stderr)
         return 2
+    if error := shard_flags_error(args):
+        print(error, file=sys.stderr)
+        return 2
+    sharded = args.redis_cluster or args.shards is not None
     results = []
     with tempfile.TemporaryDirectory(prefix="pagefleet-token-path-") as d:
         tmp = Path(d)
@@ -311,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             results.append(measure_floor(args, tmp))
             print(row(results[-1]), flush=True)
         for mode in modes:
+            if sharded:
+                from pagefleet.bench.token_path_shards import measure_shards, shards_row
+
+                results.append(measure_shards(args, tmp, mode))
+                print(shards_row(results[-1]), flush=True)
+                continue
             results.append(measure_cluster(args, tmp, mode))
             print(row(results[-1]), flush=True)
     floor = next((x for x in results if x["mode"] == "floor"), None)

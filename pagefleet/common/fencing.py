@@ -346,14 +346,16 @@ def merged(messages: list[OutEntry]) -> tuple[list[int], str, OutEntry | None]:
     return tokens, finish, OutEntry(0, tokens, "".join(text), "", "", logprobs or None)
 
 
-async def take_over(redis, keys: Keys, request_id: str, fence: bool | None = None) -> tuple[list[int], str]:
+async def take_over(redis, keys: Keys, request_id: str, fence: bool | str | None = None) -> tuple[list[int], str]:
     """Every token ``request_id`` has emitted, and its finish reason, made final, and recorded
     in the request's own record (``out`` of its owner record), where the next reader starts.
 
     Its last worker's stream is read from the assignment on, fenced first where ``fence`` (the
     worker was declared dead: nothing can be added behind this read); ``None``: fenced if that
     worker has no row in the workers hash (it is gone). A live worker is not fenced: it no
-    longer holds the request (it dropped it, or never got it), so it writes no more of it."""
+    longer holds the request (it dropped it, or never got it), so it writes no more of it.
+    A worker id: the worker declared dead, fenced if the request is still its own (``None``'s
+    rule if it moved on to another worker meanwhile: a migration's handover)."""
     worker, since, steps = await retry(lambda: redis.hmget(keys.owner(request_id), "worker", "t", "steps"),
                                        what="hmget_own")
     record = await read_record(redis, keys, request_id)
@@ -363,6 +365,8 @@ async def take_over(redis, keys: Keys, request_id: str, fence: bool | None = Non
         key = steps or await retry(lambda: redis.get(keys.steps_of(wid)), what="get_steps_of")
         if key:
             key = key.decode()
+            if isinstance(fence, str):
+                fence = True if wid == fence else None
             if fence is None:
                 fence = not await retry(lambda: redis.hexists(keys.workers, wid), what="hexists_worker")
             if fence:

@@ -142,6 +142,24 @@ class WorkerMetrics:
             "(cma: one copy between processes; tcp: ptrace rules forbid cma, 5-15x slower; network).",
             ["path"], registry=r,
         )
+        self.migrations = Counter(
+            "pagefleet:kv_migrations",
+            "Live migrations this worker ran as the source, by outcome (migrated, gave_up, failed, expired, "
+            "refused) and reason (balance, preemption, disaggregation, drain).",
+            ["outcome", "reason"], registry=r,
+        )
+        self.migrations_received = Counter(
+            "pagefleet:kv_migrations_received",
+            "Migrations this worker received, by outcome (committed, aborted, expired: the lease or the "
+            "deadline passed and its blocks were reclaimed).",
+            ["outcome"], registry=r,
+        )
+        self.drained_requests = Counter(
+            "pagefleet:drained_requests",
+            "Requests a drain let go, by how: migrated (to a peer with their KV), recomputed (handed back "
+            "to resume from their tokens) or finished (here, before the drain ended).",
+            ["outcome"], registry=r,
+        )
         self.ttft = Histogram(
             "pagefleet:time_to_first_token_seconds", "From arrival at the worker to the first token.",
             buckets=LATENCY_BUCKETS, registry=r,
@@ -294,6 +312,12 @@ class SchedulerMetrics:
             "pagefleet:scheduler_reassignments", "Requests moved to another worker.", registry=r
         )
         self.dead_workers = Counter("pagefleet:scheduler_dead_workers", "Workers declared dead.", registry=r)
+        self.transfers = Counter(
+            "pagefleet:scheduler_transfers",
+            "KV transfers (live migrations) the scheduler started, by reason (drain, balance, preemption, "
+            "disaggregation) and outcome (migrated, gave_up, failed, expired, refused, not_found).",
+            ["reason", "outcome"], registry=r,
+        )
         self.decision_latency = Histogram(
             "pagefleet:scheduler_decision_latency_seconds", "Time to take one scheduling decision.",
             buckets=DECISION_BUCKETS, registry=r,
@@ -349,13 +373,21 @@ class GatewayMetrics:
     A completion request over HTTP counts as a Generate call (by the gRPC code its HTTP
     status stands for: 400 INVALID_ARGUMENT, 429 RESOURCE_EXHAUSTED, ...); every HTTP
     response is also counted by route and HTTP status in ``http_requests``.
+
+    ``by_model``: the calls' series (requests, shed, in flight, TTFT, latency) carry a
+    ``model`` label (a gateway serving several models); each model's core counts through
+    ``for_model(name)``. Without it (one model) the series carry no model label, as before.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, by_model: bool = False) -> None:
         r = self.registry = _registry(registry)
+        self.model: str | None = None  # the model of a ``for_model`` view
+        self._root = self
+        self.by_model = by_model
+        per_call = ["model"] if by_model else []
         self.requests = Counter(
             "pagefleet:gateway_requests", "Generate calls (gRPC or HTTP completions) answered, by gRPC status code.",
-            ["code"], registry=r,
+            ["code", *per_call], registry=r,
         )
         self.http_requests = Counter(
             "pagefleet:gateway_http_requests", "HTTP requests answered, by route and HTTP status code.",
@@ -363,27 +395,52 @@ class GatewayMetrics:
         )
         self.shed = Counter(
             "pagefleet:gateway_shed_requests", "Requests refused with RESOURCE_EXHAUSTED (queue full).",
-            registry=r,
+            per_call, registry=r,
         )
         self.unauthenticated = Counter(
             "pagefleet:gateway_unauthenticated_requests",
             "Calls refused for a missing or wrong API key, by door (grpc, http).", ["door"], registry=r,
         )
-        self.in_flight = Gauge("pagefleet:gateway_requests_in_flight", "Generate calls open now.", registry=r,
-                               multiprocess_mode="livesum")  # summed over `gateway --processes`
+        self.in_flight = Gauge("pagefleet:gateway_requests_in_flight", "Generate calls open now.", per_call,
+                               registry=r, multiprocess_mode="livesum")  # summed over `gateway --processes`
         self.ttft = Histogram(
             "pagefleet:gateway_time_to_first_token_seconds", "From the call to its first streamed token.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            per_call, buckets=LATENCY_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
             "pagefleet:gateway_request_latency_seconds", "From the call to its end.",
-            buckets=REQUEST_BUCKETS, registry=r,
+            per_call, buckets=REQUEST_BUCKETS, registry=r,
         )
+        self.queued = Counter(
+            "pagefleet:gateway_queued_requests", "Requests queued to a shard's request stream, by model and shard.",
+            ["model", "shard"], registry=r,
+        )
+
+    def for_model(self, model: str) -> GatewayMetrics:
+        """The series of ``model``'s calls (``""``: calls naming no served model); this set
+        itself when the series carry no model label."""
+        import copy
+
+        root = self._root
+        if not root.by_model:
+            return root
+        view = copy.copy(root)
+        view.model = model
+        for name in ("shed", "in_flight", "ttft", "e2e"):
+            setattr(view, name, getattr(root, name).labels(model=model))
+        return view
+
+    def queued_to(self, model: str, shard: str) -> None:
+        """Count one request queued to ``shard``'s request stream for ``model``."""
+        self.queued.labels(model=model, shard=shard).inc()
 
     def finished(self, code: Any, seconds: float | None = None) -> None:
         """Count one finished call; ``code`` a ``grpc.StatusCode`` or its name."""
         name = getattr(code, "name", None) or str(code)
-        self.requests.labels(name).inc()
+        if self.model is None:
+            self.requests.labels(name).inc()
+        else:
+            self.requests.labels(code=name, model=self.model).inc()
         if seconds is not None:
             self.e2e.observe(seconds)
 

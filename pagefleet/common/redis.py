@@ -121,10 +121,12 @@ def connect(url: str, password_file: str | None = None, cluster: bool = False):
     if cluster:
         from redis.asyncio.cluster import RedisCluster
 
-        return RedisCluster.from_url(
+        client = RedisCluster.from_url(
             url, **extra, max_connections=10_000, socket_keepalive=True, socket_connect_timeout=5,
             socket_timeout=30, health_check_interval=30,
         )
+        read_stream_keys_here(client.commands_parser)
+        return client
     return aioredis.Redis.from_url(
         url,
         **extra,
@@ -136,6 +138,38 @@ def connect(url: str, password_file: str | None = None, cluster: bool = False):
         # default of 5 s would cut those reads off.
         socket_timeout=30,
     )
+
+
+STREAM_READS = ("XREAD", "XREADGROUP")
+
+
+def stream_read_keys(args) -> tuple | None:
+    """The keys of an ``XREAD``/``XREADGROUP`` (``args``: the command's name, then its
+    arguments): the first half of what follows ``STREAMS``; None for any other command."""
+    name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+    if name.upper() not in STREAM_READS:
+        return None
+    words = [a.decode() if isinstance(a, bytes) else str(a) for a in args[1:]]
+    try:
+        at = next(i for i, w in enumerate(words) if w.upper() == "STREAMS")
+    except StopIteration:
+        return None
+    streams = args[2 + at:]
+    return tuple(streams[:len(streams) // 2]) or None
+
+
+def read_stream_keys_here(parser) -> None:
+    """Have a cluster client's ``parser`` find the keys of stream reads itself. redis-py asks
+    a node (``COMMAND GETKEYS``) for the keys of every command whose keys move, which
+    ``XREAD`` and ``XREADGROUP`` are: one more round trip per read (every blocking read of the
+    gateways' steps readers and the schedulers' intake), all of them to the one node the
+    client started from, whichever shard the read was for."""
+    ask_a_node = parser.get_keys
+
+    async def get_keys(*args):
+        return stream_read_keys(args) or await ask_a_node(*args)
+
+    parser.get_keys = get_keys
 
 
 def read_password(path: str) -> str:

@@ -2,7 +2,9 @@
 
 ``num_primaries`` primaries with ``replicas`` replicas each, every node a ``redis-server
 --cluster-enabled yes`` (``RedisServer``) on a free port in its own temp dir, joined by
-``redis-cli --cluster create``. Used by ``pagefleet up --redis-cluster`` (when no
+``redis-cli --cluster create`` (3 primaries or more), or one primary serving every slot
+(``CLUSTER ADDSLOTS``; its replicas joined by ``CLUSTER MEET`` and ``CLUSTER REPLICATE``): a
+one-node cluster, the baseline a bench compares more primaries with. Used by ``pagefleet up --redis-cluster`` (when no
 ``--redis-url`` is given), ``bench token-path --primaries N`` and the tests; nothing here is
 needed to *use* a cluster: components only take ``--redis-cluster`` and a node's URL.
 
@@ -89,8 +91,9 @@ class RedisClusterServer:
 
     def __init__(self, num_primaries: int = 3, replicas: int = 1, *, node_timeout_ms: int = 2000,
                  auto_failover: bool = True) -> None:
-        if num_primaries < 3:
-            raise ValueError(f"a Redis Cluster needs at least 3 primaries, got {num_primaries}")
+        if num_primaries < 1 or num_primaries == 2:
+            raise ValueError(f"a Redis Cluster here has 1 primary or at least 3 (redis-cli --cluster create "
+                             f"wants 3), got {num_primaries}")
         if replicas < 0:
             raise ValueError(f"replicas must be 0 or more, got {replicas}")
         self.num_primaries = num_primaries
@@ -119,17 +122,42 @@ class RedisClusterServer:
         try:
             for s in self.servers:
                 s.start()
-            cmd = [redis_cli_binary(), "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
-                   "--cluster-replicas", str(self.replicas), "--cluster-yes"]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            if out.returncode != 0:
-                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+            if self.num_primaries == 1:
+                self._create_one_primary(timeout_s)
+            else:
+                cmd = [redis_cli_binary(), "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+                       "--cluster-replicas", str(self.replicas), "--cluster-yes"]
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                if out.returncode != 0:
+                    raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
             self.wait_ok(timeout_s)
             self._wait_settled(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _create_one_primary(self, timeout_s: float) -> None:
+        """The first node serves all 16,384 slots; every other one meets it and replicates it."""
+        import redis as sync_redis
+
+        primary, *replicas = self.servers
+        with self._client(primary.port) as c:
+            c.execute_command("CLUSTER", "ADDSLOTS", *range(16384))
+            primary_id = c.execute_command("CLUSTER", "MYID")
+        primary_id = primary_id.decode() if isinstance(primary_id, bytes) else primary_id
+        deadline = time.monotonic() + timeout_s
+        for s in replicas:
+            with self._client(s.port) as c:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", primary.port)
+                while True:  # until gossip has told it the primary's id
+                    try:
+                        c.execute_command("CLUSTER", "REPLICATE", primary_id)
+                        break
+                    except sync_redis.exceptions.ResponseError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
 
     def _client(self, port: int):
         import redis as sync_redis

@@ -4,7 +4,7 @@ The protocol these scripts are part of (every key, every stream's entries) is wr
 docs/REDIS.md; the key names are ``pagefleet.common.redis.Keys``. Every script touches the keys
 of one shard only (all under its hash tag ``{<shard>}``), so each runs on one Redis Cluster slot.
 Users: the gateway (``ADMIT_AND_QUEUE``), the scheduler (``ASSIGN``, ``FINISH`` for its own final
-messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (``FINISH``), through
+messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (``FINISH``, ``MOVE_OWNER``), through
 ``pagefleet.common.fencing`` where they fence.
 """
 
@@ -85,6 +85,27 @@ for i = 1, n do
   end
 end
 return out
+"""
+
+# A request's ownership moves between workers with its KV (a migration's handover,
+# ``pagefleet.common.handover``): only while the owner record still names ``from`` under
+# ``epoch`` (not done), it takes a new epoch (as ``ASSIGN``'s: never backwards) and names
+# ``to``, its steps stream and the time the new owner's messages are read back from; in the
+# same atomic step what ``from`` wrote for the request (a StepOutputs piece) is appended to the
+# request's own record (the owner record's ``out``), so every token before the new owner's first
+# is in Redis whatever became of ``from``'s writes. ``from`` equal to ``to``: the source takes the
+# request back (a handover whose answer was lost), which the target's late handover then cannot pass.
+# KEYS: own. ARGV: epoch, from, to, to's steps stream, ttl, record ('' for none).
+# Returns the new epoch; 0 if the record no longer names ``from`` under ``epoch`` (or it is done).
+MOVE_OWNER = """
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'worker', 'done', 'out')
+if cur[3] == '1' or (cur[1] or '0') ~= ARGV[1] or (cur[2] or '') ~= ARGV[2] then return 0 end
+local now = redis.call('TIME')
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', math.max(1, now[1] * 1000000 + now[2] - tonumber(cur[1])))
+redis.call('HSET', KEYS[1], 'worker', ARGV[3], 't', now[1] * 1000 + math.floor(now[2] / 1000), 'steps', ARGV[4],
+           'out', (cur[4] or '') .. ARGV[6])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
+return epoch
 """
 
 # The epoch of a scheduler that has just taken the lease (as ``ASSIGN``'s: never backwards).

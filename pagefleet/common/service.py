@@ -79,12 +79,24 @@ def add_common_flags(parser: argparse.ArgumentParser, metrics_help: str = METRIC
 
 def setup_logging(component: str, args) -> None:
     """Logs as ``pagefleet.common.log`` sets them up, at the level and format of the flags; and
-    tracing, when the ``OTEL_*`` variables ask for it (``pagefleet.common.telemetry``)."""
+    tracing, when the ``OTEL_*`` variables ask for it (``pagefleet.common.telemetry``); a
+    process of one shard (``--shard``) names it and its model on every span."""
+    from pagefleet.common import telemetry
     from pagefleet.common.log import configure_logging
-    from pagefleet.common.telemetry import setup_tracing
 
     configure_logging(component, level=args.log_level, fmt=args.log_format)
-    setup_tracing(component)
+    telemetry.setup_tracing(component, attributes=shard_attributes(args))
+
+
+def shard_attributes(args) -> dict[str, str]:
+    """The shard and model of a one-shard process (a scheduler, a worker), from its flags."""
+    shard = getattr(args, "shard", None)
+    if not isinstance(shard, str):
+        return {}
+    from pagefleet.common import telemetry
+
+    model = getattr(args, "served_model_name", None) or getattr(args, "model", None)
+    return {telemetry.SHARD: shard, **({telemetry.MODEL: model} if isinstance(model, str) else {})}
 
 
 def freeze_startup_heap() -> None:
@@ -120,6 +132,11 @@ SERVER_OPTIONS = [
     # --max-concurrent-streams per connection), not this one.
     ("grpc.server.max_pending_requests", 65_536),
     ("grpc.server.max_pending_requests_hard_limit", 131_072),
+    # grpc binds with SO_REUSEPORT unless told not to: a second server given a port already in
+    # use (a free_port() race, a mistyped flag) would then bind it too and take half its
+    # connections silently ("Method not found" for the first's clients). Bind alone; only
+    # the gateway's --processes share a port, on purpose (server_options(reuse_port=True)).
+    ("grpc.so_reuseport", 0),
 ]
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -143,11 +160,13 @@ def add_health_and_reflection(server, service_names: Iterable[str]):
 
 
 def server_options(*, max_receive_message_length: int | None = None,
-                   max_concurrent_streams: int | None = None) -> list[tuple[str, int]]:
-    """``SERVER_OPTIONS`` with a different bound on a received message and a bound on the
-    streams one connection may have open at once (None: as ``SERVER_OPTIONS``: none)."""
-    options = [o for o in SERVER_OPTIONS
-               if not (max_receive_message_length is not None and o[0] == "grpc.max_receive_message_length")]
+                   max_concurrent_streams: int | None = None, reuse_port: bool = False) -> list[tuple[str, int]]:
+    """``SERVER_OPTIONS`` with a different bound on a received message, a bound on the
+    streams one connection may have open at once (None: as ``SERVER_OPTIONS``: none), and
+    ``reuse_port``: bind with ``SO_REUSEPORT``, sharing the port with other processes."""
+    replaced = {"grpc.so_reuseport"} | ({"grpc.max_receive_message_length"} if max_receive_message_length is not None else set())
+    options = [o for o in SERVER_OPTIONS if o[0] not in replaced]
+    options.append(("grpc.so_reuseport", int(reuse_port)))
     if max_receive_message_length is not None:
         options.append(("grpc.max_receive_message_length", max_receive_message_length))
     if max_concurrent_streams is not None:

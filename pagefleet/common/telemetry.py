@@ -69,6 +69,10 @@ NUM_REQUESTS = "pagefleet.num_requests"
 NUM_COMPUTED_TOKENS = "pagefleet.num_computed_tokens"
 QUEUE_WAIT_SECONDS = "pagefleet.queue_wait_seconds"
 PRIORITY = "pagefleet.priority"
+# The shard (and model) a span's request or process belongs to: a scheduler's and a worker's
+# on their resource (every span of the process), the gateway's on its queueing span.
+SHARD = "pagefleet.shard"
+MODEL = "pagefleet.model"
 
 # Fields of a Redis stream entry (and gRPC metadata keys) that carry the context.
 TRACE_FIELDS = ("traceparent", "tracestate")
@@ -96,13 +100,15 @@ def tracing_configured(env: Mapping[str, str] | None = None) -> bool:
     )
 
 
-def setup_tracing(component: str, env: Mapping[str, str] | None = None, *, exporter: Any = None) -> bool:
+def setup_tracing(component: str, env: Mapping[str, str] | None = None, *, exporter: Any = None,
+                  attributes: Mapping[str, str] | None = None) -> bool:
     """Install the OTLP tracer provider for this process if configured; whether tracing is on.
 
     ``component`` names the service (``pagefleet-<component>``) unless ``OTEL_SERVICE_NAME``
     is set; ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*`` and the
     exporter's ``OTEL_EXPORTER_OTLP_*`` variables are read by the SDK itself.
-    ``exporter`` replaces the OTLP exporter and turns tracing on (tests). Calling it again
+    ``exporter`` replaces the OTLP exporter and turns tracing on (tests). ``attributes``: more
+    resource attributes (a scheduler's or worker's ``SHARD`` and ``MODEL``). Calling it again
     is harmless: the first provider stays.
     """
     global _enabled, _provider
@@ -120,7 +126,7 @@ def setup_tracing(component: str, env: Mapping[str, str] | None = None, *, expor
     name = env.get("OTEL_SERVICE_NAME") or f"pagefleet-{component}"
     resource = Resource.create(
         {SERVICE_NAME: name, "service.namespace": "pagefleet", "service.version": __version__,
-         "pagefleet.component": component}
+         "pagefleet.component": component, **(attributes or {})}
     )
     provider = TracerProvider(resource=resource)
     if exporter is None:
