@@ -134,9 +134,12 @@ def test_admission_is_exact_under_concurrency_and_never_trims(redis_server):
         cores = [_gateway(r, max_stream_len=10), _gateway(r, max_stream_len=10)]
 
         async def one(i):
-            req = _request(f"id-{i}" if i % 2 else f"gw-{i}")
+            # Each gateway gets both kinds, a client id first: its admissions of one event-loop
+            # turn go to Redis in order, and either gateway's may all land before the other's.
+            client_id = i % 4 < 2
+            req = _request(f"id-{i}" if client_id else f"gw-{i}")
             try:
-                q = await cores[i % 2]._enqueue_one(req, list(req.prompt_token_ids.ids), "", client_id=i % 2 == 1)
+                q = await cores[i % 2]._enqueue_one(req, list(req.prompt_token_ids.ids), "", client_id=client_id)
                 return q.request_id
             except Shed:
                 return None
