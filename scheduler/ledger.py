@@ -80,7 +80,8 @@ ROUND_PER_WORKER = 4
 DONE_MEMORY = 65536
 DONE_MEMORY_S = 120.0
 # A request whose move was refused (no room after all, a pairing refused, a failed copy) is not
-# moved again for load balance or a drain for this long (seconds): no storm of doomed moves.
+# moved again (a handoff to a decoding worker, load balance, a drain) for this long (seconds): no
+# storm of doomed moves.
 MOVE_RETRY_S = 1.0
 
 
@@ -422,10 +423,7 @@ class Ledger:
         and reports its end with ``transfer_done`` (or lets the deadline take it back)."""
         moves = self._handovers()
         sending = Counter(t.source.worker_id for t in self.transfers.values())
-        now = self.clock()
-        for rid in [rid for rid, at in self._move_refused.items() if now - at >= MOVE_RETRY_S]:
-            del self._move_refused[rid]
-        busy = self.transfers.keys() | self._move_refused.keys()  # moving, or refused a moment ago
+        busy = self.transfers.keys() | self._refused_recently()  # moving, or refused a moment ago
         for pl, source, target in drain_moves(list(self.workers.values()), self.where, busy, sending,
                                               self.cfg.headroom_tokens):
             moves.append(self._start(pl.pending, source, target, "drain"))
@@ -436,12 +434,22 @@ class Ledger:
             moves.append(self._start(pl.pending, source, target, "balance"))
         return moves
 
+    def _refused_recently(self) -> set[str]:
+        """Requests whose move was refused less than ``MOVE_RETRY_S`` ago (the older ones forgotten)."""
+        now = self.clock()
+        for rid in [rid for rid, at in self._move_refused.items() if now - at >= MOVE_RETRY_S]:
+            del self._move_refused[rid]
+        return set(self._move_refused)
+
     def _handovers(self) -> list[Transfer]:
         if not self._awaiting_decode:
             return []
         rnd = self.placer.round([w for w in self.workers.values() if decodes(w)])
+        refused = self._refused_recently()
         moves = []
         for rid in list(self._awaiting_decode):
+            if rid in refused:
+                continue  # waits out MOVE_RETRY_S; those prefilled after it need not
             p = self.known[rid]
             placement = rnd.choose(p, self.cfg.headroom_tokens)
             if placement is None:
@@ -491,7 +499,7 @@ class Ledger:
             return False
         self._call_off(request_id)
         self._called_off.pop()  # the caller knows: nothing to tell the target
-        self._move_refused[request_id] = self.clock()  # not moved again for MOVE_RETRY_S (balance, drain)
+        self._move_refused[request_id] = self.clock()  # not moved again for MOVE_RETRY_S
         return True
 
     def expired_transfers(self) -> list[Transfer]:

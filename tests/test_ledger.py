@@ -444,12 +444,21 @@ def test_a_side_dying_calls_the_move_off_and_the_request_stays_with_exactly_one_
 
 
 def test_a_refused_transfer_leaves_the_request_with_its_source_to_wait_for_another_target():
-    ledger, (t,) = prefilled_on_p()
+    clock = Clock()
+    ledger, (t,) = prefilled_on_p(clock=clock)
     assert ledger.transfer_refused("r") and not ledger.transfer_refused("r")
     assert ledger.called_off() == [] and ledger.where == {"r": "p"} and not ledger.workers["d"].placed
     ledger.check_integrity()
+    assert ledger.decide_moves() == []  # not handed off again at once
+    ledger.take("q", "eq", assign("q", [2] * 300))  # prefilled after it: not held up by it
+    assert place_all(ledger) == [("q", "p")]
+    holding(ledger, "p", {"r": 19, "q": 19})
+    (tq,) = ledger.prefilled("q")
+    assert tq.request_id == "q" and tq.target.worker_id == "d"
+    clock.now += MOVE_RETRY_S
     (t2,) = ledger.decide_moves()
-    assert t2.target.worker_id == "d" and t2 is not t
+    assert t2.request_id == "r" and t2.target.worker_id == "d" and t2 is not t
+    ledger.check_integrity()
 
 
 def test_the_target_dropping_what_it_received_calls_the_move_off():
