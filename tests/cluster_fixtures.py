@@ -68,3 +68,17 @@ def log_events(log_dir: Path, name: str) -> list[dict]:
 
 def worker_reports(cluster: LocalCluster) -> dict[str, object]:
     return {w.worker_id: w.report for w in cluster.scheduler_state().workers}
+
+
+def http_json(url: str, body: dict | None = None, timeout_s: float = 60) -> tuple[int, dict]:
+    """GET ``url`` (or POST ``body`` as JSON): the HTTP status and the JSON answer, errors included."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from cluster_fixtures import http_json
 
 from pagefleet.gateway.models import ServedModel, UnknownModel, served_models
 
@@ -49,19 +50,6 @@ def test_the_commands_refuse_bad_model_and_shard_flags(argv, error):
     assert out.returncode == 2 and error in out.stderr, out.stderr
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    import json
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_each_model_has_its_own_tokenizer_and_chat_template_at_one_gateway(tmp_path):
     """One gateway process serving the byte-level ``tiny`` and a checkpoint with a BPE tokenizer
     and a chat template of its own: ``/tokenize`` of a model's name gives that model's tokens
@@ -100,16 +88,16 @@ def test_each_model_has_its_own_tokenizer_and_chat_template_at_one_gateway(tmp_p
                         raise
                     time.sleep(0.2)
             tiny = load_model_spec("tiny").tokenizer
-            status, body = _post(f"{base}/tokenize", {"model": "tiny", "prompt": "hello world"})
+            status, body = http_json(f"{base}/tokenize", {"model": "tiny", "prompt": "hello world"})
             assert status == 200 and body["tokens"] == tiny.encode("hello world")
-            status, body = _post(f"{base}/tokenize", {"model": "bpe", "prompt": "hello world"})
+            status, body = http_json(f"{base}/tokenize", {"model": "bpe", "prompt": "hello world"})
             assert status == 200 and body["tokens"] == hf("hello world")["input_ids"] != tiny.encode("hello world")
             messages = CONVERSATIONS[1]
-            status, body = _post(f"{base}/tokenize", {"model": "bpe", "messages": messages})
+            status, body = http_json(f"{base}/tokenize", {"model": "bpe", "messages": messages})
             assert status == 200
             assert body["tokens"] == list(hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                                   return_dict=False))
-            status, body = _post(f"{base}/tokenize", {"model": "gpt-9", "prompt": "hi"})
+            status, body = http_json(f"{base}/tokenize", {"model": "gpt-9", "prompt": "hi"})
             assert status == 404 and "`tiny`" in body["error"]["message"] and "`bpe`" in body["error"]["message"]
         finally:
             gateway.terminate()

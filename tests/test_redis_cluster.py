@@ -9,15 +9,12 @@ worker, two gateways serving both.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
-from cluster_fixtures import PROMPTS, reference, start_cluster, wait_for
+from cluster_fixtures import PROMPTS, http_json, reference, start_cluster, wait_for
 from conftest import hf_greedy
 
 from pagefleet.client import Client
@@ -93,37 +90,27 @@ def test_each_shard_lives_in_one_slot_and_no_key_crosses_models(fleet, redis_clu
     assert by_shard["s1"] == {key_slot(Keys("pf", "s1").requests)}
 
 
-def _http(url: str, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_models_lists_each_model_with_its_context_and_routes_by_model(fleet):
-    status, body = _http(f"{fleet.http_url}/v1/models")
+    status, body = http_json(f"{fleet.http_url}/v1/models")
     assert status == 200
     cards = {m["id"]: m for m in body["data"]}
     assert set(cards) == {"tiny", "llama"}
     assert cards["llama"]["max_model_len"] == 512 and cards["tiny"]["max_model_len"] > 512
-    status, body = _http(f"{fleet.http_url}/v1/completions",
+    status, body = http_json(f"{fleet.http_url}/v1/completions",
                          {"model": "llama", "prompt": LLAMA_PROMPTS[0], "max_tokens": 5, "temperature": 0,
                           "ignore_eos": True})
     assert status == 200 and body["model"] == "llama" and body["usage"]["completion_tokens"] == 5
-    status, body = _http(f"{fleet.http_url}/v1/completions",
+    status, body = http_json(f"{fleet.http_url}/v1/completions",
                          {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0})
     assert status == 200 and body["model"] == "tiny"
 
 
 def test_an_unknown_model_is_not_found_naming_the_served_ones(fleet):
-    status, body = _http(f"{fleet.http_url}/v1/completions", {"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
+    status, body = http_json(f"{fleet.http_url}/v1/completions", {"model": "gpt-9", "prompt": "hi", "max_tokens": 2})
     assert status == 404 and body["error"]["code"] == "model_not_found"
     assert "gpt-9" in body["error"]["message"] and "`tiny`" in body["error"]["message"] \
         and "`llama`" in body["error"]["message"]
-    status, _ = _http(f"{fleet.http_url}/v1/models/gpt-9")
+    status, _ = http_json(f"{fleet.http_url}/v1/models/gpt-9")
     assert status == 404
     with Client(fleet.gateway_target) as c:
         with pytest.raises(grpc.RpcError) as e:
