@@ -103,14 +103,15 @@ def transfers_ended(cluster, reason: str) -> list[dict]:
 def test_the_scheduler_balances_load_by_live_migration(tmp_path):
     """Every request lands on worker-0 (the only one that prefills: worker-1 decodes only); the
     scheduler (--migrate-above) moves running requests to the idle worker-1 with their KV,
-    tokens as undisturbed."""
+    tokens as undisturbed. 256 tokens a request: the three pass 0.3 of the pool about halfway
+    (with 128 they passed it only near their end, and a move could find its request finished)."""
     c = start_cluster(tmp_path, num_workers=1, worker_args=["--num-blocks", "96", "--kv-transfer", "nixl"],
                       scheduler_args=["--migrate-above", "0.3", "--migrate-below", "0.2", "--short-prompt-tokens", "0"])
     c.log_dir = tmp_path
     try:
         c.add_worker(["--role", "decode"])
         c.wait_ready(num_workers=2)
-        prompts, max_tokens = PROMPTS[8:11], 128
+        prompts, max_tokens = PROMPTS[8:11], 256
         results = generate_all(c.gateway_target, prompts, max_tokens)
         assert [o.token_ids for o in results] == reference(prompts, max_tokens)
         placed = {e["worker_id"] for e in log_events(c.log_dir, "scheduler") if e.get("event") == "request.placed"}
