@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 from collections.abc import Iterable
 
@@ -111,8 +112,34 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it hands out to ``bind(0)`` and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (another process may still take it before you bind)."""
+    """A TCP port free right now (another process may still take it before you bind).
+
+    Drawn at random below the kernel's ephemeral range where there is room (10,000-32,767
+    on Linux's default), so that no ``bind(0)`` or outgoing connection of another process
+    (a peer's server on port 0, a client socket, UCX) is handed the same port meanwhile;
+    else, or if 64 draws are taken, a port the kernel picks."""
+    low, _ = _ephemeral_ports()
+    if low > 11_000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(10_000, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
