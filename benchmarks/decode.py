@@ -49,7 +49,7 @@ def write_shape(name: str, directory: Path) -> Path:
 
 
 def measure(model: str, *, batch: int, context: int, steps: int, enforce_eager: bool, device: str,
-            dtype: str, load_format: str, block_size: int = 16) -> dict:
+            dtype: str, load_format: str, block_size: int = 16, profile: bool = False) -> dict:
     from pagefleet import Engine, SamplingParams
 
     per_seq = math.ceil((context + steps + 4) / block_size)
@@ -70,6 +70,7 @@ def measure(model: str, *, batch: int, context: int, steps: int, enforce_eager: 
         times.append(time.perf_counter() - t0)
     runner = engine.executor.runner
     graphed = runner.last_step_graphed
+    where = profile_steps(engine, 5) if profile and device == "cuda" else None
     cfg, elt = engine.model_config, engine.executor.dtype.itemsize
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.executor.model.parameters())
     kv_bytes = 2 * cfg.num_hidden_layers * batch * (context + steps) * cfg.num_key_value_heads * cfg.head_dim * elt
@@ -79,8 +80,42 @@ def measure(model: str, *, batch: int, context: int, steps: int, enforce_eager: 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     times.sort()
-    return dict(batch=batch, context=context, cuda_graphs=graphed, step_ms_p50=1000 * times[len(times) // 2],
-                step_ms_min=1000 * times[0], weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    row = dict(batch=batch, context=context, cuda_graphs=graphed, step_ms_p50=1000 * times[len(times) // 2],
+               step_ms_min=1000 * times[0], weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    if where is not None:
+        row["profile"] = where
+    return row
+
+
+# Kernel names by what they do (torch profiler's device events); the rest is elementwise,
+# reductions and copies (norms, RoPE, activations, residual adds, casts, the sampler's argmax).
+_KERNEL_KINDS = (("attention", ("paged_attention", "merge_splits", "write_kv")),
+                 ("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "sm90_xmma", "ampere_")))
+
+
+def profile_steps(engine, steps: int) -> dict:
+    """Where ``steps`` decode steps' time goes on the device: GPU busy time (the sum of kernel
+    times) by kind, kernel launches, all per step, beside the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps
+    by_kind = {kind: 0.0 for kind, _ in _KERNEL_KINDS} | {"other": 0.0}
+    launches = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.device_time_total <= 0:
+            continue
+        name = e.name.lower()
+        kind = next((k for k, keys in _KERNEL_KINDS if any(key in name for key in keys)), "other")
+        by_kind[kind] += e.device_time_total / 1e3 / steps  # ms a step
+        launches += 1
+    return dict(step_ms_profiled=1000 * wall, gpu_busy_ms=sum(by_kind.values()),
+                kernels_per_step=launches / steps, **{f"{k}_ms": v for k, v in by_kind.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per point")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default="bench-results/decode.json")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 5 steps a point (GPU): busy time by kernel kind, launches a step")
     args = p.parse_args(argv)
     from .kernels import device_peaks, torch_machine
 
@@ -114,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                 for batch in args.batch:
                     for eager in (False, True) if cuda else (True,):
                         row = measure(model, batch=batch, context=context, steps=args.steps, enforce_eager=eager,
-                                      device="cuda" if cuda else "cpu", dtype=args.dtype, load_format=load_format)
+                                      device="cuda" if cuda else "cpu", dtype=args.dtype, load_format=load_format,
+                                      profile=args.profile)
                         row["model"] = label
                         if peak:
                             row["roofline_ms"] = 1000 * (row["weight_bytes"] + row["kv_bytes"]) / peak
@@ -132,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
 def _line(r: dict) -> str:
     roof = f", roofline {r['roofline_ms']:.3f} ms ({r['x_roofline']:.2f}x)" if "roofline_ms" in r else ""
     graphs = "graphs" if r["cuda_graphs"] else "eager"
+    where = r.get("profile")
+    prof = (f"; GPU busy {where['gpu_busy_ms']:.3f} ms (attention {where['attention_ms']:.3f}, gemm "
+            f"{where['gemm_ms']:.3f}, other {where['other_ms']:.3f}), {where['kernels_per_step']:.0f} kernels"
+            if where else "")
     return (f"{r['model']}: batch {r['batch']:>3} x context {r['context']:>5} [{graphs}]: "
-            f"{r['step_ms_p50']:.3f} ms/step p50{roof}")
+            f"{r['step_ms_p50']:.3f} ms/step p50{roof}{prof}")
 
 
 if __name__ == "__main__":
