@@ -107,13 +107,13 @@ def profile_steps(engine, steps: int) -> dict:
     wall = (time.perf_counter() - t0) / steps
     by_kind = {kind: 0.0 for kind, _ in _KERNEL_KINDS} | {"other": 0.0}
     launches = 0
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.device_time_total <= 0:
-            continue
-        name = e.name.lower()
-        kind = next((k for k, keys in _KERNEL_KINDS if any(key in name for key in keys)), "other")
-        by_kind[kind] += e.device_time_total / 1e3 / steps  # ms a step
-        launches += 1
+    for k in prof.key_averages():
+        if k.device_type != torch.autograd.DeviceType.CUDA or k.self_device_time_total <= 0:
+            continue  # an operator's row repeats its kernels' time; only the kernels' rows count
+        name = k.key.lower()
+        kind = next((kind for kind, keys in _KERNEL_KINDS if any(key in name for key in keys)), "other")
+        by_kind[kind] += k.self_device_time_total / 1e3 / steps  # ms a step
+        launches += k.count
     return dict(step_ms_profiled=1000 * wall, gpu_busy_ms=sum(by_kind.values()),
                 kernels_per_step=launches / steps, **{f"{k}_ms": v for k, v in by_kind.items()})
 

@@ -1,6 +1,7 @@
 """Paged-KV kernels: attention over block tables and K/V slot writes; the fused MoE layer.
 
-``paged_attention``, ``write_kv`` and ``fused_moe`` dispatch on the device of their tensors: the
+``paged_attention``, ``write_kv``, ``fused_moe`` and a layer's fused elementwise operations
+(``rms_norm``, ``silu_and_mul``, ``rope``) dispatch on the device of their tensors: the
 Triton kernels on CUDA, the plain-torch references elsewhere (the Triton
 interpreter is for tests, not serving).
 """
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from .fused_reference import rms_norm_ref, rope_ref, silu_and_mul_ref
 from .moe_reference import fused_moe_ref
 from .reference import paged_attention_ref, write_kv_ref
 
-__all__ = ["paged_attention", "write_kv", "fused_moe", "paged_attention_ref", "write_kv_ref", "fused_moe_ref"]
+__all__ = ["paged_attention", "write_kv", "fused_moe", "rms_norm", "silu_and_mul", "rope", "paged_attention_ref",
+           "write_kv_ref", "fused_moe_ref", "rms_norm_ref", "silu_and_mul_ref", "rope_ref"]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -59,3 +62,30 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, b13=None, b2=
 
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, b13, b2)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+
+
+def rms_norm(x, weight, eps, offset=0.0):
+    """RMSNorm over the last dimension; see ``fused_reference.rms_norm_ref``."""
+    if _use_triton(x):
+        from .fused_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, offset)
+    return rms_norm_ref(x, weight, eps, offset)
+
+
+def silu_and_mul(gate_up):
+    """``silu(gate) * up`` of the two halves of ``gate_up``'s last dimension."""
+    if _use_triton(gate_up):
+        from .fused_triton import silu_and_mul_triton
+
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_ref(gate_up)
+
+
+def rope(positions, q, k, cos, sin):
+    """Rotary embedding of ``q`` and ``k`` at ``positions``; see ``fused_reference.rope_ref``."""
+    if _use_triton(q):
+        from .fused_triton import rope_triton
+
+        return rope_triton(positions, q, k, cos, sin)
+    return rope_ref(positions, q, k, cos, sin)

@@ -42,7 +42,8 @@ prefill rows (many query tokens that see a cached prefix and, causally, each oth
   once a pool passes 2**31 elements); K/V dtype is the query dtype; fp32 inputs use
   IEEE (not TF32) dots so fp32 stays exact enough to compare with the reference.
 
-Tile sizes and warp counts are sensible defaults for Hopper/Ampere, not yet tuned.
+Decode tiles and splits were chosen by a sweep on an H200 (``docs/BENCHMARKS.md``); prefill
+tiles and warp counts are defaults, not yet tuned.
 """
 
 from __future__ import annotations
@@ -488,7 +489,9 @@ def attention_meta(queries_per_kv: int, head_dim: int, block_size: int, dtype: t
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
-        TILE_N=32 if decode_only else 64,
+        # Decode reads 16 KiB of K (and of V) a tile at 16-bit: 128 positions of head_dim 64, 64 of
+        # 128 (an H200 sweep, docs/results/attention-sweep-h200.json: 1.3-1.6x over 32 at batch 16-64).
+        TILE_N=min(128, max(32, 8192 // max(head_dim, 1))) if decode_only else 64,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,
@@ -523,13 +526,14 @@ def _interpreted() -> bool:
 
 
 def _default_num_splits(device: torch.device, num_programs: int) -> int:
-    """Split the context only when the plain grid has fewer than ~2 programs per SM."""
+    """Split the context only when the plain grid has fewer than ~2 programs per SM, and then
+    into enough ranges for ~4 (measured on an H200: batch 16 x 2k, head_dim 128, 54 -> 42 µs)."""
     if device.type != "cuda":
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    if num_programs >= target:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if num_programs >= 2 * sms:
         return 1
-    want = math.ceil(target / max(num_programs, 1))
+    want = math.ceil(4 * sms / max(num_programs, 1))
     return min(_MAX_SPLITS, triton.next_power_of_2(want))
 
 

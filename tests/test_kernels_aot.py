@@ -82,10 +82,14 @@ def test_every_variant_builds_and_fits_its_target(built, spec):
 
 @pytest.mark.parametrize("spec", LLAMA3_8B, ids=_id)
 def test_llama3_8b_attention_does_not_spill_on_hopper(built, spec):
-    """Llama-3-8B's layer (32 query heads over 8 kv heads, head_dim 128) in bf16 on sm_90."""
+    """Llama-3-8B's layer (32 query heads over 8 kv heads, head_dim 128) in bf16 on sm_90.
+    The decode variant's 64-position tile may spill a little: on an H200 it ran 128.7 µs a
+    layer at batch 64 x 2k against 164.5 µs for the 32-position tile that does not
+    (docs/results/attention-sweep-h200.json); a spill past 256 B is not that variant any more."""
     result = built[_id(spec)]
     assert "error" not in result, result.get("error")
-    assert result["spill_bytes"] == 0, f"{result['registers']} registers, {result['spill_bytes']} B spilled"
+    allowed = 256 if spec["decode_only"] else 0
+    assert result["spill_bytes"] <= allowed, f"{result['registers']} registers, {result['spill_bytes']} B spilled"
 
 
 def test_check_refuses_what_cannot_launch():

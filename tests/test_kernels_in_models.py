@@ -1,5 +1,6 @@
 """The Triton kernels inside a model: gpt-oss (sliding window and sinks in the attention
-kernel, the fused-MoE kernel) and Gemma 2 (window and soft-cap) through the engine with every
+kernel, the fused-MoE kernel) and Gemma 2 (window and soft-cap, Gemma's norm offset, the fused
+norms and RoPE) through the engine with every
 kernel call sent to Triton (its interpreter without a GPU), greedy tokens equal to
 `transformers`'."""
 
@@ -21,7 +22,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import pagefleet.kernels as kernels  # noqa: E402
 from pagefleet import Engine, SamplingParams  # noqa: E402
-from pagefleet.kernels import moe_triton, triton_ops  # noqa: E402
+from pagefleet.kernels import fused_triton, moe_triton, triton_ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,6 +42,8 @@ def triton_calls(monkeypatch) -> dict[str, int]:
             return _launch(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
+    if DEVICE == "cpu" and not isinstance(fused_triton._rms_norm_kernel, InterpretedFunction):
+        importlib.reload(fused_triton)  # the norms, SiLU-and-mul and RoPE go to Triton too
     monkeypatch.setattr(kernels, "_use_triton", lambda t: True)
     return calls
 

@@ -242,3 +242,18 @@ def test_directed_preemption_and_occupancy(llama_dir, reference):
         assert reqs[rid].output_token_ids == reference[i]
     assert engine.stats().num_swapped_in_blocks_total == held
     _assert_all_free(engine)
+
+
+def test_bench_preemption_runs_every_mode_and_writes_json(tmp_path):
+    """``pagefleet bench preemption`` in small: each mode's run, the swap's bandwidth beside a
+    plain copy of the same bytes, the engine's counters read by their names."""
+    import json
+
+    from pagefleet.benchmarks.preemption import main
+
+    out = tmp_path / "preemption.json"
+    assert main(["--requests", "6", "--traces", "mixed", "--repeats", "1", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["mode"] for r in runs} == {"swap", "recompute", "auto"}
+    swap = next(r for r in runs if r["mode"] == "swap")
+    assert swap["num_steps"] > 0 and swap["num_swapped_out_blocks"] > 0 and swap["plain_copy_gbps"] > 0

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagefleet.kernels import paged_attention, write_kv
+from pagefleet.kernels import paged_attention, rms_norm, silu_and_mul, write_kv
 
 
 @dataclass(slots=True)
@@ -37,12 +37,7 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -129,5 +124,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(gated(self.act, gate, up))
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu":
+            return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(gated(self.act, *gate_up.chunk(2, dim=-1)))

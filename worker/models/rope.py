@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagefleet.kernels import rope
+
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -123,17 +125,4 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
 
     def forward(self, positions, q, k):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        if self.rotary_dim == self.head_dim:
-            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        d = self.rotary_dim
-        q_rot, k_rot = q[..., :d], k[..., :d]
-        q = torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q[..., d:]), dim=-1)
-        k = torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., d:]), dim=-1)
-        return q, k
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return rope(positions, q, k, self.cos, self.sin)
