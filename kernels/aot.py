@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import moe_triton, triton_ops
+from . import fused_triton, moe_triton, triton_ops
 
 # Most shared memory one block may use (opt-in), by compute capability.
 MAX_SHARED_BYTES = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
@@ -121,8 +121,9 @@ _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 def build_spec(spec: dict) -> Built:
     """Build one variant described in plain data: ``kernel`` (``attention`` | ``merge`` |
-    ``write_kv`` | ``moe``), ``arch``, ``dtype`` (``bf16`` | ``fp16`` | ``fp32``) and the shape
-    fields its meta function takes (``moe``: ``down``, the second GEMM, with its routing weights)."""
+    ``write_kv`` | ``moe`` | ``rms_norm`` | ``silu_and_mul`` | ``rope``), ``arch``, ``dtype``
+    (``bf16`` | ``fp16`` | ``fp32``) and the shape fields its meta function takes (``moe``:
+    ``down``, the second GEMM, with its routing weights)."""
     dtype = _DTYPE_NAMES[spec["dtype"]]
     kind = spec["kernel"]
     if kind == "attention":
@@ -143,7 +144,20 @@ def build_spec(spec: dict) -> Built:
         meta = {**moe_triton.moe_meta(dtype), "ROWS_PER_A": 1 if down else spec.get("top_k", 2),
                 "HAS_BIAS": spec.get("bias", False), "MUL_WEIGHT": down}
         return build("_grouped_gemm_kernel", spec["arch"], meta, moe_pointer_types(dtype, down), moe_triton)
-    raise ValueError(f"kernel must be attention, merge, write_kv or moe; got {kind!r}")
+    t = "*" + spec["dtype"]
+    if kind == "rms_norm":
+        meta = fused_triton.rms_norm_meta(spec["dim"], spec.get("offset", False))
+        types = {"x_ptr": t, "w_ptr": t, "out_ptr": t, "rows_per_outer": "i32", "eps": "fp32", "offset": "fp32"}
+        return build("_rms_norm_kernel", spec["arch"], meta, types, fused_triton)
+    if kind == "silu_and_mul":
+        return build("_silu_and_mul_kernel", spec["arch"], fused_triton.silu_and_mul_meta(spec["d"]),
+                     {"gu_ptr": t, "out_ptr": t}, fused_triton)
+    if kind == "rope":
+        types = {"q_ptr": t, "k_ptr": t, "q_out_ptr": t, "k_out_ptr": t, "pos_ptr": "*i64", "cos_ptr": "*fp32",
+                 "sin_ptr": "*fp32", "num_q_heads": "i32", "num_k_heads": "i32"}
+        meta = fused_triton.rope_meta(spec["head_dim"], spec.get("rotary_dim", spec["head_dim"]))
+        return build("_rope_kernel", spec["arch"], meta, types, fused_triton)
+    raise ValueError(f"kernel must be attention, merge, write_kv, moe, rms_norm, silu_and_mul or rope; got {kind!r}")
 
 
 def build_in_subprocess(specs: list[dict], timeout_s: float = 1200) -> list[dict]:

@@ -16,8 +16,21 @@ import triton
 import triton.language as tl
 
 
-def _warps(block: int) -> int:
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+def rms_norm_meta(dim: int, offset: bool) -> dict:
+    """The compile-time parameters ``rms_norm_triton`` launches with (one row a program)."""
+    block = triton.next_power_of_2(dim)
+    return dict(DIM=dim, BLOCK=block, HAS_OFFSET=bool(offset), num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+
+
+def silu_and_mul_meta(d: int) -> dict:
+    """The compile-time parameters ``silu_and_mul_triton`` launches with."""
+    return dict(D=d, BLOCK=min(1024, triton.next_power_of_2(d)), num_warps=4)
+
+
+def rope_meta(head_dim: int, rotary_dim: int) -> dict:
+    """The compile-time parameters ``rope_triton`` launches with (one head of one token a program)."""
+    return dict(HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK=triton.next_power_of_2(head_dim),
+                num_warps=1 if head_dim <= 128 else 2)
 
 
 @triton.jit
@@ -52,10 +65,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: f
         return out.view(shape)
     rows_per_outer = x.shape[1] if x.dim() == 3 else 1
     stride_x1 = x.stride(1) if x.dim() == 3 else 0
-    block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(x.numel() // dim,)](
         x, weight, out, rows_per_outer, x.stride(0), stride_x1, float(eps), float(offset),
-        DIM=dim, BLOCK=block, HAS_OFFSET=bool(offset), num_warps=_warps(block),
+        **rms_norm_meta(dim, bool(offset)),
     )
     return out.view(shape)
 
@@ -81,9 +93,8 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, d), dtype=gate_up.dtype, device=gate_up.device)
     if n == 0:
         return out
-    block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(n, triton.cdiv(d, block))](gate_up, out, gate_up.stride(0), D=d, BLOCK=block,
-                                                     num_warps=4)
+    meta = silu_and_mul_meta(d)
+    _silu_and_mul_kernel[(n, triton.cdiv(d, meta["BLOCK"]))](gate_up, out, gate_up.stride(0), **meta)
     return out
 
 
@@ -139,7 +150,6 @@ def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
         return q_out, k_out
     _rope_kernel[(n, num_q_heads + num_k_heads)](
         q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        num_q_heads, num_k_heads, HEAD_DIM=head_dim, ROT=rot, BLOCK=triton.next_power_of_2(head_dim),
-        num_warps=1 if head_dim <= 128 else 2,
+        num_q_heads, num_k_heads, **rope_meta(head_dim, rot),
     )
     return q_out, k_out

@@ -54,6 +54,19 @@ SPECS += [
     dict(kernel="moe", arch=arch, dtype=dtype, down=down, bias=bias)
     for arch, dtype, down, bias in itertools.product(ARCHS, ("bf16",), (False, True), (False, True))
 ]
+# A layer's fused elementwise kernels at the widths the models use: norms over 2,048-16,384
+# features (and a head of 128, Qwen3's q/k norm), Gemma's offset; SiLU-and-mul over 8,192 and
+# 28,672; RoPE over heads of 64-256 features, Phi-3's partial rotation.
+SPECS += [
+    dict(kernel="rms_norm", arch=arch, dtype="bf16", dim=dim, offset=offset)
+    for arch, dim, offset in itertools.product(ARCHS, (128, 2048, 4096, 16384), (False, True))
+] + [
+    dict(kernel="silu_and_mul", arch=arch, dtype=dtype, d=d)
+    for arch, dtype, d in itertools.product(ARCHS, ("bf16", "fp32"), (8192, 28672))
+] + [
+    dict(kernel="rope", arch=arch, dtype="bf16", head_dim=head_dim, rotary_dim=rot)
+    for arch, (head_dim, rot) in itertools.product(ARCHS, ((64, 64), (128, 128), (96, 48), (256, 256)))
+]
 LLAMA3_8B = [dict(kernel="attention", arch=90, dtype="bf16", queries_per_kv=4, head_dim=128,
                   decode_only=d, num_splits=1) for d in (True, False)]
 
@@ -76,7 +89,7 @@ def test_every_variant_builds_and_fits_its_target(built, spec):
     result = built[_id(spec)]
     assert "error" not in result, result.get("error")
     aot.Built(**result).check()
-    if spec["kernel"] in ("merge", "write_kv", "moe"):
+    if spec["kernel"] in ("merge", "write_kv", "moe", "rms_norm", "silu_and_mul", "rope"):
         assert result["spill_bytes"] == 0, f"{spec['kernel']} spills registers"
 
 
