@@ -7,7 +7,8 @@ the OpenAI HTTP door (``--backend``), from a client in its own process (``token_
 and prints, per output token:
 
 * Redis commands (``INFO commandstats``: EVALSHA and every command a script calls), in all
-  and by command; Redis CPU (``INFO cpu``);
+  and by command, with each command's own time (its ``usec``: a script's includes the commands
+  it calls; what is left of Redis CPU is its event loop and sockets); Redis CPU (``INFO cpu``);
 * CPU of the gateway, scheduler and worker processes (``/proc``);
 * delivered tokens/s, TTFT and ITL p50/p99 (the client's clocks), how many streams came back
   whole (``token_client``), and the workers' steps per output write;
@@ -203,7 +204,9 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
             raise RuntimeError(f"the client failed ({client.returncode})")
         cpu1 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
         rcpu1 = redis_cpu(r)
-        stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+        cmdstats = r.info("commandstats")
+        stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in cmdstats.items()}
+        usec = {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in cmdstats.items()}
         w1 = scrape(wurl)
         mem_kept = kept_bytes(r, keys, mode)
         out = json.loads((tmp / f"client-{mode}.json").read_text())
@@ -223,6 +226,7 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         "redis_commands": calls / per,
         "redis_commands_by_name": {k: v / per for k, v in sorted(stats.items(), key=lambda kv: -kv[1])},
         "redis_cpu_us": (rcpu1 - rcpu0) / per * 1e6,
+        "redis_command_us_by_name": {k: v / per for k, v in sorted(usec.items(), key=lambda kv: -kv[1])},
         "cpu_us": {k: (cpu1[k] - cpu0[k]) / per * 1e6 for k in procs},
         "steps_per_write": steps / writes if steps and writes else None,
         "redis_bytes_per_request_in_flight": max((b / n for b, n in in_flight), default=None),
