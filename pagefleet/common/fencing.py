@@ -63,7 +63,7 @@ DONE_STREAM_MAXLEN = 100_000
 # A steps stream keeps about this long of entries (gateways read them as they come).
 STEPS_KEEP_MS = 60_000
 # A writer's steps entries carry the trim clause (MINID) at most this often: on every write it
-# was a third of an XADD's own time in Redis, for a floor that moves a step's length at a time.
+# was about a quarter of an XADD's own time in Redis, for a floor that moves a step's length at a time.
 STEPS_TRIM_EVERY_MS = 1_000
 # A steps stream outlives its writer's last write by this long.
 STEPS_TTL_S = 600
