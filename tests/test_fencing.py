@@ -171,6 +171,7 @@ def test_a_steps_stream_is_trimmed_by_age_but_never_past_a_running_requests_firs
     from pagefleet.common import fencing
 
     monkeypatch.setattr(fencing, "STEPS_KEEP_MS", 0)  # everything is old at once
+    monkeypatch.setattr(fencing, "STEPS_TRIM_EVERY_MS", 0)  # every write trims
 
     async def go():
         r, keys = await _setup(redis_url, "t5")
@@ -186,6 +187,37 @@ def test_a_steps_stream_is_trimmed_by_age_but_never_past_a_running_requests_firs
         for i in range(600):  # "a" is not held here: the stream is trimmed
             await g.write([Write(f"c{i}", 1, OutEntry(0, [2]))], live={f"c{i}"})
         assert await r.xlen(g.steps_key) < 300
+        await r.aclose()
+
+    run(go())
+
+
+def test_a_steps_stream_is_trimmed_by_one_write_in_each_trim_period(redis_url, monkeypatch):
+    from pagefleet.common import fencing
+
+    monkeypatch.setattr(fencing, "STEPS_KEEP_MS", 0)
+    monkeypatch.setattr(fencing, "STEPS_TRIM_EVERY_MS", 3_600_000)
+
+    async def go():
+        r, keys = await _setup(redis_url, "t5b")
+        f = await _worker(r, keys, "w1")
+        e = await f.assign("a", 7, "w1")
+        await f.write([Write("a", e, OutEntry(0, [1]))], live=set())
+        for i in range(400):  # the first write trimmed; none of these is due to
+            await f.write([Write(f"b{i}", 1, OutEntry(0, [2]))], live={f"b{i}"})
+        assert await r.xlen(f.steps_key) == 401
+        await f.write([Write("c", 1, OutEntry(0, [3], finish_reason="stop"), entry_id="")], live=set())
+        assert await r.xlen(f.steps_key) == 402  # nor is a finish
+        monkeypatch.setattr(fencing, "STEPS_TRIM_EVERY_MS", 0)
+        await f.write([Write("d", 1, OutEntry(0, [4]))], live={"d"})
+        assert await r.xlen(f.steps_key) < 300  # due: trimmed (by whole nodes, MINID ~)
+        monkeypatch.setattr(fencing, "STEPS_TRIM_EVERY_MS", 3_600_000)
+        for i in range(400):
+            await f.write([Write(f"e{i}", 1, OutEntry(0, [5]))], live={f"e{i}"})
+        n = await r.xlen(f.steps_key)
+        monkeypatch.setattr(fencing, "STEPS_TRIM_EVERY_MS", 0)
+        await f.write([Write("g", 1, OutEntry(0, [6], finish_reason="stop"), entry_id="")], live=set())
+        assert await r.xlen(f.steps_key) < n - 100  # a finish that is due trims too (FINISH's MINID)
         await r.aclose()
 
     run(go())

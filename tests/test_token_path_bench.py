@@ -28,6 +28,9 @@ def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
     assert stream["num_tokens"] == 24 * 12
     assert 0 < stream["redis_commands"] < 6  # one write a step for all its requests, not several a token
     assert stream["redis_commands_by_name"]["xadd"] > 0
+    assert stream["redis_command_us_by_name"]["xadd"] > 0  # each command's own time, per token
+    assert 1 <= stream["tokens_per_write"] <= 2 * 8 * 12  # a write holds a step of its worker's requests
+    assert stream["redis_cpu_us_per_write"] > 0
     assert all(v > 0 for v in stream["cpu_us"].values())
     assert stream["redis_bytes_per_request_kept"] > 0
     assert by_mode["fixed"]["per"] == "request" and by_mode["fixed"]["num_tokens"] == 24

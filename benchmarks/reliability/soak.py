@@ -57,7 +57,7 @@ FD_SLACK = (0.10, 4)
 # Streams that stay by design, with their bound: key suffix -> what bounds it.
 CAPPED = {":done": f"MAXLEN ~ {DONE_STREAM_MAXLEN}",
           ":requests": "emptied: each entry leaves at its request's finish",
-          ":steps:": f"trimmed to 60 s (MINID) on each write; expires {STEPS_TTL_S} s after its last write"}
+          ":steps:": f"trimmed to 60 s (MINID, one write a second); expires {STEPS_TTL_S} s after its last write"}
 
 
 def proc_sample(pid: int) -> tuple[float, int] | None:

@@ -7,10 +7,14 @@ the OpenAI HTTP door (``--backend``), from a client in its own process (``token_
 and prints, per output token:
 
 * Redis commands (``INFO commandstats``: EVALSHA and every command a script calls), in all
-  and by command; Redis CPU (``INFO cpu``);
+  and by command, with each command's own time (its ``usec``: a script's includes the commands
+  it calls; what is left of Redis CPU is its event loop and sockets); Redis CPU (``INFO cpu``);
 * CPU of the gateway, scheduler and worker processes (``/proc``);
 * delivered tokens/s, TTFT and ITL p50/p99 (the client's clocks), how many streams came back
-  whole (``token_client``), and the workers' steps per output write;
+  whole (``token_client``), the workers' steps per output write (worker-0's) and output tokens
+  per write (every worker's writes, as Redis counts them): a write is a Redis command, so
+  Redis's CPU a token follows the tokens a write, 16 at 16 running a worker and fewer when
+  requests wait to start (``redis_cpu_us_per_write``: Redis's CPU over those writes);
 * Redis memory per request, in flight (sampled while the run holds its most requests) and
   kept after all finished (what stays for a retry's replay until its TTL).
 
@@ -203,7 +207,9 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
             raise RuntimeError(f"the client failed ({client.returncode})")
         cpu1 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
         rcpu1 = redis_cpu(r)
-        stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+        cmdstats = r.info("commandstats")
+        stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in cmdstats.items()}
+        usec = {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in cmdstats.items()}
         w1 = scrape(wurl)
         mem_kept = kept_bytes(r, keys, mode)
         out = json.loads((tmp / f"client-{mode}.json").read_text())
@@ -214,6 +220,9 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
     calls = sum(stats.values())
     steps = _delta(w0, w1, "pagefleet:iteration_tokens_total_count")
     writes = _delta(w0, w1, "pagefleet:worker_output_writes_total")
+    # Every steps write of every worker as Redis counts it: each XADD but an admission's (one a
+    # request) and a finish's done entry (one a finishing write, with its XACK).
+    steps_writes = stats.get("xadd", 0) - s["num_streams"] - stats.get("xack", 0)
     return {
         "mode": mode, "backend": args.backend, "label": args.label, "max_tokens": max_tokens,
         **s,
@@ -223,8 +232,11 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         "redis_commands": calls / per,
         "redis_commands_by_name": {k: v / per for k, v in sorted(stats.items(), key=lambda kv: -kv[1])},
         "redis_cpu_us": (rcpu1 - rcpu0) / per * 1e6,
+        "redis_command_us_by_name": {k: v / per for k, v in sorted(usec.items(), key=lambda kv: -kv[1])},
         "cpu_us": {k: (cpu1[k] - cpu0[k]) / per * 1e6 for k in procs},
         "steps_per_write": steps / writes if steps and writes else None,
+        "tokens_per_write": s["num_tokens"] / steps_writes if steps_writes > 0 else None,
+        "redis_cpu_us_per_write": (rcpu1 - rcpu0) / steps_writes * 1e6 if steps_writes > 0 else None,
         "redis_bytes_per_request_in_flight": max((b / n for b, n in in_flight), default=None),
         "redis_bytes_per_request_kept": mem_kept / s["num_streams"],
     }
@@ -385,7 +397,8 @@ def row(x: dict) -> str:
     cpu = x["cpu_us"]
     return (f"{head}; {x['tokens_per_s']:.0f} tok/s; per {x['per']}: Redis {x['redis_commands']:.2f} commands "
             f"{x['redis_cpu_us']:.1f} us, gateway {cpu['gateway']:.1f} us, scheduler {cpu['scheduler']:.1f} us, "
-            f"workers {cpu['workers']:.1f} us; steps/write {f(x['steps_per_write'], '.2f')}; Redis bytes/request "
+            f"workers {cpu['workers']:.1f} us; steps/write {f(x['steps_per_write'], '.2f')}, tokens/write "
+            f"{f(x.get('tokens_per_write'))}; Redis bytes/request "
             f"in flight {f(x['redis_bytes_per_request_in_flight'], '.0f')} kept {x['redis_bytes_per_request_kept']:.0f}")
 
 

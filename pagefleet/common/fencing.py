@@ -37,8 +37,9 @@ output from the two for ``DONE_TTL_S``).
 Lifetimes: the owner record lives ``REQUEST_TTL_S`` from its assignment (refreshed by the
 worker every few hundred messages), ``DONE_TTL_S`` after the finish, with the idempotency
 key; after it, a retry with the same id is a new request. A steps stream
-keeps ``STEPS_KEEP_MS`` of entries (``MINID``; a gateway that falls further behind reads the
-request's own record) and expires ``STEPS_TTL_S`` after its writer's last write.
+keeps ``STEPS_KEEP_MS`` of entries (``MINID``, on one write every ``STEPS_TRIM_EVERY_MS``; a
+gateway that falls further behind reads the request's own record) and expires ``STEPS_TTL_S``
+after its writer's last write.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ DONE_TTL_S = 300
 DONE_STREAM_MAXLEN = 100_000
 # A steps stream keeps about this long of entries (gateways read them as they come).
 STEPS_KEEP_MS = 60_000
+# A writer's steps entries carry the trim clause (MINID) at most this often: on every write it
+# was about a quarter of an XADD's own time in Redis, for a floor that moves a step's length at a time.
+STEPS_TRIM_EVERY_MS = 1_000
 # A steps stream outlives its writer's last write by this long.
 STEPS_TTL_S = 600
 # The id of the entry that closes a steps stream: nothing can be appended after it.
@@ -164,6 +168,7 @@ class Fencing:
         tail = "" if self.writer_id == SCHEDULER_STEPS else f":{secrets.token_hex(4)}"
         self.steps_key = self.keys.steps(self.writer_id) + tail
         self._steps_ttl_at = 0.0
+        self._trimmed_ms = 0  # when a write last carried the trim clause
         self._first_ms: dict[str, int] = {}  # request id -> its first entry's time in this stream
         return self.steps_key
 
@@ -195,14 +200,19 @@ class Fencing:
             return STEPS_TTL_S
         return 0
 
-    def _trim_floor(self, live: Iterable[str] | None) -> int:
+    def _trim_floor(self, live: Iterable[str] | None) -> int | None:
         """Entries older than this (ms) may go: ``STEPS_KEEP_MS`` ago, and never an entry of a
         request still running here (``live``: those the writer holds; the others are forgotten),
-        which a resume elsewhere would read back."""
+        which a resume elsewhere would read back. None: no trim is due (the last write that
+        trimmed was less than ``STEPS_TRIM_EVERY_MS`` ago)."""
+        now_ms = int(time.time() * 1000)
+        if now_ms - self._trimmed_ms < STEPS_TRIM_EVERY_MS:
+            return None
+        self._trimmed_ms = now_ms
         if live is not None:
             for rid in [r for r in self._first_ms if r not in live]:
                 del self._first_ms[rid]
-        return min([int(time.time() * 1000) - STEPS_KEEP_MS, *self._first_ms.values()])
+        return min([now_ms - STEPS_KEEP_MS, *self._first_ms.values()])
 
     def _entered(self, writes: list[Write], entry_id) -> None:
         ms = int((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)).split("-")[0])
@@ -238,7 +248,8 @@ class Fencing:
         if not (finals or refresh or ttl):  # most steps: one XADD, sent alone (no pipeline's cost)
             fields = [x for f, outs in steps.items() for x in (f, outs.SerializeToString())]
             try:
-                entry_id = await self.redis.execute_command("XADD", self.steps_key, "MINID", "~", minid, "*", *fields)
+                trim = () if minid is None else ("MINID", "~", minid)
+                entry_id = await self.redis.execute_command("XADD", self.steps_key, *trim, "*", *fields)
             except rx.ResponseError as e:
                 if "exhausted the last possible ID" in str(e):
                     raise Fenced(self.steps_key) from e
@@ -248,7 +259,7 @@ class Fencing:
         at = len(refresh)  # the steps entry's command (its reply: the entry's id)
         if finals:
             keys = [self.steps_key, self.keys.requests, self.keys.done]
-            args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, minid, ttl, len(steps)]
+            args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, "" if minid is None else minid, ttl, len(steps)]
             for field, outs in steps.items():
                 args += [field, outs.SerializeToString()]
             args.append(len(finals))

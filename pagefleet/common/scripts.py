@@ -124,7 +124,7 @@ return redis.call('INCRBY', KEYS[1], math.max(1, now[1] * 1000000 + now[2] - las
 # (one XACK and one XDEL for all), and one done entry naming them all (space-separated: ids
 # are A-Z a-z 0-9 . _ : -).
 # KEYS: steps stream, requests stream, done stream, then for each final: own, idempotency key.
-# ARGV: group, done maxlen, done ttl, steps MINID, steps ttl, m, then m pairs (field, the other
+# ARGV: group, done maxlen, done ttl, steps MINID ('': no trim), steps ttl, m, then m pairs (field, the other
 # messages of that field: a StepOutputs), n, then for each final: epoch, entry id ('' for
 # none), request id, finish reason, its field, its message (a StepOutputs piece), its record
 # (a StepOutputs piece).
@@ -155,7 +155,11 @@ for i = 1, n do
     p[#p + 1] = ARGV[a + 5]
   end
 end
-local xadd = {KEYS[1], 'MINID', '~', ARGV[4], '*'}
+local xadd = {KEYS[1]}
+if ARGV[4] ~= '' then
+  xadd = {KEYS[1], 'MINID', '~', ARGV[4]}
+end
+xadd[#xadd + 1] = '*'
 for _, f in ipairs(order) do
   xadd[#xadd + 1] = f
   xadd[#xadd + 1] = table.concat(pieces[f])
