@@ -3,9 +3,9 @@
 What a worker does for each token outside the model's forward pass and the sampler's tensor
 ops, without the Redis client, threads or the event loop (``bench token-path`` measures the
 whole process): a simulated engine's step (scheduling, block bookkeeping, appending and
-detokenizing each token, stop checks) with the step observer's metrics, the engine loop's
-message for each request (``EngineLoop._message``: the record a retry's replay keeps, the
-write), and the step's encoding as the worker writes it (one ``StepOutputs`` a gateway field).
+detokenizing each token, stop checks) with the step observer's metrics, and the step's write
+as the engine loop builds it (``EngineLoop._encode``: the record a retry's replay keeps, and
+the messages serialized as the writer sends them, one ``StepOutputs`` a gateway field).
 ``--batch`` requests of ``--max-tokens`` tokens run to the end, ``--rounds`` times; it prints
 CPU µs per token (``time.process_time``) in all and by part.
 """
@@ -27,7 +27,6 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32) -> dict:
     from pagefleet.common import fencing
     from pagefleet.common.metrics import WorkerMetrics
     from pagefleet.common.sampling_params import SamplingParams
-    from pagefleet.protos import cluster_pb2
     from pagefleet.worker.engine_loop import EngineLoop
     from pagefleet.worker.observe import WorkerObserver
     from pagefleet.worker.sim import SimEngine
@@ -43,26 +42,20 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32) -> dict:
                            request_id=rid)
         loop.assignments[rid] = ("1-0", 1, fencing.steps_field("g"))
     tokens = 0
-    step_s = message_s = encode_s = 0.0
+    step_s = write_s = 0.0
     while engine.has_unfinished_requests():
         a = time.process_time()
         probe = observer.before_step(engine)
         deltas = engine.step()
         observer.after_step(probe, engine, deltas, engine.stats())
         b = time.process_time()
-        writes = [m for d in deltas if (m := loop._message(d)) is not None]
+        loop._encode(deltas)
         c = time.process_time()
-        steps = cluster_pb2.StepOutputs()
-        for w in writes:
-            if not w.entry.finish_reason:
-                fencing.add_step_output(steps, w.request_id, w.entry)
-        steps.SerializeToString()
-        d = time.process_time()
-        step_s, message_s, encode_s = step_s + b - a, message_s + c - b, encode_s + d - c
+        step_s, write_s = step_s + b - a, write_s + c - b
         tokens += sum(len(x.token_ids) for x in deltas)
     us = lambda s: round(1e6 * s / tokens, 2)  # noqa: E731
-    return {"batch": batch, "tokens": tokens, "us_per_token": us(step_s + message_s + encode_s),
-            "step_us": us(step_s), "message_us": us(message_s), "encode_us": us(encode_s)}
+    return {"batch": batch, "tokens": tokens, "us_per_token": us(step_s + write_s),
+            "step_us": us(step_s), "write_us": us(write_s)}
 
 
 def main(argv: list[str]) -> int:
@@ -81,7 +74,7 @@ def main(argv: list[str]) -> int:
             r = measure(b, args.max_tokens)
             rows.append(r)
             print(f"batch {b}: {r['us_per_token']:.2f} us/token (step and observer {r['step_us']:.2f}, "
-                  f"message {r['message_us']:.2f}, encoding {r['encode_us']:.2f})", flush=True)
+                  f"the step's write {r['write_us']:.2f})", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({**header("host-path", "pagefleet bench host-path"), "rows": rows},

@@ -1,5 +1,7 @@
 """Fenced ownership in a real Redis: a step is one write for all its requests, a fenced worker
-cannot write again, a finish is one atomic step, and a resume reads exactly what was written."""
+cannot write again, a finish is one atomic step, and a resume reads exactly what was written.
+Every worker here writes through the client and, again, through a connection of its own
+(``redis_lane``, as workers do)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import pytest
 
 from pagefleet.common.fencing import DONE_TTL_S, Fenced, Fencing, Write, read_record, take_over
 from pagefleet.common.redis import GROUP, Keys, OutEntry, RedisServer, connect
+from pagefleet.common.redis_lane import lane_for
 from pagefleet.protos import cluster_pb2
+
+WRITE_PATH = {"lane": False}
 
 
 @pytest.fixture(scope="module")
@@ -18,20 +23,28 @@ def redis_url():
         yield server.url
 
 
+@pytest.fixture(autouse=True, params=["client", "lane"])
+def write_path(request, monkeypatch):
+    """Workers write through the client, or through a connection of their own."""
+    monkeypatch.setitem(WRITE_PATH, "lane", request.param == "lane")
+    return request.param
+
+
 def run(coro):
     return asyncio.run(coro)
 
 
 async def _setup(url: str, ns: str):
     r = connect(url)
-    keys = Keys(ns)
+    keys = Keys(f"{ns}-lane" if WRITE_PATH["lane"] else ns)
     await r.set(keys.scheduler_epoch, 7)
     await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
     return r, keys
 
 
 async def _worker(r, keys, wid: str) -> Fencing:
-    f = Fencing(r, keys, wid)
+    f = Fencing(r, keys, wid, lane=lane_for(r) if WRITE_PATH["lane"] else None)
+    assert (f.lane is not None) == WRITE_PATH["lane"]
     await f.publish_stream()
     return f
 

@@ -19,6 +19,7 @@ from pagefleet.common.sampling_proto import from_proto, to_proto
 from pagefleet.gateway.relay import Reorder
 from pagefleet.gateway.validate import BadField, check
 from pagefleet.protos import generation_pb2 as pb
+from pagefleet.protos.cluster_pb2 import StepOutputs
 from pagefleet.worker.engine_loop import EngineLoop
 
 VOCAB = 199
@@ -224,10 +225,14 @@ def test_streamed_logprobs_line_up_with_tokens(llama_dir):
     while engine.has_unfinished_requests():
         for d in engine.step():
             assert d.request_id == rid and len(d.logprobs) == len(d.token_ids)
-            entry = loop._message(d).entry
-            assert entry.logprobs == d.logprobs
-            tokens += entry.token_ids
-            lps += entry.logprobs
+            step = loop._encode([d])
+            raw = step.fields["o"] if step.fields else step.finals[0].piece
+            message = StepOutputs.FromString(raw).outputs[0]
+            assert list(message.token_ids) == d.token_ids
+            assert [([t.token_id for t in x.top_logprobs], x.logprob) for x in message.logprobs] == \
+                [(x.top_token_ids, pytest.approx(x.logprob, rel=1e-6, abs=1e-6)) for x in d.logprobs]
+            tokens += d.token_ids
+            lps += d.logprobs
     assert tokens == whole.token_ids and lps == whole.logprobs
 
 

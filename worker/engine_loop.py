@@ -2,7 +2,8 @@
 
 gRPC handlers never touch the engine: they ``call`` a function that runs on this thread
 between two steps and get a ``concurrent.futures.Future``. After every step the loop
-hands the step's messages to ``emit`` and refreshes ``snapshot`` (``EngineStats``, what the
+hands the step's messages to ``emit``, encoded here straight from the step's deltas (one
+``StepWrite``: the steps entry's bytes, the finals; the writer only sends it), and refreshes ``snapshot`` (``EngineStats``, what the
 reports carry); ``notify`` is called when occupancy changed a lot. Every occupancy stream
 ``subscribe``s to the ids of requests that finish, and to ``kv_events`` (the prefix cache's
 keys stored and evicted), so a report carries what changed since the previous one and
@@ -23,9 +24,10 @@ from concurrent.futures import Future
 
 import structlog
 
-from pagefleet.common.fencing import Write, step_piece, steps_field
+from pagefleet.common.fencing import step_piece, steps_field
 from pagefleet.common.redis import OutEntry
 from pagefleet.common.sampling_proto import from_proto
+from pagefleet.common.step_write import Final, StepEncoder, StepWrite
 from pagefleet.protos import cluster_pb2
 
 from .kv_events import KVEventLog
@@ -52,7 +54,7 @@ _UNASSIGNED = ("", 0, "o")
 
 
 class EngineLoop:
-    def __init__(self, engine, emit: Callable[[list[Write]], None], notify: Callable[[], None],
+    def __init__(self, engine, emit: Callable[[StepWrite], None], notify: Callable[[], None],
                  observer=None, room: threading.Event | None = None) -> None:
         """``room``: cleared while the output writer is full; no step runs until it is set again."""
         self.engine = engine
@@ -141,8 +143,9 @@ class EngineLoop:
             try:
                 probe = self.observer.before_step(self.engine) if self.observer else None
                 deltas = self.engine.step()
-                batch = [m for d in deltas if (m := self._message(d)) is not None]
-                self.emit(batch)
+                step = self._encode(deltas)
+                if step is not None:
+                    self.emit(step)
                 self._refresh()
                 if self.observer:
                     self.observer.after_step(probe, self.engine, deltas, self.snapshot)
@@ -171,19 +174,36 @@ class EngineLoop:
                 break
         self._refresh()
 
-    def _message(self, d) -> Write | None:
-        if not d.token_ids and not d.text and not d.finish_reason:
-            return None
-        rid = d.request_id
-        entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason or "", logprobs=d.logprobs)
-        if d.finish_reason:
-            return self._final(rid, entry)
-        n = self._record(rid, entry)
-        _, epoch, field = self.assignments.get(rid, _UNASSIGNED)
-        return Write(rid, epoch, entry, "", n % TTL_REFRESH_MESSAGES == 0, None, field)
+    def _encode(self, deltas) -> StepWrite | None:
+        """The step's messages as one write (None if it has none); each request's record grows
+        by its message (what its final write keeps for a retry's replay)."""
+        enc = StepEncoder()
+        records, assignments = self._records, self.assignments
+        for d in deltas:
+            if d.finish_reason:
+                entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason, logprobs=d.logprobs)
+                enc.finish(self._final(d.request_id, entry))
+                continue
+            token_ids, text = d.token_ids, d.text
+            if not token_ids and not text:
+                continue
+            rid = d.request_id
+            rec = records.get(rid)
+            if rec is None:
+                rec = records[rid] = [d.index, [], [], [] if d.logprobs else None, 0]
+                enc.first.append(rid)
+            rec[1] += token_ids
+            rec[2].append(text)
+            if d.logprobs and rec[3] is not None:
+                rec[3] += d.logprobs
+            rec[4] += 1
+            if rec[4] % TTL_REFRESH_MESSAGES == 0:
+                enc.refresh.append(rid)
+            enc.add(assignments.get(rid, _UNASSIGNED)[2], rid, d.index, token_ids, text, d.logprobs)
+        return enc.build()
 
-    def _record(self, rid: str, e: OutEntry) -> int:
-        """Add ``e`` to what this worker wrote for ``rid``; how many messages that makes."""
+    def _record(self, rid: str, e: OutEntry) -> None:
+        """Add ``e`` to what this worker wrote for ``rid``."""
         rec = self._records.get(rid)
         if rec is None:
             rec = self._records[rid] = [e.index, [], [], [] if e.logprobs else None, 0]
@@ -192,9 +212,8 @@ class EngineLoop:
         if e.logprobs and rec[3] is not None:
             rec[3].extend(e.logprobs)
         rec[4] += 1
-        return rec[4]
 
-    def _final(self, rid: str, entry: OutEntry) -> Write:
+    def _final(self, rid: str, entry: OutEntry) -> Final:
         """``rid``'s last message, with the record of everything written for it here (it is
         forgotten on this worker from here on)."""
         entry_id, epoch, field = self.assignments.pop(rid, _UNASSIGNED)
@@ -202,7 +221,7 @@ class EngineLoop:
         rec = self._records.pop(rid)
         record = OutEntry(rec[0], rec[1], "".join(rec[2]), entry.finish_reason, entry.error, rec[3] or None)
         self._finished(rid)
-        return Write(rid, epoch, entry, entry_id, record=record, field=field)
+        return Final(rid, epoch, entry_id, entry.finish_reason, field, step_piece(rid, entry), step_piece(rid, record))
 
     def _finished(self, request_id: str) -> None:
         self._records.pop(request_id, None)
@@ -217,7 +236,8 @@ class EngineLoop:
             batch.append(self._final(rid, OutEntry(index, [], "", "error", error)))
             if self.observer:
                 self.observer.removed(rid, "error", index, error)
-        self.emit(batch)
+        if batch:
+            self.emit(finals_write(batch))
         self._refresh()
 
     # -- migrations (migration_rpc.py) ------------------------------------------------------
@@ -318,7 +338,8 @@ class EngineLoop:
         except Exception as e:  # bad input (ValueError) or a bug: the request fails alone, visibly
             log.warning("request.refused", request_id=rid, error=str(e))
             entry = OutEntry(len(msg.output_token_ids), [], "", "error", str(e))
-            self.emit([Write(rid, msg.epoch, entry, msg.entry_id, record=entry, field=steps_field(msg.reply_to))])
+            p = step_piece(rid, entry)
+            self.emit(finals_write([Final(rid, msg.epoch, msg.entry_id, "error", steps_field(msg.reply_to), p, p)]))
             self._finished(rid)
             return
         self.assignments[rid] = (msg.entry_id, msg.epoch, steps_field(msg.reply_to))
@@ -335,7 +356,7 @@ class EngineLoop:
         if self.observer:
             self.observer.removed(request_id, "abort", d.index)
         if notify_client:
-            self.emit([self._final(request_id, OutEntry(d.index, list(d.token_ids), d.text, "abort"))])
+            self.emit(finals_write([self._final(request_id, OutEntry(d.index, list(d.token_ids), d.text, "abort"))]))
         else:
             self.assignments.pop(request_id, None)
         self._finished(request_id)
@@ -373,7 +394,7 @@ class EngineLoop:
             return  # gone already (its error message was this write, or it finished)
         if self.observer:
             self.observer.removed(request_id, "error", d.index, error)
-        self.emit([self._final(request_id, OutEntry(d.index, [], "", "error", error))])
+        self.emit(finals_write([self._final(request_id, OutEntry(d.index, [], "", "error", error))]))
 
     def preempt(self, request_id: str, mode: int) -> cluster_pb2.PreemptResponse:
         e = self.engine
@@ -391,3 +412,8 @@ class EngineLoop:
         return cluster_pb2.PreemptResponse(
             outcome=cluster_pb2.PREEMPT_OUTCOME_KEPT, num_freed_blocks=max(0, before - after)
         )
+
+
+def finals_write(finals: list[Final]) -> StepWrite:
+    """A write of ``finals`` alone."""
+    return StepWrite(finals=finals, num_messages=len(finals))

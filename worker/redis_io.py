@@ -1,11 +1,13 @@
 """The worker's writes to Redis: every step's messages for all its requests in one round trip.
 
-The engine thread hands each step's messages to ``OutputWriter.put`` (on the event loop);
-one task writes them in order: one ``XADD`` to this worker's steps stream a step, whatever
-the number of requests (``pagefleet.common.fencing``); a step that finishes requests goes
+The engine thread hands each step's messages, encoded (a ``StepWrite``), to
+``OutputWriter.put`` (on the event loop); one task writes them in order: one ``XADD`` to
+this worker's steps stream a step, whatever the number of requests
+(``pagefleet.common.fencing``), on a connection of this writer's own (``redis_lane``) where
+the client allows one; a step that finishes requests goes
 through the finish script instead, which also checks that this worker still owns each
 (its epoch) and makes each finish durable in one atomic step. When it falls behind, the
-steps waiting are coalesced into one write. A request whose finish is refused (it was
+steps waiting are coalesced into one write (their bytes joined). A request whose finish is refused (it was
 cancelled, or finished by the scheduler) is handed to ``on_refused``. A write refused
 because the stream was fenced (this worker was declared dead) drops every request the
 worker holds (``on_fenced``) and goes on in a new stream.
@@ -26,8 +28,10 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 
-from pagefleet.common.fencing import Fenced, Fencing, Write
+from pagefleet.common.fencing import Fenced, Fencing
 from pagefleet.common.redis import Keys, retry
+from pagefleet.common.redis_lane import lane_for
+from pagefleet.common.step_write import StepWrite
 
 log = structlog.get_logger("worker.redis")
 
@@ -55,14 +59,14 @@ class OutputWriter:
     ) -> None:
         self.redis = redis
         self.keys = keys
-        self.fencing = Fencing(redis, keys, writer_id)
+        self.fencing = Fencing(redis, keys, writer_id, lane=lane_for(redis))
         self.on_refused = on_refused
         self.on_fenced = on_fenced or _nothing  # drops what the engine holds; done when it has
         self.on_failed = on_failed
         self.max_backlog = max_backlog
         self.on_written = on_written  # told of every round trip (a metric)
         self.live = live  # the requests the engine holds (the steps stream keeps their entries)
-        self._queue: asyncio.Queue[list[Write]] = asyncio.Queue()
+        self._queue: asyncio.Queue[StepWrite] = asyncio.Queue()
         self._backlog = 0  # messages queued or being written
         self._idle = asyncio.Event()
         self._idle.set()
@@ -77,14 +81,14 @@ class OutputWriter:
     def backlog(self) -> int:
         return self._backlog
 
-    def put(self, batch: list[Write]) -> None:
+    def put(self, step: StepWrite) -> None:
         """Queue one step's messages (call on the event loop thread)."""
-        if batch:
+        if step.num_messages:
             self._idle.clear()
-            self._backlog += len(batch)
+            self._backlog += step.num_messages
             if self._backlog >= self.max_backlog:
                 self.has_room.clear()
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait(step)
 
     async def flush(self) -> None:
         """Return once everything queued so far is in Redis."""
@@ -98,12 +102,12 @@ class OutputWriter:
             try:
                 await self._write_batch(batch)
             except Exception:  # a bug here must not stop the writer: fail the batch's requests
-                log.exception("outputs.write_failed", num_messages=len(batch))
-                for rid in {e.request_id for e in batch}:
+                log.exception("outputs.write_failed", num_messages=batch.num_messages)
+                for rid in batch.request_ids():
                     self.on_failed(rid, "the worker could not write this request's output")
             self.num_round_trips += 1
             self.on_written()
-            self._backlog -= len(batch)
+            self._backlog -= batch.num_messages
             if self._backlog < self.max_backlog:
                 self.has_room.set()
             if self._queue.empty():
@@ -112,9 +116,9 @@ class OutputWriter:
     def _live(self):
         return None if self.live is None else set(self.live())
 
-    async def _write_batch(self, batch: list[Write]) -> None:
+    async def _write_batch(self, batch: StepWrite) -> None:
         try:
-            accepted = await retry(lambda: self.fencing.write(batch, self._live()),
+            accepted = await retry(lambda: self.fencing.write_step(batch, self._live()),
                                   what="write_outputs")
         except Fenced:
             # Declared dead: every request here is being resumed elsewhere after what this
@@ -123,38 +127,35 @@ class OutputWriter:
             # has (a step's messages are queued before a command after it completes). Then go on
             # in a new stream.
             self.num_fenced += 1
-            log.warning("outputs.refused", fenced=True, steps=self.fencing.steps_key, num_messages=len(batch))
+            log.warning("outputs.refused", fenced=True, steps=self.fencing.steps_key, num_messages=batch.num_messages)
             await self.on_fenced()
             while not self._queue.empty():
-                self._backlog -= len(self._queue.get_nowait())
+                self._backlog -= self._queue.get_nowait().num_messages
             self.fencing.new_incarnation()
             await self.fencing.publish_stream()
             return
         except Exception as e:  # not a connection blip: find the requests it is about
-            log.warning("outputs.batch_failed", num_messages=len(batch), error=str(e))
-            accepted = await self._write_alone(batch)
-        refused = {e.request_id for e, ok in zip(batch, accepted, strict=True) if ok is False}
+            log.warning("outputs.batch_failed", num_messages=batch.num_messages, error=str(e))
+            refused = await self._write_alone(batch)
+        else:
+            refused = {f.request_id for f, ok in zip(batch.finals, accepted, strict=True) if not ok}
         for rid in refused:
             self.num_refused += 1
             log.warning("outputs.refused", request_id=rid)
             self.on_refused(rid)
 
-    async def _write_alone(self, batch: list[Write]) -> list[bool | None]:
-        """Each request's messages in their own round trip; None where the write failed."""
-        by_request: dict[str, list[int]] = {}
-        for i, e in enumerate(batch):
-            by_request.setdefault(e.request_id, []).append(i)
-        result: list[bool | None] = [None] * len(batch)
-        for rid, idx in by_request.items():
+    async def _write_alone(self, batch: StepWrite) -> set[str]:
+        """Each request's messages in their own round trip; the requests whose finish was refused."""
+        refused: set[str] = set()
+        for rid, alone in batch.split().items():
             try:
-                oks = await retry(lambda idx=idx: self.fencing.write([batch[i] for i in idx]),
-                                  what="write_outputs")
+                oks = await retry(lambda alone=alone: self.fencing.write_step(alone), what="write_outputs")
             except Fenced:
                 raise
             except Exception as e:
                 log.error("outputs.request_failed", request_id=rid, error=str(e))
                 self.on_failed(rid, f"the worker could not write this request's output: {e}")
                 continue
-            for i, ok in zip(idx, oks, strict=True):
-                result[i] = ok
-        return result
+            if not all(oks):
+                refused.add(rid)
+        return refused

@@ -49,10 +49,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pagefleet.protos import cluster_pb2, generation_pb2
+import hiredis
 
-from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, execute_pipeline, queue_script, retry
+from pagefleet.protos import cluster_pb2
+
+from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, execute_pipeline, retry
+from .redis_lane import Lane, LaneUnavailable
 from .scripts import ASSIGN, FINISH
+from .step_write import Final, StepEncoder, StepWrite, piece, set_output
 
 # A running request's owner record lives this long after its assignment (or the worker's refresh).
 REQUEST_TTL_S = 3600
@@ -111,34 +115,15 @@ def outputs_of(fields: dict, only: Iterable[bytes] | None = None):
 
 
 def add_step_output(steps, request_id: str, e: OutEntry):
-    """Append ``e`` to ``steps`` (a ``StepOutputs``), built in place; the new ``StepOutput``.
-    (Built in place, not built and appended: appending copies, and this runs for every token;
-    its fields set one by one and the empty ones not at all: 0.7 µs, against 1.2 for ``add(**fields)``.)"""
+    """Append ``e`` to ``steps`` (a ``StepOutputs``), built in place; the new ``StepOutput``."""
     o = steps.outputs.add()
-    o.request_id = request_id
-    o.index = e.index
-    o.token_ids.extend(e.token_ids)
-    if e.text:
-        o.text = e.text
-    if e.finish_reason:
-        o.finish_reason = e.finish_reason
-    if e.error:
-        o.error = e.error
-    if e.logprobs:
-        o.logprobs.extend(
-            x if isinstance(x, generation_pb2.TokenLogprobs) else generation_pb2.TokenLogprobs(
-                logprob=x.logprob,
-                top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v)
-                              for t, v in zip(x.top_token_ids, x.top_logprobs, strict=True)])
-            for x in e.logprobs)
+    set_output(o, request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs)
     return o
 
 
 def step_piece(request_id: str, e: OutEntry) -> bytes:
     """``e`` as a one-message ``StepOutputs`` (pieces concatenated: the StepOutputs of all)."""
-    steps = cluster_pb2.StepOutputs()
-    add_step_output(steps, request_id, e)
-    return steps.SerializeToString()
+    return piece(request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs)
 
 
 def entry_of(o) -> OutEntry:
@@ -151,10 +136,12 @@ class Fencing:
     messages), registered once per Redis client (EVALSHA, falling back to EVAL after a restart)."""
 
     def __init__(self, redis, keys: Keys, writer_id: str = SCHEDULER_STEPS,
-                 stream_of: Callable[[str], str] = lambda worker_id: "") -> None:
+                 stream_of: Callable[[str], str] = lambda worker_id: "", lane: Lane | None = None) -> None:
         """``stream_of``: a worker's steps stream, as its row names it (recorded with each
-        assignment: the stream a resume reads the request back from)."""
+        assignment: the stream a resume reads the request back from). ``lane``: a connection of
+        this writer's own for its writes (``redis_lane``; default: the client's)."""
         self.redis = redis
+        self.lane = lane
         self.keys = keys
         self.writer_id = writer_id
         self.stream_of = stream_of
@@ -214,86 +201,109 @@ class Fencing:
                 del self._first_ms[rid]
         return min([now_ms - STEPS_KEEP_MS, *self._first_ms.values()])
 
-    def _entered(self, writes: list[Write], entry_id) -> None:
+    def _entered(self, step: StepWrite, entry_id) -> None:
         ms = int((entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)).split("-")[0])
         first_ms = self._first_ms
-        for w in writes:
-            if w.entry.finish_reason:
-                first_ms.pop(w.request_id, None)
-            elif w.request_id not in first_ms:
-                first_ms[w.request_id] = ms
+        for rid in step.first:
+            first_ms.setdefault(rid, ms)
+        for f in step.finals:
+            first_ms.pop(f.request_id, None)
 
     async def write(self, writes: list[Write], live: Iterable[str] | None = None) -> list[bool]:
         """Write every message in one round trip; for each, whether it was accepted (a
         message that finishes nothing is always accepted: only finishes are checked).
         ``Fenced`` when this writer's stream was fenced (nothing was written). ``live``: the
         requests this writer holds (the stream is trimmed, never past their first entries)."""
-        import redis.exceptions as rx
-
         if not writes:
             return []
-        steps: dict[str, object] = {}  # field -> its StepOutputs
-        finals = []
-        for w in writes:
-            if w.entry.finish_reason:
-                finals.append(w)
-            else:
-                outs = steps.get(w.field)
-                if outs is None:
-                    outs = steps[w.field] = cluster_pb2.StepOutputs()
-                add_step_output(outs, w.request_id, w.entry)
-        refresh = [self.keys.owner(w.request_id) for w in writes if w.refresh_ttl and not w.entry.finish_reason]
+        accepted = iter(await self.write_step(encode(writes), live))
+        return [next(accepted) if w.final else True for w in writes]
+
+    async def write_step(self, step: StepWrite, live: Iterable[str] | None = None) -> list[bool]:
+        """``step`` in one round trip; for each of its finals, whether it was accepted (its
+        other messages always are). ``Fenced`` when this writer's stream was fenced (nothing
+        was written). ``live``: as ``write``. A step that finishes nothing and renews no TTL
+        is one ``XADD``; otherwise the TTLs' ``EXPIRE``s, then the ``XADD`` (or the finish
+        script, with the finals) in one pipeline."""
         minid = self._trim_floor(live)
         ttl = self._steps_ttl()
-        if not (finals or refresh or ttl):  # most steps: one XADD, sent alone (no pipeline's cost)
-            fields = [x for f, outs in steps.items() for x in (f, outs.SerializeToString())]
-            try:
-                trim = () if minid is None else ("MINID", "~", minid)
-                entry_id = await self.redis.execute_command("XADD", self.steps_key, *trim, "*", *fields)
-            except rx.ResponseError as e:
-                if "exhausted the last possible ID" in str(e):
-                    raise Fenced(self.steps_key) from e
-                raise
-            self._entered(writes, entry_id)
-            return [True] * len(writes)
-        at = len(refresh)  # the steps entry's command (its reply: the entry's id)
-        if finals:
+        refresh = [self.keys.owner(rid) for rid in step.refresh]
+        if step.finals:
             keys = [self.steps_key, self.keys.requests, self.keys.done]
-            args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, "" if minid is None else minid, ttl, len(steps)]
-            for field, outs in steps.items():
-                args += [field, outs.SerializeToString()]
-            args.append(len(finals))
-            for w in finals:
-                rid = w.request_id
-                keys += [self.keys.owner(rid), self.keys.idempotency(rid)]
-                args += [w.epoch, w.entry_id, rid, w.entry.finish_reason, w.field, step_piece(rid, w.entry),
-                         step_piece(rid, w.record or w.entry)]
+            args: list = [GROUP, DONE_STREAM_MAXLEN, DONE_TTL_S, "" if minid is None else minid, ttl,
+                          len(step.fields)]
+            for field, raw in step.fields.items():
+                args += [field, raw]
+            args.append(len(step.finals))
+            for f in step.finals:
+                keys += [self.keys.owner(f.request_id), self.keys.idempotency(f.request_id)]
+                args += [f.epoch, f.entry_id, f.request_id, f.finish_reason, f.field, f.piece, f.record]
+            main: tuple = ("EVALSHA", self._finish.sha, len(keys), *keys, *args)
+        else:
+            trim = () if minid is None else ("MINID", "~", minid)
+            main = ("XADD", self.steps_key, *trim, "*", *(x for field, raw in step.fields.items() for x in (field, raw)))
+        commands = [*(("EXPIRE", key, REQUEST_TTL_S) for key in refresh), main]
+        if ttl and not step.finals:
+            commands.append(("EXPIRE", self.steps_key, ttl))
+        replies = await self._send(commands)
+        reply = replies[len(refresh)]
+        for r in replies:
+            if isinstance(r, Exception):
+                if "exhausted the last possible ID" in str(r):
+                    raise Fenced(self.steps_key) from r
+                raise r
+        if not step.finals:
+            self._entered(step, reply)
+            return []
+        entry_id, oks = reply
+        self._entered(step, entry_id)
+        return [bool(int(x)) for x in oks]
+
+    async def _send(self, commands: list[tuple]) -> list:
+        """Every reply of ``commands``, errors as values, on this writer's lane if it has one
+        (one load of the finish script where it was missing: nothing of it ran, and the
+        other commands may run twice)."""
+        import redis.exceptions as rx
+
+        if self.lane is not None:
+            try:
+                for attempt in range(2):
+                    replies = [rx.ResponseError(str(r)) if isinstance(r, hiredis.ReplyError) else r
+                               for r in await self.lane.call(commands)]
+                    if attempt == 0 and any(str(r).startswith("NOSCRIPT") for r in replies
+                                            if isinstance(r, rx.ResponseError)):
+                        await self.redis.script_load(FINISH)
+                        continue
+                    return replies
+            except LaneUnavailable:
+                self.lane = None
 
         def build(pipe) -> None:
-            for key in refresh:
-                pipe.expire(key, REQUEST_TTL_S)
-            if finals:
-                queue_script(pipe, self._finish, keys, args)  # NOSCRIPT: nothing ran but the EXPIREs
-            else:
-                pipe.xadd(self.steps_key, {f: outs.SerializeToString() for f, outs in steps.items()},
-                          minid=minid, approximate=True)
-                if ttl:
-                    pipe.expire(self.steps_key, ttl)
+            for c in commands:
+                pipe.execute_command(*c)
 
-        results = await execute_pipeline(self.redis, build, [self._finish])
-        for r in results:
-            if isinstance(r, rx.ResponseError) and "exhausted the last possible ID" in str(r):
-                raise Fenced(self.steps_key)
-            if isinstance(r, Exception):
-                raise r
-        if not finals:
-            self._entered(writes, results[at])
-            return [True] * len(writes)
-        entry_id, oks = results[at]
-        self._entered(writes, entry_id)
-        accepted = {id(w): bool(int(x)) for w, x in zip(finals, oks, strict=True)}
-        return [accepted.get(id(w), True) for w in writes]
+        if len(commands) == 1 and commands[0][0] == "XADD":  # most steps: no pipeline's cost
+            try:
+                return [await self.redis.execute_command(*commands[0])]
+            except rx.ResponseError as e:
+                return [e]
+        return await execute_pipeline(self.redis, build, [self._finish])
 
+
+def encode(writes: list[Write]) -> StepWrite:
+    """``writes`` as one ``StepWrite`` (each request's first message in it counted as its first)."""
+    enc = StepEncoder()
+    for w in writes:
+        e = w.entry
+        if e.finish_reason:
+            enc.finish(Final(w.request_id, w.epoch, w.entry_id, e.finish_reason, w.field,
+                             step_piece(w.request_id, e), step_piece(w.request_id, w.record or e)))
+            continue
+        enc.add(w.field, w.request_id, e.index, e.token_ids, e.text, e.logprobs)
+        if w.refresh_ttl:
+            enc.refresh.append(w.request_id)
+        enc.first.append(w.request_id)
+    return enc.build() or StepWrite()
 
 
 # -- reading back ------------------------------------------------------------------------------

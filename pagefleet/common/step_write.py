@@ -1,0 +1,147 @@
+"""One write of a worker's steps stream, encoded: what the writer sends, built where the tokens are.
+
+A ``StepWrite`` carries a step's messages already serialized: the steps entry's fields (one
+``StepOutputs`` each, ``steps_field``), the messages that finish requests (``Final``: what the
+finish script needs of each), the requests whose owner record's TTL is renewed with it, and
+the requests whose first message in the stream it holds (the stream is never trimmed past
+those while they run). A worker's engine thread builds it straight from the step's deltas
+(``StepEncoder``), so the event loop only sends bytes; steps that wait are coalesced with
+``extend`` (serialized ``StepOutputs`` concatenate: the pieces of a repeated field).
+
+Nothing here is per token on the writer's side: ``request_ids`` and ``split`` decode the fields
+again, for the failure paths only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagefleet.protos import cluster_pb2, generation_pb2
+
+
+@dataclass(slots=True)
+class Final:
+    """A request's last message, encoded: it is appended and the request finished only if
+    ``epoch`` is still the request's (the finish script). ``entry_id``: its entry in the
+    requests stream, to acknowledge; ``piece``: the message, ``record``: everything its writer
+    wrote for it (kept for a retry's replay), each a one-message ``StepOutputs``."""
+
+    request_id: str
+    epoch: int
+    entry_id: str
+    finish_reason: str
+    field: str
+    piece: bytes
+    record: bytes
+
+
+@dataclass(slots=True)
+class StepWrite:
+    """Messages for one write (see the module docstring). ``fields``: steps entry field ->
+    serialized ``StepOutputs`` of the messages that finish nothing; ``refresh``: request ids
+    whose owner record's TTL is renewed; ``first``: request ids whose first message in this
+    stream is here; ``num_messages``: every message, finals included (the writer's bound)."""
+
+    fields: dict[str, bytes] = field(default_factory=dict)
+    finals: list[Final] = field(default_factory=list)
+    refresh: list[str] = field(default_factory=list)
+    first: list[str] = field(default_factory=list)
+    num_messages: int = 0
+
+    def extend(self, other: StepWrite) -> None:
+        """Append ``other``'s messages (a later step's) to this write."""
+        fields = self.fields
+        for name, raw in other.fields.items():
+            fields[name] = fields[name] + raw if name in fields else raw
+        self.finals += other.finals
+        self.refresh += other.refresh
+        self.first += other.first
+        self.num_messages += other.num_messages
+
+    def request_ids(self) -> set[str]:
+        """Every request with a message here (decodes the fields)."""
+        ids = {f.request_id for f in self.finals}
+        for raw in self.fields.values():
+            ids.update(o.request_id for o in cluster_pb2.StepOutputs.FromString(raw).outputs)
+        return ids
+
+    def split(self) -> dict[str, StepWrite]:
+        """This write as one write per request, in order (decodes the fields)."""
+        out: dict[str, StepWrite] = {}
+        for name, raw in self.fields.items():
+            for o in cluster_pb2.StepOutputs.FromString(raw).outputs:
+                w = out.setdefault(o.request_id, StepWrite())
+                piece = cluster_pb2.StepOutputs(outputs=[o]).SerializeToString()
+                w.fields[name] = w.fields.get(name, b"") + piece
+                w.num_messages += 1
+        for f in self.finals:
+            w = out.setdefault(f.request_id, StepWrite())
+            w.finals.append(f)
+            w.num_messages += 1
+        for rid in self.refresh:
+            out.setdefault(rid, StepWrite()).refresh.append(rid)
+        for rid in self.first:
+            out.setdefault(rid, StepWrite()).first.append(rid)
+        return out
+
+
+def set_output(o, request_id: str, index: int, token_ids, text: str, finish_reason: str = "",
+               error: str = "", logprobs=None) -> None:
+    """Fill ``o``, a new ``StepOutput``: its fields set one by one, the empty ones not at all
+    (0.7 µs, against 1.2 for ``add(**fields)``; built in place, as appending a built one copies)."""
+    o.request_id = request_id
+    o.index = index
+    o.token_ids.extend(token_ids)
+    if text:
+        o.text = text
+    if finish_reason:
+        o.finish_reason = finish_reason
+    if error:
+        o.error = error
+    if logprobs:
+        o.logprobs.extend(
+            x if isinstance(x, generation_pb2.TokenLogprobs) else generation_pb2.TokenLogprobs(
+                logprob=x.logprob,
+                top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v)
+                              for t, v in zip(x.top_token_ids, x.top_logprobs, strict=True)])
+            for x in logprobs)
+
+
+def piece(request_id: str, index: int, token_ids, text: str = "", finish_reason: str = "", error: str = "",
+          logprobs=None) -> bytes:
+    """One message as a one-message ``StepOutputs`` (pieces concatenated: the StepOutputs of all)."""
+    steps = cluster_pb2.StepOutputs()
+    set_output(steps.outputs.add(), request_id, index, token_ids, text, finish_reason, error, logprobs)
+    return steps.SerializeToString()
+
+
+class StepEncoder:
+    """Builds one ``StepWrite``: ``add`` each message that finishes nothing, ``finish`` each
+    last one, then ``build``. Not thread-safe: one step, one thread."""
+
+    __slots__ = ("_outputs", "finals", "first", "num_messages", "refresh")
+
+    def __init__(self) -> None:
+        self._outputs: dict[str, object] = {}  # field -> its StepOutputs
+        self.finals: list[Final] = []
+        self.refresh: list[str] = []
+        self.first: list[str] = []
+        self.num_messages = 0
+
+    def add(self, field_name: str, request_id: str, index: int, token_ids, text: str, logprobs=None) -> None:
+        outs = self._outputs.get(field_name)
+        if outs is None:
+            outs = self._outputs[field_name] = cluster_pb2.StepOutputs()
+        set_output(outs.outputs.add(), request_id, index, token_ids, text, logprobs=logprobs)
+        self.num_messages += 1
+
+    def finish(self, final: Final) -> None:
+        self.finals.append(final)
+        self.num_messages += 1
+
+    def build(self) -> StepWrite | None:
+        """The write (None if it has no message)."""
+        if not self.num_messages:
+            return None
+        return StepWrite({f: outs.SerializeToString() for f, outs in self._outputs.items()},
+                         self.finals, self.refresh, self.first, self.num_messages)
