@@ -99,12 +99,17 @@ def set_output(o, request_id: str, index: int, token_ids, text: str, finish_reas
     if error:
         o.error = error
     if logprobs:
-        o.logprobs.extend(
-            x if isinstance(x, generation_pb2.TokenLogprobs) else generation_pb2.TokenLogprobs(
-                logprob=x.logprob,
-                top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v)
-                              for t, v in zip(x.top_token_ids, x.top_logprobs, strict=True)])
-            for x in logprobs)
+        add_logprobs(o, logprobs)
+
+
+def add_logprobs(o, logprobs) -> None:
+    """Append ``logprobs`` (``TokenLogprobs``, ours or protobuf's) to ``StepOutput`` ``o``."""
+    o.logprobs.extend(
+        x if isinstance(x, generation_pb2.TokenLogprobs) else generation_pb2.TokenLogprobs(
+            logprob=x.logprob,
+            top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v)
+                          for t, v in zip(x.top_token_ids, x.top_logprobs, strict=True)])
+        for x in logprobs)
 
 
 def piece(request_id: str, index: int, token_ids, text: str = "", finish_reason: str = "", error: str = "",
@@ -119,20 +124,29 @@ class StepEncoder:
     """Builds one ``StepWrite``: ``add`` each message that finishes nothing, ``finish`` each
     last one, then ``build``. Not thread-safe: one step, one thread."""
 
-    __slots__ = ("_outputs", "finals", "first", "num_messages", "refresh")
+    __slots__ = ("_adders", "_outputs", "finals", "first", "num_messages", "refresh")
 
     def __init__(self) -> None:
         self._outputs: dict[str, object] = {}  # field -> its StepOutputs
+        self._adders: dict[str, object] = {}  # field -> its StepOutputs' outputs.add
         self.finals: list[Final] = []
         self.refresh: list[str] = []
         self.first: list[str] = []
         self.num_messages = 0
 
     def add(self, field_name: str, request_id: str, index: int, token_ids, text: str, logprobs=None) -> None:
-        outs = self._outputs.get(field_name)
-        if outs is None:
+        new = self._adders.get(field_name)
+        if new is None:
             outs = self._outputs[field_name] = cluster_pb2.StepOutputs()
-        set_output(outs.outputs.add(), request_id, index, token_ids, text, logprobs=logprobs)
+            new = self._adders[field_name] = outs.outputs.add
+        o = new()  # set_output's work, inline: this runs for every token
+        o.request_id = request_id
+        o.index = index
+        o.token_ids.extend(token_ids)
+        if text:
+            o.text = text
+        if logprobs:
+            add_logprobs(o, logprobs)
         self.num_messages += 1
 
     def finish(self, final: Final) -> None:
