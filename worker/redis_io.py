@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 
-from pagefleet.common.fencing import Fenced, Fencing
+from pagefleet.common.fencing import Fenced, Fencing, is_fenced
 from pagefleet.common.redis import Keys, retry
 from pagefleet.common.redis_lane import lane_for
 from pagefleet.common.step_write import StepWrite
@@ -90,6 +90,14 @@ class OutputWriter:
                 self.has_room.clear()
             self._queue.put_nowait(step)
 
+    def probe(self) -> None:
+        """Queue a check that this writer's stream is still its own (call on the event loop),
+        behind the writes queued: a worker declared dead while it had nothing to write learns
+        it so (it drops what it holds and goes on in a new stream, as after a refused write),
+        and is placed on again."""
+        self._idle.clear()
+        self._queue.put_nowait(StepWrite())
+
     async def flush(self) -> None:
         """Return once everything queued so far is in Redis."""
         await self._idle.wait()
@@ -99,15 +107,18 @@ class OutputWriter:
             batch = await self._queue.get()
             while not self._queue.empty():
                 batch.extend(self._queue.get_nowait())
-            try:
-                await self._write_batch(batch)
-            except Exception:  # a bug here must not stop the writer: fail the batch's requests
-                log.exception("outputs.write_failed", num_messages=batch.num_messages)
-                for rid in batch.request_ids():
-                    self.on_failed(rid, "the worker could not write this request's output")
-            self.num_round_trips += 1
-            self.on_written()
-            self._backlog -= batch.num_messages
+            if not batch.num_messages:
+                await self._probe()
+            else:
+                try:
+                    await self._write_batch(batch)
+                except Exception:  # a bug here must not stop the writer: fail the batch's requests
+                    log.exception("outputs.write_failed", num_messages=batch.num_messages)
+                    for rid in batch.request_ids():
+                        self.on_failed(rid, "the worker could not write this request's output")
+                self.num_round_trips += 1
+                self.on_written()
+                self._backlog -= batch.num_messages
             if self._backlog < self.max_backlog:
                 self.has_room.set()
             if self._queue.empty():
@@ -121,18 +132,8 @@ class OutputWriter:
             accepted = await retry(lambda: self.fencing.write_step(batch, self._live()),
                                   what="write_outputs")
         except Fenced:
-            # Declared dead: every request here is being resumed elsewhere after what this
-            # stream holds. Drop them all and write nothing of theirs, not even what steps run
-            # before the engine dropped them made: those waiting here now are discarded once it
-            # has (a step's messages are queued before a command after it completes). Then go on
-            # in a new stream.
-            self.num_fenced += 1
             log.warning("outputs.refused", fenced=True, steps=self.fencing.steps_key, num_messages=batch.num_messages)
-            await self.on_fenced()
-            while not self._queue.empty():
-                self._backlog -= self._queue.get_nowait().num_messages
-            self.fencing.new_incarnation()
-            await self.fencing.publish_stream()
+            await self._fenced()
             return
         except Exception as e:  # not a connection blip: find the requests it is about
             log.warning("outputs.batch_failed", num_messages=batch.num_messages, error=str(e))
@@ -143,6 +144,29 @@ class OutputWriter:
             self.num_refused += 1
             log.warning("outputs.refused", request_id=rid)
             self.on_refused(rid)
+
+    async def _fenced(self) -> None:
+        """Declared dead: every request here is being resumed elsewhere after what this
+        stream holds. Drop them all and write nothing of theirs, not even what steps run
+        before the engine dropped them made: those waiting here now are discarded once it
+        has (a step's messages are queued before a command after it completes). Then go on
+        in a new stream."""
+        self.num_fenced += 1
+        await self.on_fenced()
+        while not self._queue.empty():
+            self._backlog -= self._queue.get_nowait().num_messages
+        self.fencing.new_incarnation()
+        await self.fencing.publish_stream()
+
+    async def _probe(self) -> None:
+        try:
+            fenced = await is_fenced(self.redis, self.fencing.steps_key)
+        except Exception as e:  # Redis away for good: the next write will say
+            log.warning("outputs.probe_failed", error=str(e))
+            return
+        if fenced:
+            log.warning("outputs.refused", fenced=True, steps=self.fencing.steps_key, num_messages=0)
+            await self._fenced()
 
     async def _write_alone(self, batch: StepWrite) -> set[str]:
         """Each request's messages in their own round trip; the requests whose finish was refused."""

@@ -371,8 +371,13 @@ class Worker:
             self.changed.set()  # wake occupancy streams so they end before the server stops
 
     async def register(self) -> None:
-        """Refresh this worker's row in ``<ns>:workers`` until stopped."""
+        """Refresh this worker's row in ``<ns>:workers`` until stopped. A beat without a write
+        probes the steps stream (a write would have found it fenced)."""
+        num_writes = -1
         while not self.stopped.is_set():
+            if self.writer.num_round_trips == num_writes and not self.draining:
+                self.writer.probe()
+            num_writes = self.writer.num_round_trips
             # ``beat`` changes every time: the scheduler times rows by when it last saw it change.
             self.beat += 1
             row = json.dumps({"address": self.address, "beat": self.beat, "pid": os.getpid(),
