@@ -124,12 +124,9 @@ class OutputWriter:
             if self._queue.empty():
                 self._idle.set()
 
-    def _live(self):
-        return None if self.live is None else set(self.live())
-
     async def _write_batch(self, batch: StepWrite) -> None:
         try:
-            accepted = await retry(lambda: self.fencing.write_step(batch, self._live()),
+            accepted = await retry(lambda: self.fencing.write_step(batch, self.live),
                                   what="write_outputs")
         except Fenced:
             log.warning("outputs.refused", fenced=True, steps=self.fencing.steps_key, num_messages=batch.num_messages)

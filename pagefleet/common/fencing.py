@@ -187,15 +187,18 @@ class Fencing:
             return STEPS_TTL_S
         return 0
 
-    def _trim_floor(self, live: Iterable[str] | None) -> int | None:
+    def _trim_floor(self, live: Iterable[str] | Callable[[], Iterable[str]] | None) -> int | None:
         """Entries older than this (ms) may go: ``STEPS_KEEP_MS`` ago, and never an entry of a
-        request still running here (``live``: those the writer holds; the others are forgotten),
-        which a resume elsewhere would read back. None: no trim is due (the last write that
-        trimmed was less than ``STEPS_TRIM_EVERY_MS`` ago)."""
+        request still running here (``live``: those the writer holds, or a function that gives
+        them, called only when a trim is due; the others are forgotten), which a resume
+        elsewhere would read back. None: no trim is due (the last write that trimmed was less
+        than ``STEPS_TRIM_EVERY_MS`` ago)."""
         now_ms = int(time.time() * 1000)
         if now_ms - self._trimmed_ms < STEPS_TRIM_EVERY_MS:
             return None
         self._trimmed_ms = now_ms
+        if callable(live):
+            live = set(live())
         if live is not None:
             for rid in [r for r in self._first_ms if r not in live]:
                 del self._first_ms[rid]
@@ -219,10 +222,12 @@ class Fencing:
         accepted = iter(await self.write_step(encode(writes), live))
         return [next(accepted) if w.final else True for w in writes]
 
-    async def write_step(self, step: StepWrite, live: Iterable[str] | None = None) -> list[bool]:
+    async def write_step(self, step: StepWrite,
+                         live: Iterable[str] | Callable[[], Iterable[str]] | None = None) -> list[bool]:
         """``step`` in one round trip; for each of its finals, whether it was accepted (its
         other messages always are). ``Fenced`` when this writer's stream was fenced (nothing
-        was written). ``live``: as ``write``. A step that finishes nothing and renews no TTL
+        was written). ``live``: as ``write``, or a function that gives them (called only when
+        a trim is due). A step that finishes nothing and renews no TTL
         is one ``XADD``; otherwise the TTLs' ``EXPIRE``s, then the ``XADD`` (or the finish
         script, with the finals) in one pipeline."""
         minid = self._trim_floor(live)
