@@ -3,8 +3,9 @@
 gRPC handlers never touch the engine: they ``call`` a function that runs on this thread
 between two steps and get a ``concurrent.futures.Future``. After every step the loop
 hands the step's messages to ``emit``, encoded here straight from the step's deltas (one
-``StepWrite``: the steps entry's bytes, the finals; the writer only sends it), and refreshes ``snapshot`` (``EngineStats``, what the
-reports carry); ``notify`` is called when occupancy changed a lot. Every occupancy stream
+``StepWrite``: the steps entry's bytes, the finals; the writer only sends it), and
+refreshes ``snapshot`` (``EngineStats``, what the reports carry); ``notify`` is called when
+occupancy changed a lot. Every occupancy stream
 ``subscribe``s to the ids of requests that finish, and to ``kv_events`` (the prefix cache's
 keys stored and evicted), so a report carries what changed since the previous one and
 nothing older.

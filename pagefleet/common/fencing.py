@@ -2,9 +2,10 @@
 
 **The steps stream is the output.** A worker writes each step's messages, for all its requests,
 as **one** ``XADD`` to its own steps stream (``<ns>:steps:<worker>:<incarnation>``, field
-``o``: a ``StepOutputs``). A message is durable once that entry is in Redis, and a client
-sees a token only after that (gateways relay from these streams). So a step costs Redis one
-command, whatever the number of requests in it.
+``o``: a ``StepOutputs``), encoded where the tokens are (``step_write.StepWrite``) and sent on
+a connection of the writer's own where it has one (``redis_lane``). A message is durable once
+that entry is in Redis, and a client sees a token only after that (gateways relay from these
+streams). So a step costs Redis one command, whatever the number of requests in it.
 
 **Fencing a worker.** A worker's stream is closed for good by appending an entry with the
 largest possible id (``fence_stream``): every later ``XADD *`` to it fails ("exhausted the
