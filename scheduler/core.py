@@ -20,8 +20,9 @@ Ownership is fenced (``pagefleet.common.fencing``): each assignment takes a new 
 Redis and the worker writes under it; resuming, cancelling or finishing a request takes a
 newer one first, so whoever held it before can write no more (its writes are refused and
 it drops the request). The scheduler's own epoch fences it too: once another scheduler has
-taken the lease, or this one could not renew it in time on its own clock, every
-assignment it tries fails (``StaleScheduler``) and it stops.
+taken the lease, every assignment it tries fails (``StaleScheduler``) and it stops; while it
+cannot renew the lease in time on its own clock it places nothing, and it stops once the lease
+is lost or must have lapsed (``server.Lease``).
 
 A request is acknowledged in Redis in the same atomic step as its final message, whoever
 writes it (its worker, or the scheduler for a cancel, a deadline or a refusal). On
@@ -62,6 +63,7 @@ log = structlog.get_logger("scheduler")
 # while the workers of the previous ones answer (a round would otherwise wait for its slowest
 # worker before the next is decided).
 _ROUNDS_IN_FLIGHT = 8
+_LEASE_POLL_S = 0.02  # how often a dispatcher unsure of its lease looks again
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 # A finish a worker reported and Redis does not hold after this long was refused: resumed.
 UNCONFIRMED_FINISH_S = 5.0
@@ -521,8 +523,8 @@ class ClusterScheduler:
             self._wake.clear()
             self._reap_rounds()
             while True:
-                if not self.lease_ok():
-                    raise StaleScheduler("the lease was not renewed in time: stop placing before it lapses")
+                while not self.lease_ok():  # unsure of the lease: place nothing until it is renewed (or lost)
+                    await asyncio.sleep(_LEASE_POLL_S)
                 decision = self.ledger.decide_round()
                 if decision.victims:
                     # Assign first, then preempt: the request is already waiting on the worker

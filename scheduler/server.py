@@ -140,7 +140,13 @@ class Lease:
 
     ``valid()`` is true while the last successful renewal, timed from before it was sent,
     is less than ``SAFE_FRACTION`` of the lease ago on this process's monotonic clock: past
-    that, Redis may let the lease lapse any moment, so the holder must stop placing.
+    that, Redis may let the lease lapse any moment, so the holder stops placing
+    (``lease_unsure``). A later renewal that succeeds proves the lease never lapsed (the
+    renew script extends it only while it still names this holder, and nobody can take it
+    without its lapsing first), so placing resumes: a stall of the process (a loaded
+    machine, a long collection) costs a pause, not the scheduler. The lease is given up for
+    good once Redis says another holds it or it has lapsed (``lease_lost``), or a whole lease
+    has passed without a renewal (``lease_lapsed``: it has surely lapsed in Redis too).
     """
 
     SAFE_FRACTION = 2 / 3
@@ -173,13 +179,14 @@ class Lease:
         self.epoch = int(await retry(lambda: self.redis.eval(TAKE_EPOCH, 1, self.keys.scheduler_epoch), what="epoch"))
         acquired.set()
         log.info("scheduler.lease_acquired", instance=self.me, epoch=self.epoch)
+        unsure = False
         while True:
             await asyncio.sleep(self.lease_s / 6)
             sent = time.monotonic()
             try:
                 held = await asyncio.wait_for(
                     self.redis.eval(LEASE_RENEW, 1, self.keys.lease, self.me, self.lease_ms), self.lease_s / 6)
-            except Exception as e:  # cut off or slow: keep trying while the lease is surely ours
+            except Exception as e:  # cut off or slow: keep trying while the lease may still be ours
                 log.warning("scheduler.lease_renew_failed", error=repr(e))
                 held = None
             if held == 0:
@@ -187,9 +194,15 @@ class Lease:
                 return
             if held:
                 self._renewed_at = sent
-            if not self.valid():
-                log.error("scheduler.lease_unsure", instance=self.me,
-                          since_renewal_s=round(time.monotonic() - self._renewed_at, 3))
+                if unsure:
+                    unsure = False
+                    log.warning("scheduler.lease_renewed", instance=self.me)
+            since = time.monotonic() - self._renewed_at
+            if not self.valid() and not unsure:
+                unsure = True
+                log.error("scheduler.lease_unsure", instance=self.me, since_renewal_s=round(since, 3))
+            if since >= self.lease_s:
+                log.error("scheduler.lease_lapsed", instance=self.me, since_renewal_s=round(since, 3))
                 return
 
 

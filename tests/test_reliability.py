@@ -259,6 +259,63 @@ def test_a_lease_taken_after_retries_is_valid_from_the_attempt_that_took_it():
     assert asyncio.run(go()) == (True, 7)
 
 
+def _lease_with_renewals(renew):
+    """A ``Lease`` of 1.2 s (renewed every 0.2 s) over a fake Redis whose renewals ``renew(elapsed_s)`` answers
+    (a result, or an exception raised after a wait); returns (valid over time, whether
+    ``hold`` returned, when)."""
+    from pagefleet.scheduler.server import Lease
+
+    class Fake:
+        async def set(self, *a, **kw):
+            return True
+
+        async def eval(self, script, *a):
+            if script == TAKE_EPOCH:
+                return 1
+            return await renew(time.monotonic() - t0)
+
+    async def go():
+        lease = Lease(Fake(), Keys("t"), "me", lease_ms=1200)
+        acquired = asyncio.Event()
+        task = asyncio.create_task(lease.hold(acquired))
+        await acquired.wait()
+        seen = []
+        while time.monotonic() - t0 < 2.4 and not task.done():
+            seen.append((time.monotonic() - t0, lease.valid()))
+            await asyncio.sleep(0.02)
+        done = task.done()
+        task.cancel()
+        return seen, done
+
+    t0 = time.monotonic()
+    return asyncio.run(go())
+
+
+def test_a_lease_not_renewed_for_a_while_pauses_placing_and_a_renewal_resumes_it():
+    """A stall (renewals time out for longer than 2/3 of the lease, less than all of it) makes
+    the lease unsure, then valid again once a renewal gets through: the scheduler goes on."""
+    async def renew(elapsed):
+        if 0.3 < elapsed < 1.1:
+            await asyncio.sleep(1.0)  # longer than the renewal's timeout
+        return 1
+
+    seen, done = _lease_with_renewals(renew)
+    assert not done
+    assert any(not valid for _, valid in seen), "never unsure"
+    assert all(valid for t, valid in seen if t > 1.8), "not valid again after the renewals came back"
+
+
+def test_a_lease_not_renewed_for_a_whole_lease_is_given_up():
+    async def renew(elapsed):
+        if elapsed > 0.3:
+            raise ConnectionError("cut off")
+        return 1
+
+    seen, done = _lease_with_renewals(renew)
+    assert done and not seen[-1][1]
+    assert seen[-1][0] < 2.0  # a whole lease (1.2 s) past the last renewal, and a renewal's period
+
+
 def test_redis_server_restarts_on_its_append_only_file():
     with RedisServer(appendonly=True) as r:
         c = sync_redis.Redis(port=r.port)
