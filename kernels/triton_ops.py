@@ -489,9 +489,10 @@ def attention_meta(queries_per_kv: int, head_dim: int, block_size: int, dtype: t
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
-        # Decode reads 16 KiB of K (and of V) a tile at 16-bit: 128 positions of head_dim 64, 64 of
-        # 128 (an H200 sweep, docs/results/attention-sweep-h200.json: 1.3-1.6x over 32 at batch 16-64).
-        TILE_N=min(128, max(32, 8192 // max(head_dim, 1))) if decode_only else 64,
+        # Decode reads up to 16 KiB of K (and of V) a tile at 16-bit, in a power of two of positions:
+        # 128 of head_dim 64, 64 of 96 or 128 (an H200 sweep, docs/results/attention-sweep-h200.json:
+        # 1.3-1.6x over 32 at batch 16-64).
+        TILE_N=min(128, max(32, 1 << (8192 // max(head_dim, 1)).bit_length() - 1)) if decode_only else 64,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,

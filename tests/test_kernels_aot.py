@@ -54,6 +54,12 @@ SPECS += [
     dict(kernel="moe", arch=arch, dtype=dtype, down=down, bias=bias)
     for arch, dtype, down, bias in itertools.product(ARCHS, ("bf16",), (False, True), (False, True))
 ]
+# Head sizes that are not a power of two (Phi-3's 96, 80): the decode tile stays one.
+SPECS += [
+    dict(kernel="attention", arch=90, dtype="bf16", queries_per_kv=4, head_dim=head_dim, decode_only=True,
+         num_splits=splits)
+    for head_dim, splits in itertools.product((80, 96), (1, 4))
+]
 # A layer's fused elementwise kernels at the widths the models use: norms over 2,048-16,384
 # features (and a head of 128, Qwen3's q/k norm), Gemma's offset; SiLU-and-mul over 8,192 and
 # 28,672; RoPE over heads of 64-256 features, Phi-3's partial rotation.
