@@ -90,7 +90,7 @@ def _carrying(msg: cluster_pb2.AssignRequest, metadata) -> cluster_pb2.AssignReq
 
 
 class StaleScheduler(RuntimeError):
-    """A newer scheduler holds the lease, or this one could not renew it in time: stop placing."""
+    """A newer scheduler holds the lease (its epoch is above this one's): stop placing."""
 
 
 @dataclass(frozen=True, slots=True)
