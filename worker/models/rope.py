@@ -108,7 +108,6 @@ class RotaryEmbedding(nn.Module):
                  max_position_embeddings: int, partial_rotary_factor: float = 1.0) -> None:
         super().__init__()
         self.rotary_dim = int(head_dim * partial_rotary_factor)
-        self.head_dim = head_dim
         self.args = (theta, scaling, self.rotary_dim, max_position_embeddings)
         cos, sin = rope_tables(theta, scaling, self.rotary_dim, max_positions, max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)
