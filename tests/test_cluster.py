@@ -297,3 +297,12 @@ def test_restart_scheduler_mid_run(fault_cluster):
     assert len(results) == len(prompts)
     assert [o.token_ids for o in results] == reference(prompts, max_tokens)
     assert all(o.finish_reason == "length" for o in results)
+
+
+def test_free_port_never_hands_one_process_the_same_port_twice():
+    """A cluster's ports are all drawn before its processes bind them: two services given one
+    port left one of them unable to start (a scheduler and a gateway, once in a test run)."""
+    from pagefleet.common.service import free_port
+
+    ports = [free_port() for _ in range(3000)]
+    assert len(set(ports)) == len(ports)

@@ -128,21 +128,40 @@ def free_port(host: str = "127.0.0.1") -> int:
     Drawn at random below the kernel's ephemeral range where there is room (10,000-32,767
     on Linux's default), so that no ``bind(0)`` or outgoing connection of another process
     (a peer's server on port 0, a client socket, UCX) is handed the same port meanwhile;
-    else, or if 64 draws are taken, a port the kernel picks."""
+    else, or if 64 draws are taken, a port the kernel picks. Never one this process was handed
+    in its last ``_RECENT`` calls: a cluster's ports are all drawn before any of its processes
+    binds one (a scheduler and a gateway given the same port: one of them failed to start)."""
     low, _ = _ephemeral_ports()
     if low > 11_000:
         rng = random.SystemRandom()
         for _ in range(64):
             port = rng.randrange(10_000, low)
+            if port in _handed_out:
+                continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind((host, port))
                 except OSError:
                     continue
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            return _hand_out(port)
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            break
+    return _hand_out(port)
+
+
+_RECENT = 4096
+_handed_out: dict[int, None] = {}  # the ports free_port returned lately, oldest first
+
+
+def _hand_out(port: int) -> int:
+    _handed_out[port] = None
+    if len(_handed_out) > _RECENT:
+        del _handed_out[next(iter(_handed_out))]
+    return port
 
 
 # Long generations can stay silent (no message) for a while: ping, and let clients ping.
