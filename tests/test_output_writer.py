@@ -43,7 +43,7 @@ async def _writer(url: str, ns: str):
 def test_steps_that_wait_are_coalesced_into_one_entry(redis_url):
     async def go():
         r, w, _, task = await _writer(redis_url, "ow1")
-        assert w.fencing.lane is not None
+        assert w.lane is not None
         for i in range(3):  # queued before the writer runs: one write
             w.put(_step("a", i, 65 + i))
         await w.flush()

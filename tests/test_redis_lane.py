@@ -13,7 +13,7 @@ import redis.exceptions as rx
 
 from pagefleet.common.fencing import Fencing, Write
 from pagefleet.common.redis import GROUP, Keys, OutEntry, RedisServer, connect
-from pagefleet.common.redis_lane import lane_for
+from pagefleet.common.redis_lane import blocking_lane_for, lane_for
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,79 @@ def test_a_finish_on_the_lane_loads_the_script_where_redis_lost_it(redis_url):
 
 def test_only_a_standalone_client_has_a_lane():
     assert lane_for(object()) is None
+
+
+# -- the blocking lane (a worker's output writer thread) -------------------------------------
+def _blocking(url: str):
+    async def make():
+        r = connect(url)
+        lane = blocking_lane_for(r)
+        await r.aclose()
+        return lane
+
+    return asyncio.run(make())
+
+
+def test_a_blocking_lane_answers_in_order_with_errors_as_values(redis_url):
+    lane = _blocking(redis_url)
+    replies = lane.call([("SET", "bk", 5), ("INCR", "bk"), ("HGET", "bk", "f"), ("GET", "bk")])
+    assert replies[:2] == [b"OK", 6] and replies[3] == b"6"
+    assert isinstance(replies[2], hiredis.ReplyError) and "WRONGTYPE" in str(replies[2])
+    big = b"y" * 300_000
+    assert lane.call([("SET", "bbig", big), ("GET", "bbig")]) == [b"OK", big]
+    lane.close()
+
+
+def test_a_blocking_lane_reconnects_after_a_broken_connection(redis_url):
+    import socket
+
+    import redis
+
+    lane = _blocking(redis_url)
+    assert lane.call([("PING",)]) == [b"PONG"]
+    lane._sock.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(rx.ConnectionError):
+        lane.call([("PING",)])
+    client_id = lane.call([("CLIENT", "ID")])[0]
+    redis.Redis.from_url(redis_url).execute_command("CLIENT", "KILL", "ID", client_id)  # Redis closes it
+    with pytest.raises(rx.ConnectionError):
+        lane.call([("PING",)])
+    assert lane.call([("PING",)]) == [b"PONG"]
+    lane.close()
+
+
+def test_a_blocking_lane_authenticates_as_its_client_does():
+    with RedisServer(password="s3cret") as server:
+        with pytest.raises(rx.ConnectionError):
+            _blocking(server.url).call([("PING",)])
+        lane = _blocking(server.url.replace("redis://", "redis://:s3cret@"))
+        assert lane.call([("PING",)]) == [b"PONG"]
+        lane.close()
+
+
+def test_a_blocking_finish_loads_the_script_where_redis_lost_it(redis_url):
+    from pagefleet.common.fencing import encode
+
+    lane = _blocking(redis_url)
+
+    async def go():
+        r = connect(redis_url)
+        keys = Keys("blane-noscript")
+        await r.set(keys.scheduler_epoch, 7)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        f = Fencing(r, keys, "w1")
+        epoch = await f.assign("a", 7, "w1")
+        await r.script_flush()
+        step = encode([Write("a", epoch, OutEntry(0, [1], "x")), Write("a", epoch, OutEntry(1, [], "", "stop"))])
+        assert f.write_step_blocking(step, lane) == [True]
+        assert await r.hget(keys.owner("a"), "done") == b"1"
+        again = encode([Write("a", epoch, OutEntry(1, [], "", "stop"))])
+        assert f.write_step_blocking(again, lane) == [False]  # done: refused
+        await r.aclose()
+
+    asyncio.run(go())
+    lane.close()
+
+
+def test_only_a_standalone_client_has_a_blocking_lane():
+    assert blocking_lane_for(object()) is None

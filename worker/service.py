@@ -256,7 +256,7 @@ class Worker:
         self.changed = asyncio.Event()
         self.loop = EngineLoop(
             engine,
-            emit=lambda batch: self.aio.call_soon_threadsafe(self.writer.put, batch),
+            emit=self.writer.put,  # from the engine thread straight to the writer's
             notify=lambda: self.aio.call_soon_threadsafe(self.changed.set),
             observer=WorkerObserver(self.worker_id, self.metrics, args.model),
             room=self.writer.has_room,

@@ -55,7 +55,7 @@ import hiredis
 from pagefleet.protos import cluster_pb2
 
 from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, execute_pipeline, retry
-from .redis_lane import Lane, LaneUnavailable
+from .redis_lane import BlockingLane, Lane, LaneUnavailable
 from .scripts import ASSIGN, FINISH
 from .step_write import Final, StepEncoder, StepWrite, piece, set_output
 
@@ -231,6 +231,23 @@ class Fencing:
         a trim is due). A step that finishes nothing and renews no TTL
         is one ``XADD``; otherwise the TTLs' ``EXPIRE``s, then the ``XADD`` (or the finish
         script, with the finals) in one pipeline."""
+        commands, main = self.step_commands(step, live)
+        return self.step_outcome(step, await self._send(commands), main)
+
+    def write_step_blocking(self, step: StepWrite, lane: BlockingLane,
+                            live: Iterable[str] | Callable[[], Iterable[str]] | None = None) -> list[bool]:
+        """``write_step`` on ``lane``, a blocking connection of a writer thread's own (one load of
+        the finish script where Redis lost it, as ``_send``)."""
+        commands, main = self.step_commands(step, live)
+        replies = [_error(r) for r in lane.call(commands)]
+        if step.finals and _noscript(replies[main]):
+            lane.call([("SCRIPT", "LOAD", FINISH)])
+            replies = [_error(r) for r in lane.call(commands)]
+        return self.step_outcome(step, replies, main)
+
+    def step_commands(self, step: StepWrite,
+                      live: Iterable[str] | Callable[[], Iterable[str]] | None = None) -> tuple[list[tuple], int]:
+        """``step``'s commands (see ``write_step``) and the index of the one that appends it."""
         minid = self._trim_floor(live)
         ttl = self._steps_ttl()
         refresh = [self.keys.owner(rid) for rid in step.refresh]
@@ -251,13 +268,17 @@ class Fencing:
         commands = [*(("EXPIRE", key, REQUEST_TTL_S) for key in refresh), main]
         if ttl and not step.finals:
             commands.append(("EXPIRE", self.steps_key, ttl))
-        replies = await self._send(commands)
-        reply = replies[len(refresh)]
+        return commands, len(refresh)
+
+    def step_outcome(self, step: StepWrite, replies: list, main: int) -> list[bool]:
+        """What ``step``'s ``replies`` say (errors as values): each final accepted or not;
+        ``Fenced`` if the stream was, any other error raised."""
         for r in replies:
             if isinstance(r, Exception):
                 if "exhausted the last possible ID" in str(r):
                     raise Fenced(self.steps_key) from r
                 raise r
+        reply = replies[main]
         if not step.finals:
             self._entered(step, reply)
             return []
@@ -274,10 +295,8 @@ class Fencing:
         if self.lane is not None:
             try:
                 for attempt in range(2):
-                    replies = [rx.ResponseError(str(r)) if isinstance(r, hiredis.ReplyError) else r
-                               for r in await self.lane.call(commands)]
-                    if attempt == 0 and any(str(r).startswith("NOSCRIPT") for r in replies
-                                            if isinstance(r, rx.ResponseError)):
+                    replies = [_error(r) for r in await self.lane.call(commands)]
+                    if attempt == 0 and any(_noscript(r) for r in replies):
                         await self.redis.script_load(FINISH)
                         continue
                     return replies
@@ -294,6 +313,17 @@ class Fencing:
             except rx.ResponseError as e:
                 return [e]
         return await execute_pipeline(self.redis, build, [self._finish])
+
+
+def _error(reply):
+    """A lane's reply with an error reply as redis-py's ``ResponseError`` (a value, not raised)."""
+    import redis.exceptions as rx
+
+    return rx.ResponseError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
+
+
+def _noscript(reply) -> bool:
+    return isinstance(reply, Exception) and str(reply).startswith("NOSCRIPT")
 
 
 def encode(writes: list[Write]) -> StepWrite:

@@ -289,6 +289,29 @@ async def retry(
             delay = min(delay * 2, max_s)
 
 
+def retry_blocking(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    stop: Callable[[], bool] = lambda: False,
+    base_s: float = 0.05,
+    max_s: float = 2.0,
+) -> T:
+    """``retry`` for a thread of its own: ``fn()`` until it succeeds, backing off (sleeping)
+    exponentially on connection errors; the last error is raised once ``stop()`` is true."""
+    delay, n = base_s, 0
+    while True:
+        try:
+            return fn()
+        except _transient() as e:
+            if stop():
+                raise
+            n += 1
+            log.warning("redis.retry", what=what, attempt=n, delay_s=round(delay, 3), error=str(e))
+            time.sleep(delay)
+            delay = min(delay * 2, max_s)
+
+
 def queue_script(pipe, script, keys: list, args: list) -> None:
     """Queue ``script`` (from ``register_script``) on the non-transactional pipeline ``pipe``:
     an ``EVALSHA`` as a plain command, which a Redis Cluster pipeline routes by its keys (redis-py

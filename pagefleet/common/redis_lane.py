@@ -9,17 +9,23 @@ class and arguments: TLS, AUTH, the database, as configured), whose reader and w
 then uses directly; replies come back as hiredis gives them (bytes, ints, lists, and
 ``hiredis.ReplyError`` for an error reply, returned, not raised).
 
-Contract: ``call`` sends its commands in order as one pipeline and returns every reply; a
+``BlockingLane`` is the same for a thread of its own (a worker's output writer): a blocking
+socket opened by redis-py's synchronous connection class of the same name, with the same
+arguments; waiting on it holds no event loop and no GIL.
+
+Contract (both): ``call`` sends its commands in order as one pipeline and returns every reply; a
 broken, slow (``timeout_s``) or interrupted exchange closes the connection (its replies may
 be lost) and raises ``redis.exceptions.ConnectionError`` (callers' ``retry`` backs off and
-calls again; the next call reconnects). Only a standalone client has one (``lane_for``);
-with a Redis Cluster client callers use the client, as they do after ``LaneUnavailable``.
+calls again; the next call reconnects). Only a standalone client has one (``lane_for``,
+``blocking_lane_for``); with a Redis Cluster client callers use the client, as they do after
+``LaneUnavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 
 import hiredis
 
@@ -101,3 +107,85 @@ def lane_for(client) -> Lane | None:
     if not hasattr(pool, "connection_class") or not hasattr(pool, "connection_kwargs"):
         return None
     return Lane(pool)
+
+
+# The asyncio pool's connection arguments that are objects of the asyncio client (its retry,
+# hooks and notification handlers): a synchronous connection makes its own.
+_ASYNC_ONLY = ("retry", "redis_connect_func", "event_dispatcher", "parser_class", "command_packer",
+               "himport_registry", "credential_provider")
+
+
+class BlockingLane:
+    def __init__(self, connection_class, connection_kwargs: dict, timeout_s: float = TIMEOUT_S) -> None:
+        """``connection_class``: redis-py's synchronous connection class (``redis.connection``)."""
+        self._connection_class = connection_class
+        self._kwargs = connection_kwargs
+        self.timeout_s = timeout_s
+        self._conn = None
+        self._sock = None
+        self._parser = hiredis.Reader()
+
+    def _open(self) -> None:
+        conn = self._connection_class(**self._kwargs)
+        conn.connect()
+        sock = getattr(conn, "_sock", None)
+        if sock is None:
+            conn.disconnect()
+            raise LaneUnavailable(f"{type(conn).__name__} exposes no socket")
+        sock.settimeout(self.timeout_s)
+        self._conn, self._sock, self._parser = conn, sock, hiredis.Reader()
+
+    def close(self) -> None:
+        conn, self._conn, self._sock = self._conn, None, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # closing a broken connection: nothing to save
+                conn.disconnect()
+
+    def call(self, commands: list[tuple]) -> list:
+        """Every reply of ``commands`` (sent as one pipeline), in order."""
+        import redis.exceptions as rx
+
+        try:
+            if self._sock is None:
+                self._open()
+            self._sock.sendall(b"".join(hiredis.pack_command(c) for c in commands))
+            parser, sock, out = self._parser, self._sock, []
+            while len(out) < len(commands):
+                r = parser.gets()
+                if r is False:
+                    data = sock.recv(65536)
+                    if not data:
+                        raise EOFError("Redis closed the connection")
+                    parser.feed(data)
+                    continue
+                out.append(r)
+            return out
+        except LaneUnavailable:
+            raise
+        except (OSError, EOFError, hiredis.ProtocolError, rx.ConnectionError, rx.TimeoutError) as e:
+            self.close()
+            raise rx.ConnectionError(f"steps connection: {e or type(e).__name__}") from e
+        except BaseException:  # interrupted mid-exchange: its replies would answer the next call
+            self.close()
+            raise
+
+
+def blocking_lane_for(client) -> BlockingLane | None:
+    """A ``BlockingLane`` to the server of ``client`` (a standalone redis-py asyncio client),
+    opened with its connection arguments; None for any other client."""
+    import redis.connection as sync_connection
+
+    lane = lane_for(client)
+    if lane is None:
+        return None
+    pool = lane._pool
+    cls = getattr(sync_connection, pool.connection_class.__name__, None)
+    if cls is None:
+        return None
+    accepted = set()
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass):
+            accepted |= set(inspect.signature(klass.__init__).parameters)
+    kwargs = {k: v for k, v in pool.connection_kwargs.items()
+              if k in accepted and k not in _ASYNC_ONLY and not k.startswith(("maint_", "orig_"))}
+    return BlockingLane(cls, kwargs)
