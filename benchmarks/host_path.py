@@ -3,7 +3,8 @@
 What a worker does for each token outside the model's forward pass and the sampler's tensor
 ops, without the Redis client, threads or the event loop (``bench token-path`` measures the
 whole process): a simulated engine's step (scheduling, block bookkeeping, appending and
-detokenizing each token, stop checks) with the step observer's metrics, and the step's write
+detokenizing each token, stop checks) with the step observer's metrics and the occupancy
+snapshot (``EngineLoop._refresh``), and the step's write
 as the engine loop builds it (``EngineLoop._encode``: the record a retry's replay keeps, and
 the messages serialized as the writer sends them, one ``StepOutputs`` a gateway field).
 ``--batch`` requests of ``--max-tokens`` tokens run to the end, ``--rounds`` times; it prints
@@ -43,15 +44,17 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32) -> dict:
         loop.assignments[rid] = ("1-0", 1, fencing.steps_field("g"))
     tokens = 0
     step_s = write_s = 0.0
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests():  # as EngineLoop._run does a step
         a = time.process_time()
         probe = observer.before_step(engine)
         deltas = engine.step()
-        observer.after_step(probe, engine, deltas, engine.stats())
         b = time.process_time()
-        loop._encode(deltas)
+        step = loop._encode(deltas)
         c = time.process_time()
-        step_s, write_s = step_s + b - a, write_s + c - b
+        rebuilt = loop._refresh(after_step=step is None or not step.finals)
+        observer.after_step(probe, engine, deltas, loop.snapshot if rebuilt else None)
+        d = time.process_time()
+        step_s, write_s = step_s + (b - a) + (d - c), write_s + c - b
         tokens += sum(len(x.token_ids) for x in deltas)
     us = lambda s: round(1e6 * s / tokens, 2)  # noqa: E731
     return {"batch": batch, "tokens": tokens, "us_per_token": us(step_s + write_s),

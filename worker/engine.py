@@ -126,6 +126,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.num_generated_tokens_total = 0
+        self.last_step_tokens = 0  # tokens the latest step computed (prompt chunks and decodes)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._grammar_compiler = None  # structured output's, made by the first request that needs it
 
@@ -305,7 +306,9 @@ class Engine:
         """Run one iteration; a delta for every request that produced tokens or finished."""
         out = self.scheduler.schedule()
         if not out:
+            self.last_step_tokens = 0
             return []
+        self.last_step_tokens = sum(out.num_scheduled_tokens)
         sampled, result = self.executor.execute(out)
         if not out.requests:  # a step of copies only
             return []

@@ -47,6 +47,11 @@ _PREEMPT_MODES = {
 # A request's owner record in Redis is renewed by every this many of its messages.
 TTL_REFRESH_MESSAGES = 512
 
+# The snapshot (``EngineStats``: what the reports carry) is rebuilt after a step when the
+# requests held changed, the free blocks moved by a twentieth of the pool, or it is this old;
+# a report goes every 0.1 s at least, so it reads a snapshot at most this much older than it.
+SNAPSHOT_MAX_AGE_S = 0.02
+
 # Finished request ids one occupancy stream may fall behind by before the oldest are dropped
 # (the scheduler then learns of those from the request ids its reports no longer carry).
 MAX_UNREPORTED_FINISHED = 100_000
@@ -78,6 +83,7 @@ class EngineLoop:
         self._subscribers_lock = threading.Lock()
         self.kv_events = KVEventLog(engine.kv)  # published on this thread, in _refresh
         self.snapshot: EngineStats = engine.stats()
+        self._snapshot_at = 0.0  # time.monotonic() when it was built
         self._last_notified: tuple[int, frozenset[str]] = (-1, frozenset())
         # request id -> its live migration out of here (migration.LiveMigration), advanced
         # between steps, and the future its stats go to when it ends
@@ -147,9 +153,9 @@ class EngineLoop:
                 step = self._encode(deltas)
                 if step is not None:
                     self.emit(step)
-                self._refresh()
+                rebuilt = self._refresh(after_step=step is None or not step.finals)
                 if self.observer:
-                    self.observer.after_step(probe, self.engine, deltas, self.snapshot)
+                    self.observer.after_step(probe, self.engine, deltas, self.snapshot if rebuilt else None)
             except Exception as e:  # a bug must not leave clients waiting forever
                 log.exception("engine.step_failed")
                 self._fail_all(f"engine step failed: {e}")
@@ -306,18 +312,32 @@ class EngineLoop:
         self._refresh(force_notify=True)
 
     # -- occupancy -----------------------------------------------------------------------
-    def _refresh(self, force_notify: bool = False) -> None:
-        snap = self.snapshot = self.engine.stats()  # once per step, on the engine thread
+    def _refresh(self, force_notify: bool = False, after_step: bool = False) -> bool:
+        """Rebuild the snapshot (on the engine thread) and notify the reports if it changed
+        much; whether it was rebuilt. ``after_step``: called after a step that finished no
+        request, so the snapshot is kept unless the requests held, the free blocks or its
+        age (``SNAPSHOT_MAX_AGE_S``) say otherwise: building it is O(requests), a step's
+        bookkeeping is not."""
+        engine = self.engine
+        self.kv_events.publish(engine.kv)
+        if after_step and not force_notify and not self.track_prefilled:
+            last_free, last_ids = self._last_notified
+            if (len(engine.requests) == len(last_ids)
+                    and abs(engine.kv.num_free_blocks - self.snapshot.num_free_blocks) < max(1, engine.kv.num_blocks // 20)
+                    and time.monotonic() - self._snapshot_at < SNAPSHOT_MAX_AGE_S):
+                return False
+        snap = self.snapshot = engine.stats()
+        self._snapshot_at = time.monotonic()
         if self.track_prefilled:
-            self.prefilled_ids = tuple(rid for rid, r in self.engine.requests.items()
+            self.prefilled_ids = tuple(rid for rid, r in engine.requests.items()
                                        if r.num_output_tokens and r.num_computed_tokens >= r.num_tokens - 1)
-        self.kv_events.publish(self.engine.kv)
         ids = frozenset(snap.request_ids)
         last_free, last_ids = self._last_notified
         big = max(1, snap.num_blocks // 20)
         if force_notify or ids != last_ids or abs(snap.num_free_blocks - last_free) >= big:
             self._last_notified = (snap.num_free_blocks, ids)
             self.notify()
+        return True
 
     # -- commands (run on the engine thread via `call`) -----------------------------------
     def assign(self, msg: cluster_pb2.AssignRequest, parent=None) -> None:

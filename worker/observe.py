@@ -41,14 +41,23 @@ class WorkerObserver:
             attrs["pagefleet.num_resumed_tokens"] = len(msg.output_token_ids)
         self.spans.start(rid, parent, attrs)
 
-    def before_step(self, engine: Any) -> tuple[int | None, dict[str, tuple[Any, int, str]]]:
-        """Call right before ``engine.step()``; pass the result to :meth:`after_step`."""
+    def before_step(self, engine: Any) -> tuple[int | None, dict[str, tuple[Any, int, str]] | None]:
+        """Call right before ``engine.step()``; pass the result to :meth:`after_step`. With no
+        request traced it reads nothing (the metrics take the step's size from the engine)."""
+        started_ns = self.spans.before_step()
+        if started_ns is None:
+            return None, None
         before = {rid: (req, req.num_computed_tokens, req.status) for rid, req in engine.requests.items()}
-        return self.spans.before_step(), before
+        return started_ns, before
 
-    def after_step(self, token: tuple[int | None, dict], engine: Any, deltas: list[Any], stats: Any) -> None:
-        """``stats``: the engine's ``EngineStats`` after the step."""
+    def after_step(self, token: tuple[int | None, dict | None], engine: Any, deltas: list[Any],
+                   stats: Any = None) -> None:
+        """``stats``: the engine's ``EngineStats`` after the step, or None if it is the one
+        given last time (the gauges are not set again)."""
         started_ns, before = token
+        if before is None:  # nothing traced: the metrics alone
+            self.metrics.observe_step(deltas, stats, getattr(engine, "last_step_tokens", 0))
+            return
         scheduled, num_tokens = [], 0
         traced = started_ns is not None
         for rid, (req, computed, status) in before.items():

@@ -200,7 +200,8 @@ class WorkerMetrics:
 
     def observe_step(self, deltas: Iterable[Any], stats: Any, num_scheduled_tokens: int = 0,
                      now: float | None = None) -> None:
-        """After one step: ``deltas`` are TokenDelta-like, ``stats`` EngineStats-like.
+        """After one step: ``deltas`` are TokenDelta-like, ``stats`` EngineStats-like (None: the
+        same as last time, the gauges are left as they are).
 
         Runs for every step of every worker, so it touches each metric once a step, not once a
         token: the tokens generated are counted once, and the inter-token gaps, most of them
@@ -235,7 +236,8 @@ class WorkerMetrics:
             self.generation_tokens.inc(generated)
         for gap, count in gaps.items():
             observe_many(self.itl, gap, count)
-        self.observe_stats(stats)
+        if stats is not None:
+            self.observe_stats(stats)
 
     def observe_stats(self, stats: Any) -> None:
         self.running.set(stats.num_running)
