@@ -147,6 +147,9 @@ class Lease:
     machine, a long collection) costs a pause, not the scheduler. The lease is given up for
     good once Redis says another holds it or it has lapsed (``lease_lost``), or a whole lease
     has passed without a renewal (``lease_lapsed``: it has surely lapsed in Redis too).
+    ``hold`` returns which: ``"taken"`` (another holds it), ``"free"`` (it lapsed, and nobody
+    holds it: the process stood still longer than a lease, and Redis answers again) or
+    ``"lapsed"``.
     """
 
     SAFE_FRACTION = 2 / 3
@@ -161,9 +164,9 @@ class Lease:
     def valid(self) -> bool:
         return time.monotonic() - self._renewed_at < self.lease_s * self.SAFE_FRACTION
 
-    async def hold(self, acquired: asyncio.Event) -> None:
+    async def hold(self, acquired: asyncio.Event) -> str:
         """Take the lease (waiting as standby while another holds it), then keep it; return
-        when it is lost or can no longer be trusted."""
+        when it is lost or can no longer be trusted, saying why (see the class)."""
         sent = 0.0
 
         async def take():
@@ -190,8 +193,13 @@ class Lease:
                 log.warning("scheduler.lease_renew_failed", error=repr(e))
                 held = None
             if held == 0:
+                with contextlib.suppress(Exception):
+                    holder = await asyncio.wait_for(self.redis.get(self.keys.lease), self.lease_s / 6)
+                    if holder is None:
+                        log.error("scheduler.lease_lost", instance=self.me, holder=None)
+                        return "free"
                 log.error("scheduler.lease_lost", instance=self.me)
-                return
+                return "taken"
             if held:
                 self._renewed_at = sent
                 if unsure:
@@ -203,7 +211,7 @@ class Lease:
                 log.error("scheduler.lease_unsure", instance=self.me, since_renewal_s=round(since, 3))
             if since >= self.lease_s:
                 log.error("scheduler.lease_lapsed", instance=self.me, since_renewal_s=round(since, 3))
-                return
+                return "lapsed"
 
 
 async def serve(args) -> int:
@@ -228,13 +236,17 @@ async def serve(args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    acquired = asyncio.Event()
-    holder = Lease(redis, keys, me, args.lease_ms)
-    lease = asyncio.create_task(holder.hold(acquired))
-    waiters = [asyncio.create_task(acquired.wait()), asyncio.create_task(stop.wait())]
-    await asyncio.wait([lease, *waiters], return_when=asyncio.FIRST_COMPLETED)
-    rc = 0
-    if acquired.is_set() and not stop.is_set():
+    stopping = asyncio.create_task(stop.wait())
+    rc, lease = 0, None
+    while True:  # a scheduler whose lease lapsed unclaimed (it stood still) stands by again
+        acquired = asyncio.Event()
+        holder = Lease(redis, keys, me, args.lease_ms)
+        lease = asyncio.create_task(holder.hold(acquired))
+        taking = asyncio.create_task(acquired.wait())
+        await asyncio.wait([lease, taking, stopping], return_when=asyncio.FIRST_COMPLETED)
+        taking.cancel()
+        if not acquired.is_set() or stop.is_set():
+            break
         core = ClusterScheduler(redis, keys, SchedulerConfig(
             policy=args.policy, aging_s=args.aging_seconds, headroom_tokens=args.headroom_tokens,
             preempt_mode=args.preempt_mode, dead_after_s=args.dead_after,
@@ -247,7 +259,7 @@ async def serve(args) -> int:
         await set_serving(health, names, True)
         freeze_startup_heap()
         log.info("scheduler.active", port=port, policy=args.policy, placement=args.placement)
-        done, _ = await asyncio.wait([run, lease, waiters[1]], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([run, lease, stopping], return_when=asyncio.FIRST_COMPLETED)
         if lease in done or run in done:
             rc = 1
             if run in done and not run.cancelled() and run.exception() is not None:
@@ -255,10 +267,21 @@ async def serve(args) -> int:
         run.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await run
+        servicer.core = None
         # Give the lease up at once so a standby need not wait for it to lapse.
         if rc == 0:
             with contextlib.suppress(Exception):
                 await redis.eval(LEASE_RELEASE, 1, keys.lease, me)
+            break
+        if lease in done and run not in done and lease.result() == "free" and not stop.is_set():
+            # Nobody took it over: everything this scheduler placed was fenced by its epoch,
+            # and a new one is taken with the lease; start again from Redis, as a standby would.
+            await set_serving(health, names, False)
+            log.warning("scheduler.standby", port=port, instance=me, after="the lease lapsed unclaimed")
+            rc = 0
+            continue
+        break
+    waiters = [stopping]
     for t in (lease, *waiters):
         t.cancel()
     await set_serving(health, names, False)

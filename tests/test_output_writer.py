@@ -32,8 +32,9 @@ async def _writer(url: str, ns: str):
     r = connect(url)
     fenced: list[bool] = []
 
-    async def on_fenced() -> None:
+    async def on_fenced(discard) -> None:
         fenced.append(True)
+        discard()
 
     w = OutputWriter(r, Keys(ns), writer_id="w1", on_fenced=on_fenced)
     await w.fencing.publish_stream()
@@ -74,6 +75,36 @@ def test_a_probe_finds_a_fenced_stream_when_there_is_nothing_to_write(redis_url)
         w.put(_step("b", 0, 66))  # and it writes on in the new stream
         await w.flush()
         assert len(await r.xrange(w.fencing.steps_key)) == 1
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_fenced_writer_drops_what_was_made_before_the_drop_and_writes_what_came_after(redis_url):
+    """The engine drops what it holds on the engine thread and discards the writer's waiting
+    steps there and then: a step made before the drop is never written, one made after it
+    (a request assigned since) goes to the new stream."""
+    async def go():
+        r = connect(redis_url)
+        w = OutputWriter(r, Keys("ow3"), writer_id="w1")
+
+        async def on_fenced(discard) -> None:  # as the worker's: on the engine thread, between steps
+            w.put(_step("b", 1, 67))  # made before the drop: in the queue when it happens
+            discard()
+            w.put(_step("c", 0, 68))  # made after it
+
+        w.on_fenced = on_fenced
+        await w.fencing.publish_stream()
+        task = asyncio.create_task(w.run())
+        first = w.fencing.steps_key
+        await fence_stream(r, first)
+        w.put(_step("b", 0, 66))  # refused: the stream is fenced
+        await w.flush()
+        assert w.num_fenced == 1 and w.fencing.steps_key != first
+        entries = await r.xrange(w.fencing.steps_key)
+        written = [(o.request_id, o.index) for _, f in entries for o in outputs_of(f)]
+        assert written == [("c", 0)] and w.backlog == 0
         task.cancel()
         await r.aclose()
 

@@ -11,6 +11,8 @@ form's figures are in docs/RELIABILITY.md (``pagefleet bench reliability``).
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from argparse import Namespace
 
@@ -314,6 +316,64 @@ def test_a_lease_not_renewed_for_a_whole_lease_is_given_up():
     seen, done = _lease_with_renewals(renew)
     assert done and not seen[-1][1]
     assert seen[-1][0] < 2.0  # a whole lease (1.2 s) past the last renewal, and a renewal's period
+
+
+def test_a_lease_lost_says_whether_another_holds_it():
+    """Redis answering that the lease is not ours any more: taken by another (give it up for
+    good) or lapsed with nobody holding it (the process stood still: stand by again)."""
+    from pagefleet.scheduler.server import Lease
+
+    class Fake:
+        def __init__(self, holder):
+            self.holder = holder
+
+        async def set(self, *a, **kw):
+            return True
+
+        async def get(self, key):
+            return self.holder
+
+        async def eval(self, script, *a):
+            return 1 if script == TAKE_EPOCH else 0
+
+    async def go(holder):
+        return await asyncio.wait_for(Lease(Fake(holder), Keys("t"), "me", lease_ms=300).hold(asyncio.Event()), 5)
+
+    assert asyncio.run(go(None)) == "free"
+    assert asyncio.run(go(b"other")) == "taken"
+
+
+def test_a_scheduler_whose_lease_lapsed_unclaimed_stands_by_and_takes_it_again(tmp_path):
+    """A scheduler that stood still longer than its lease (a loaded machine) found the lease
+    lapsed with nobody holding it, and exited: a cluster without a standby had no scheduler.
+    It now starts again from Redis under a new epoch, as a standby taking over would."""
+    from cluster_fixtures import log_events, wait_for
+
+    from pagefleet.common.service import free_port
+
+    with RedisServer() as server:
+        r = sync_redis.Redis(port=server.port)
+        keys = Keys()
+        log = tmp_path / "scheduler.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pagefleet", "scheduler", "--port", str(free_port()), "--redis-url", server.url,
+                 "--lease-ms", "1200", "--log-format", "json"], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            def events(name):
+                return [e for e in log_events(tmp_path, "scheduler") if e.get("event") == name]
+
+            wait_for(lambda: events("scheduler.active"), 60, "the scheduler active")
+            first = int(r.get(keys.scheduler_epoch))
+            r.delete(keys.lease)  # as if it had lapsed while the process stood still
+            wait_for(lambda: len(events("scheduler.active")) == 2, 30, "the scheduler active again")
+            assert proc.poll() is None
+            assert events("scheduler.lease_lost") and int(r.get(keys.scheduler_epoch)) > first
+            assert r.get(keys.lease) is not None
+        finally:
+            proc.terminate()
+            assert proc.wait(30) == 0
+            r.close()
 
 
 def test_redis_server_restarts_on_its_append_only_file():

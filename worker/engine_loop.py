@@ -423,7 +423,7 @@ class EngineLoop:
         if req is None:
             log.warning("preempt.not_found", request_id=request_id, request_ids=list(e.requests))
             return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_NOT_FOUND)
-        before = self.snapshot.blocks_per_request.get(request_id, 0)
+        before = len(e.kv.block_tables.get(request_id) or ())  # now: the snapshot may be a step old
         if not e.preempt_request(request_id, mode=_PREEMPT_MODES.get(mode, "auto")):
             return cluster_pb2.PreemptResponse(outcome=cluster_pb2.PREEMPT_OUTCOME_REFUSED)
         self._refresh(force_notify=True)

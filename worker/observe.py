@@ -79,7 +79,8 @@ class WorkerObserver:
             if d.finish_reason is not None:
                 n = before[d.request_id][0].num_output_tokens if d.request_id in before else 0
                 self.spans.finish(d.request_id, d.finish_reason, n)
-        self.metrics.observe_step(deltas, stats, num_tokens)
+        # The step's size as the engine scheduled it (a prefix hit's cached tokens are not in it).
+        self.metrics.observe_step(deltas, stats, getattr(engine, "last_step_tokens", num_tokens))
 
     def removed(self, request_id: str, reason: str = "abort", num_output_tokens: int = 0,
                 error: str | None = None) -> None:

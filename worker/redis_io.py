@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 
@@ -43,8 +44,8 @@ log = structlog.get_logger("worker.redis")
 MAX_BACKLOG = 50_000
 
 
-async def _nothing() -> None:
-    return None
+async def _discard(discard: Callable[[], None]) -> None:
+    discard()
 
 
 class OutputWriter:
@@ -55,20 +56,22 @@ class OutputWriter:
         *,
         writer_id: str,
         on_refused: Callable[[str], None] = lambda rid: None,
-        on_fenced: Callable[[], Awaitable[None]] | None = None,
+        on_fenced: Callable[[Callable[[], None]], Awaitable[None]] | None = None,
         on_failed: Callable[[str, str], None] = lambda rid, error: None,
         max_backlog: int = MAX_BACKLOG,
         on_written: Callable[[], None] = lambda: None,
         live: Callable[[], Iterable[str]] | None = None,
     ) -> None:
-        """Callbacks run on the writer's thread (``on_fenced``'s coroutine on the event loop):
-        ``on_refused``/``on_failed`` must be safe there (the engine loop's ``call`` is)."""
+        """Callbacks run on the writer's thread, ``on_refused``/``on_failed`` must be safe there (the
+        engine loop's ``call`` is). ``on_fenced(discard)`` is awaited on the event loop: it drops
+        what the engine holds and, at that moment, on the engine thread, calls ``discard``
+        (``discard_pending``): nothing made before the drop is written, nothing made after it lost."""
         self.redis = redis
         self.keys = keys
         self.fencing = Fencing(redis, keys, writer_id)  # the client's path: used only without a lane
         self.lane = blocking_lane_for(redis)
         self.on_refused = on_refused
-        self.on_fenced = on_fenced or _nothing  # drops what the engine holds; done when it has
+        self.on_fenced = on_fenced or _discard  # drops what the engine holds; done when it has
         self.on_failed = on_failed
         self.max_backlog = max_backlog
         self.on_written = on_written  # told of every round trip (a metric)
@@ -108,6 +111,14 @@ class OutputWriter:
             self._pending.append(StepWrite())
             self._cond.notify()
 
+    def discard_pending(self) -> None:
+        """Drop the steps waiting (any thread; see ``on_fenced``)."""
+        with self._cond:
+            while self._pending:
+                self._backlog -= self._pending.popleft().num_messages
+            if self._backlog < self.max_backlog:
+                self.has_room.set()
+
     async def flush(self) -> None:
         """Return once everything queued so far is in Redis."""
         while self._pending or self._busy:
@@ -116,7 +127,8 @@ class OutputWriter:
     async def run(self) -> None:
         """Write, on the writer's thread, until cancelled."""
         self._aio = asyncio.get_running_loop()
-        thread = threading.Thread(target=self._run, name="output-writer", daemon=True)
+        context = contextvars.copy_context()  # the worker's bound log fields (worker_id)
+        thread = threading.Thread(target=context.run, args=(self._run,), name="output-writer", daemon=True)
         thread.start()
         try:
             await asyncio.Event().wait()
@@ -127,36 +139,49 @@ class OutputWriter:
 
     # -- the writer's thread ------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                try:
+                    if not self._one():
+                        return
+                except Exception:  # a bug: the writer must go on, or the engine stalls at its bound
+                    log.exception("outputs.writer_error")
+                    with self._cond:
+                        self._busy = False
+        finally:
+            if self.lane is not None:
+                self.lane.close()
+
+    def _one(self) -> bool:
+        """Write what is pending (one batch); False once stopping."""
+        with self._cond:
+            while not self._pending and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return False
+            self._busy = True  # before the queue empties: ``flush`` reads both without the lock
+            batch = self._pending.popleft()
+            while self._pending:
+                batch.extend(self._pending.popleft())
+        try:
+            if not batch.num_messages:
+                self._probe()
+            else:
+                try:
+                    self._write_batch(batch)
+                except Exception:  # a bug here must not stop the writer: fail the batch's requests
+                    log.exception("outputs.write_failed", num_messages=batch.num_messages)
+                    for rid in batch.request_ids():
+                        self.on_failed(rid, "the worker could not write this request's output")
+                self.num_round_trips += 1
+                self.on_written()
+        finally:
             with self._cond:
-                while not self._pending and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                batch = self._pending.popleft()
-                while self._pending:
-                    batch.extend(self._pending.popleft())
-                self._busy = True
-            try:
-                if not batch.num_messages:
-                    self._probe()
-                else:
-                    try:
-                        self._write_batch(batch)
-                    except Exception:  # a bug here must not stop the writer: fail the batch's requests
-                        log.exception("outputs.write_failed", num_messages=batch.num_messages)
-                        for rid in batch.request_ids():
-                            self.on_failed(rid, "the worker could not write this request's output")
-                    self.num_round_trips += 1
-                    self.on_written()
-            except Exception:  # a bug in a callback: the writer goes on
-                log.exception("outputs.writer_error")
-            finally:
-                with self._cond:
-                    self._backlog -= batch.num_messages
-                    if self._backlog < self.max_backlog:
-                        self.has_room.set()
-                    self._busy = False
+                self._backlog -= batch.num_messages
+                if self._backlog < self.max_backlog:
+                    self.has_room.set()
+                self._busy = False
+        return True
 
     def _on_loop(self, coro: Coroutine):
         """Run ``coro`` on the event loop and wait for its result (from the writer's thread)."""
@@ -191,18 +216,15 @@ class OutputWriter:
     def _fenced(self) -> None:
         """Declared dead: every request here is being resumed elsewhere after what this
         stream holds. Drop them all and write nothing of theirs, not even what steps run
-        before the engine dropped them made: those waiting here now are discarded once it
-        has (the engine thread queues a step's messages before it runs the next command).
-        Then go on in a new stream."""
+        before the engine dropped them made: those waiting are discarded as it drops them
+        (``on_fenced``; the engine thread queues a step's messages before it runs the next
+        command). Then go on in a new stream: what was made since goes there."""
         self.num_fenced += 1
 
         async def drop() -> None:  # on the event loop, where ``on_fenced`` makes its awaitable
-            await self.on_fenced()
+            await self.on_fenced(self.discard_pending)
 
         self._on_loop(drop())
-        with self._cond:
-            while self._pending:
-                self._backlog -= self._pending.popleft().num_messages
         self.fencing.new_incarnation()
         self._on_loop(self.fencing.publish_stream())
 

@@ -247,7 +247,7 @@ class Worker:
         self.writer = OutputWriter(
             self.redis, self.keys, writer_id=self.worker_id,
             on_refused=lambda rid: self.loop.call(lambda: self.loop.drop(rid)),
-            on_fenced=lambda: asyncio.wrap_future(self.loop.call(self.loop.drop_all)),
+            on_fenced=lambda discard: asyncio.wrap_future(self.loop.call(lambda: (self.loop.drop_all(), discard()))),
             on_failed=lambda rid, error: self.loop.call(lambda: self.loop.fail(rid, error)),
             on_written=self.metrics.output_writes.inc,
             live=lambda: self.loop.snapshot.request_ids,

@@ -188,4 +188,5 @@ def blocking_lane_for(client) -> BlockingLane | None:
             accepted |= set(inspect.signature(klass.__init__).parameters)
     kwargs = {k: v for k, v in pool.connection_kwargs.items()
               if k in accepted and k not in _ASYNC_ONLY and not k.startswith(("maint_", "orig_"))}
+    kwargs["protocol"] = 2  # RESP2: no push frame can come between a command and its reply
     return BlockingLane(cls, kwargs)

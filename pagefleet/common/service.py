@@ -11,6 +11,7 @@ import argparse
 import os
 import random
 import socket
+import threading
 from collections.abc import Iterable
 
 ENV_PREFIX = "PAGEFLEET_"
@@ -155,12 +156,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 _RECENT = 4096
 _handed_out: dict[int, None] = {}  # the ports free_port returned lately, oldest first
+_handed_out_lock = threading.Lock()
 
 
 def _hand_out(port: int) -> int:
-    _handed_out[port] = None
-    if len(_handed_out) > _RECENT:
-        del _handed_out[next(iter(_handed_out))]
+    with _handed_out_lock:
+        _handed_out[port] = None
+        if len(_handed_out) > _RECENT:
+            del _handed_out[next(iter(_handed_out))]
     return port
 
 
