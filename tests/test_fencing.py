@@ -1,7 +1,7 @@
 """Fenced ownership in a real Redis: a step is one write for all its requests, a fenced worker
 cannot write again, a finish is one atomic step, and a resume reads exactly what was written.
-Every worker here writes through the client and, again, through a connection of its own
-(``redis_lane``, as workers do)."""
+Every worker here writes through the client and, again, through a blocking connection of its
+own (``redis_lane.BlockingLane``, from a thread, as workers do)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from pagefleet.common.fencing import DONE_TTL_S, Fenced, Fencing, Write, read_record, take_over
 from pagefleet.common.redis import GROUP, Keys, OutEntry, RedisServer, connect
-from pagefleet.common.redis_lane import lane_for
+from pagefleet.common.redis_lane import blocking_lane_for
 from pagefleet.protos import cluster_pb2
 
 WRITE_PATH = {"lane": False}
@@ -43,8 +43,15 @@ async def _setup(url: str, ns: str):
 
 
 async def _worker(r, keys, wid: str) -> Fencing:
-    f = Fencing(r, keys, wid, lane=lane_for(r) if WRITE_PATH["lane"] else None)
-    assert (f.lane is not None) == WRITE_PATH["lane"]
+    f = Fencing(r, keys, wid)
+    if WRITE_PATH["lane"]:  # as a worker's output writer: its writes on a thread, on its own connection
+        lane = blocking_lane_for(r)
+        assert lane is not None
+
+        def write_step(step, live=None):
+            return asyncio.to_thread(f.write_step_blocking, step, lane, live)
+
+        f.write_step = write_step
     await f.publish_stream()
     return f
 

@@ -1,7 +1,7 @@
-"""A writer's own Redis connection (``redis_lane``) against a real redis-server: replies in
-order, error replies returned, AUTH as the client is configured, a broken connection raised
-as a connection error and reopened by the next call, and the finish script reloaded where
-Redis lost it."""
+"""A writer's own blocking Redis connection (``redis_lane.BlockingLane``) against a real
+redis-server: replies in order, error replies returned, AUTH as the client is configured, a
+broken connection raised as a connection error and reopened by the next call, and the finish
+script reloaded where Redis lost it."""
 
 from __future__ import annotations
 
@@ -13,93 +13,13 @@ import redis.exceptions as rx
 
 from pagefleet.common.fencing import Fencing, Write
 from pagefleet.common.redis import GROUP, Keys, OutEntry, RedisServer, connect
-from pagefleet.common.redis_lane import blocking_lane_for, lane_for
+from pagefleet.common.redis_lane import blocking_lane_for
 
 
 @pytest.fixture(scope="module")
 def redis_url():
     with RedisServer() as server:
         yield server.url
-
-
-def test_a_pipeline_of_commands_comes_back_in_order_with_errors_as_values(redis_url):
-    async def go():
-        r = connect(redis_url)
-        lane = lane_for(r)
-        replies = await lane.call([("SET", "k", 5), ("INCR", "k"), ("HGET", "k", "f"), ("GET", "k")])
-        assert replies[:2] == [b"OK", 6] and replies[3] == b"6"
-        assert isinstance(replies[2], hiredis.ReplyError) and "WRONGTYPE" in str(replies[2])
-        big = b"x" * 300_000  # more than one read's worth of reply
-        assert await lane.call([("SET", "big", big), ("GET", "big")]) == [b"OK", big]
-        await lane.close()
-        await r.aclose()
-
-    asyncio.run(go())
-
-
-def test_a_broken_connection_is_a_connection_error_and_the_next_call_reconnects(redis_url):
-    async def go():
-        r = connect(redis_url)
-        lane = lane_for(r)
-        assert await lane.call([("PING",)]) == [b"PONG"]
-        lane._writer.transport.abort()
-        with pytest.raises(rx.ConnectionError):
-            await lane.call([("PING",)])
-        assert await lane.call([("PING",)]) == [b"PONG"]
-        name = (await lane.call([("CLIENT", "ID")]))[0]
-        await r.execute_command("CLIENT", "KILL", "ID", name)  # Redis closes it
-        with pytest.raises(rx.ConnectionError):
-            await lane.call([("PING",)])
-        assert await lane.call([("PING",)]) == [b"PONG"]
-        await lane.close()
-        await r.aclose()
-
-    asyncio.run(go())
-
-
-def test_a_lane_authenticates_as_its_client_does():
-    async def go(url):
-        r = connect(url)
-        assert lane_for(r) is not None
-        with pytest.raises(rx.ConnectionError):  # no password, refused: raised as the client would
-            await lane_for(r).call([("PING",)])
-        await r.aclose()
-
-    with RedisServer(password="s3cret") as server:
-        asyncio.run(go(server.url))
-        url = server.url.replace("redis://", "redis://:s3cret@")
-
-        async def authed():
-            r = connect(url)
-            lane = lane_for(r)
-            assert await lane.call([("PING",)]) == [b"PONG"]
-            await lane.close()
-            await r.aclose()
-
-        asyncio.run(authed())
-
-
-def test_a_finish_on_the_lane_loads_the_script_where_redis_lost_it(redis_url):
-    async def go():
-        r = connect(redis_url)
-        keys = Keys("lane-noscript")
-        await r.set(keys.scheduler_epoch, 7)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-        f = Fencing(r, keys, "w1", lane=lane_for(r))
-        epoch = await f.assign("a", 7, "w1")
-        await r.script_flush()
-        assert await f.write([Write("a", epoch, OutEntry(0, [1], "x")),
-                              Write("a", epoch, OutEntry(1, [], "", "stop"))]) == [True, True]
-        assert await r.hget(keys.owner("a"), "done") == b"1"
-        assert await f.write([Write("a", epoch, OutEntry(1, [], "", "stop"))]) == [False]  # done: refused
-        await f.lane.close()
-        await r.aclose()
-
-    asyncio.run(go())
-
-
-def test_only_a_standalone_client_has_a_lane():
-    assert lane_for(object()) is None
 
 
 # -- the blocking lane (a worker's output writer thread) -------------------------------------

@@ -55,7 +55,7 @@ import hiredis
 from pagefleet.protos import cluster_pb2
 
 from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, execute_pipeline, retry
-from .redis_lane import BlockingLane, Lane, LaneUnavailable
+from .redis_lane import BlockingLane
 from .scripts import ASSIGN, FINISH
 from .step_write import Final, StepEncoder, StepWrite, piece, set_output
 
@@ -137,12 +137,10 @@ class Fencing:
     messages), registered once per Redis client (EVALSHA, falling back to EVAL after a restart)."""
 
     def __init__(self, redis, keys: Keys, writer_id: str = SCHEDULER_STEPS,
-                 stream_of: Callable[[str], str] = lambda worker_id: "", lane: Lane | None = None) -> None:
+                 stream_of: Callable[[str], str] = lambda worker_id: "") -> None:
         """``stream_of``: a worker's steps stream, as its row names it (recorded with each
-        assignment: the stream a resume reads the request back from). ``lane``: a connection of
-        this writer's own for its writes (``redis_lane``; default: the client's)."""
+        assignment: the stream a resume reads the request back from)."""
         self.redis = redis
-        self.lane = lane
         self.keys = keys
         self.writer_id = writer_id
         self.stream_of = stream_of
@@ -287,21 +285,9 @@ class Fencing:
         return [bool(int(x)) for x in oks]
 
     async def _send(self, commands: list[tuple]) -> list:
-        """Every reply of ``commands``, errors as values, on this writer's lane if it has one
-        (one load of the finish script where it was missing: nothing of it ran, and the
-        other commands may run twice)."""
+        """Every reply of ``commands``, errors as values, through the client (a script Redis
+        lost is loaded and the pipeline's refused calls sent again, ``execute_pipeline``)."""
         import redis.exceptions as rx
-
-        if self.lane is not None:
-            try:
-                for attempt in range(2):
-                    replies = [_error(r) for r in await self.lane.call(commands)]
-                    if attempt == 0 and any(_noscript(r) for r in replies):
-                        await self.redis.script_load(FINISH)
-                        continue
-                    return replies
-            except LaneUnavailable:
-                self.lane = None
 
         def build(pipe) -> None:
             for c in commands:

@@ -1,29 +1,26 @@
-"""A dedicated Redis connection for one writer's hot path: commands packed by hiredis, sent in
-one socket write, replies parsed by hiredis; none of the client's per-call machinery.
+"""A dedicated Redis connection for one writer's hot path, on a thread of its own: commands
+packed by hiredis, sent in one socket write, replies parsed by hiredis; none of the client's
+per-call machinery, and no event loop.
 
 redis-py's asyncio client spends ~100 µs of CPU on a bare ``XADD`` of a 2.7 kB step here
-(its pool, retry wrapper, timeouts, parser and response callbacks), against ~40 µs for the
-same command on a stream of one's own: at a worker's rate of steps that was most of its event
-loop. ``Lane`` is that stream. It is opened by redis-py itself (the client's own connection
-class and arguments: TLS, AUTH, the database, as configured), whose reader and writer it
-then uses directly; replies come back as hiredis gives them (bytes, ints, lists, and
-``hiredis.ReplyError`` for an error reply, returned, not raised).
+(its pool, retry wrapper, timeouts, parser and response callbacks), and a worker's event loop
+as much again to hand each step to it and wake on its reply. ``BlockingLane`` is a blocking
+socket opened by redis-py's synchronous connection class of the client's kind, with the
+client's own arguments (TLS, AUTH, the database, as configured), which it then writes and
+reads directly: ~40-50 µs of a thread's CPU a step's write on this machine, nearly all of it
+the send and the wake-up on the reply, with the GIL released while it waits. Replies come back
+as hiredis gives them (bytes, ints, lists, and ``hiredis.ReplyError`` for an error reply,
+returned, not raised). It speaks RESP2: no push frame can come between a command and its reply.
 
-``BlockingLane`` is the same for a thread of its own (a worker's output writer): a blocking
-socket opened by redis-py's synchronous connection class of the same name, with the same
-arguments; waiting on it holds no event loop and no GIL.
-
-Contract (both): ``call`` sends its commands in order as one pipeline and returns every reply; a
+Contract: ``call`` sends its commands in order as one pipeline and returns every reply; a
 broken, slow (``timeout_s``) or interrupted exchange closes the connection (its replies may
-be lost) and raises ``redis.exceptions.ConnectionError`` (callers' ``retry`` backs off and
-calls again; the next call reconnects). Only a standalone client has one (``lane_for``,
-``blocking_lane_for``); with a Redis Cluster client callers use the client, as they do after
-``LaneUnavailable``.
+be lost) and raises ``redis.exceptions.ConnectionError`` (callers back off and call again; the
+next call reconnects). Only a standalone client has one (``blocking_lane_for``); with a Redis
+Cluster client callers use the client, as they do after ``LaneUnavailable``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 
@@ -34,79 +31,7 @@ TIMEOUT_S = 30.0
 
 
 class LaneUnavailable(Exception):
-    """This client's connections expose no stream to use directly: use the client."""
-
-
-class Lane:
-    def __init__(self, pool, timeout_s: float = TIMEOUT_S) -> None:
-        """``pool``: a redis-py asyncio ``ConnectionPool`` (its connection class and arguments)."""
-        self._pool = pool
-        self.timeout_s = timeout_s
-        self._conn = None
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._parser = hiredis.Reader()
-
-    async def _open(self) -> None:
-        conn = self._pool.connection_class(**self._pool.connection_kwargs)
-        await conn.connect()
-        reader, writer = getattr(conn, "_reader", None), getattr(conn, "_writer", None)
-        if reader is None or writer is None:
-            await conn.disconnect()
-            raise LaneUnavailable(f"{type(conn).__name__} exposes no stream")
-        self._conn, self._reader, self._writer = conn, reader, writer
-        self._parser = hiredis.Reader()
-
-    async def close(self) -> None:
-        conn, self._conn, self._reader, self._writer = self._conn, None, None, None
-        if conn is not None:
-            with contextlib.suppress(Exception):  # closing a broken connection: nothing to save
-                await conn.disconnect(nowait=True)
-
-    async def call(self, commands: list[tuple]) -> list:
-        """Every reply of ``commands`` (sent as one pipeline), in order."""
-        import redis.exceptions as rx
-
-        try:
-            if self._writer is None:
-                await self._open()
-            self._writer.write(b"".join(hiredis.pack_command(c) for c in commands))
-            async with asyncio.timeout(self.timeout_s):
-                await self._writer.drain()
-                return await self._replies(len(commands))
-        except (OSError, EOFError, TimeoutError, hiredis.ProtocolError, rx.ConnectionError) as e:
-            await self.close()
-            raise rx.ConnectionError(f"steps connection: {e or type(e).__name__}") from e
-        except BaseException:  # cancelled mid-exchange: its replies would answer the next call
-            await self.close()
-            raise
-
-    async def _replies(self, n: int) -> list:
-        parser, reader = self._parser, self._reader
-        out = []
-        while len(out) < n:
-            r = parser.gets()
-            if r is False:
-                data = await reader.read(65536)
-                if not data:
-                    raise EOFError("Redis closed the connection")
-                parser.feed(data)
-                continue
-            out.append(r)
-        return out
-
-
-def lane_for(client) -> Lane | None:
-    """A ``Lane`` beside ``client`` (a standalone redis-py asyncio client); None for any other
-    client (a Redis Cluster client routes by slot: use it)."""
-    import redis.asyncio as aioredis
-
-    if type(client) is not aioredis.Redis:
-        return None
-    pool = client.connection_pool
-    if not hasattr(pool, "connection_class") or not hasattr(pool, "connection_kwargs"):
-        return None
-    return Lane(pool)
+    """This client's connections expose no socket to use directly: use the client."""
 
 
 # The asyncio pool's connection arguments that are objects of the asyncio client (its retry,
@@ -173,12 +98,14 @@ class BlockingLane:
 def blocking_lane_for(client) -> BlockingLane | None:
     """A ``BlockingLane`` to the server of ``client`` (a standalone redis-py asyncio client),
     opened with its connection arguments; None for any other client."""
+    import redis.asyncio as aioredis
     import redis.connection as sync_connection
 
-    lane = lane_for(client)
-    if lane is None:
+    if type(client) is not aioredis.Redis:
         return None
-    pool = lane._pool
+    pool = client.connection_pool
+    if not hasattr(pool, "connection_class") or not hasattr(pool, "connection_kwargs"):
+        return None
     cls = getattr(sync_connection, pool.connection_class.__name__, None)
     if cls is None:
         return None
