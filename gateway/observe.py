@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pagefleet.common import telemetry
@@ -135,21 +135,43 @@ def observed_generate(method):
                                      kind=telemetry.SpanKind.SERVER, attributes=attrs)
         call = CallObserver(_call_metrics(self, request), span)
         code = grpc.StatusCode.OK
+
+        def end(code) -> None:
+            attrs = {"rpc.grpc.status_code": code.value[0]}
+            if request.request_id:
+                attrs[telemetry.REQUEST_ID] = request.request_id
+            call.end(code, attrs)
+
         try:
             with call.current():
-                async for msg in method(self, request, context):
+                async for msg in method(self, request, _CountedAbort(context, end)):
                     call.message(msg)
                     yield msg
         except BaseException as e:
             code = _status_code(context, e)
             raise
         finally:
-            attrs = {"rpc.grpc.status_code": code.value[0]}
-            if request.request_id:
-                attrs[telemetry.REQUEST_ID] = request.request_id
-            call.end(code, attrs)
+            end(code)  # a no-op after an abort: that one counted
 
     return wrapper
+
+
+class _CountedAbort:
+    """A servicer context whose ``abort`` ends the call's observation (its metrics and span)
+    before the status goes out: grpc.aio sends an abort's status at once, and a client that
+    read its metrics right after the error did not find the call counted yet."""
+
+    __slots__ = ("_context", "_end")
+
+    def __init__(self, context: Any, end: Callable[[Any], None]) -> None:
+        self._context, self._end = context, end
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: Any, details: str = "", trailing_metadata: Any = ()) -> None:
+        self._end(code)
+        await self._context.abort(code, details, trailing_metadata)
 
 
 def http_call(metrics: Any, method: str, route: str, headers: Mapping[str, str]) -> CallObserver:
