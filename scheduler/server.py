@@ -237,7 +237,7 @@ async def serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     stopping = asyncio.create_task(stop.wait())
-    rc, lease = 0, None
+    rc = 0
     while True:  # a scheduler whose lease lapsed unclaimed (it stood still) stands by again
         acquired = asyncio.Event()
         holder = Lease(redis, keys, me, args.lease_ms)
@@ -281,8 +281,7 @@ async def serve(args) -> int:
             rc = 0
             continue
         break
-    waiters = [stopping]
-    for t in (lease, *waiters):
+    for t in (lease, stopping):
         t.cancel()
     await set_serving(health, names, False)
     if health_port is not None:
