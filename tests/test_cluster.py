@@ -218,22 +218,27 @@ def test_high_priority_preempts_low_priority(small_cluster):
     results: dict[str, Completion] = {}
     done_at: dict[str, float] = {}
 
-    def run(name, prompt, max_tokens, priority):
+    def run(name, prompt, max_tokens, priority, go=None):
         with Client(small_cluster.gateway_target) as c:
+            if go is not None:  # connected already: sent the moment it is told (the lows run < 1 s)
+                grpc.channel_ready_future(c.channel).result(timeout=30)
+                go.wait(60)
             results[name] = c.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
                                        priority=priority, timeout=120)
             done_at[name] = time.monotonic()
 
+    # 400 prompt tokens: more than any worker has free, so low-priority sequences must go.
+    high_prompt = "urgent: " + "y" * 392
+    go = threading.Event()
+    high = threading.Thread(target=run, args=("high", high_prompt, max_high, 10, go))
+    high.start()
     lows = [threading.Thread(target=run, args=(f"low{i}", p, max_low, 0)) for i, p in enumerate(low_prompts)]
     for t in lows:
         t.start()
     # Both workers full of low-priority sequences.
     wait_for(lambda: sum(len(r.blocks_per_request) for r in worker_reports(small_cluster).values()) >= 4,
-             30, "four low-priority requests running")
-    # 400 prompt tokens: more than any worker has free, so low-priority sequences must go.
-    high_prompt = "urgent: " + "y" * 392
-    high = threading.Thread(target=run, args=("high", high_prompt, max_high, 10))
-    high.start()
+             30, "four low-priority requests running", every_s=0.01)
+    go.set()
     for t in [*lows, high]:
         t.join(150)
     assert small_cluster.scheduler_state().num_preemptions > before
