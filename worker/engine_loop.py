@@ -320,20 +320,19 @@ class EngineLoop:
         bookkeeping is not."""
         engine = self.engine
         self.kv_events.publish(engine.kv)
-        if after_step and not force_notify and not self.track_prefilled:
-            last_free, last_ids = self._last_notified
-            if (len(engine.requests) == len(last_ids)
-                    and abs(engine.kv.num_free_blocks - self.snapshot.num_free_blocks) < max(1, engine.kv.num_blocks // 20)
-                    and time.monotonic() - self._snapshot_at < SNAPSHOT_MAX_AGE_S):
-                return False
+        big = max(1, engine.kv.num_blocks // 20)  # free blocks moved this much: the reports hear of it
+        last_free, last_ids = self._last_notified
+        if (after_step and not force_notify and not self.track_prefilled
+                and len(engine.requests) == len(last_ids)
+                and abs(engine.kv.num_free_blocks - self.snapshot.num_free_blocks) < big
+                and time.monotonic() - self._snapshot_at < SNAPSHOT_MAX_AGE_S):
+            return False
         snap = self.snapshot = engine.stats()
         self._snapshot_at = time.monotonic()
         if self.track_prefilled:
             self.prefilled_ids = tuple(rid for rid, r in engine.requests.items()
                                        if r.num_output_tokens and r.num_computed_tokens >= r.num_tokens - 1)
         ids = frozenset(snap.request_ids)
-        last_free, last_ids = self._last_notified
-        big = max(1, snap.num_blocks // 20)
         if force_notify or ids != last_ids or abs(snap.num_free_blocks - last_free) >= big:
             self._last_notified = (snap.num_free_blocks, ids)
             self.notify()

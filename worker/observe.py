@@ -55,20 +55,19 @@ class WorkerObserver:
         """``stats``: the engine's ``EngineStats`` after the step, or None if it is the one
         given last time (the gauges are not set again)."""
         started_ns, before = token
+        # The step's size as the engine scheduled it (a prefix hit's cached tokens are not in it).
+        num_scheduled_tokens = getattr(engine, "last_step_tokens", 0)
         if before is None:  # nothing traced: the metrics alone
-            self.metrics.observe_step(deltas, stats, getattr(engine, "last_step_tokens", 0))
+            self.metrics.observe_step(deltas, stats, num_scheduled_tokens)
             return
-        scheduled, num_tokens = [], 0
-        traced = started_ns is not None
+        scheduled = []
         for rid, (req, computed, status) in before.items():
             n = req.num_computed_tokens - computed
             if n > 0:
-                num_tokens += n
-                if traced:
-                    scheduled.append((rid, n, computed))
-            elif n < 0 and traced:
+                scheduled.append((rid, n, computed))
+            elif n < 0:
                 self.spans.event(rid, "preempted", mode="recompute", num_dropped_tokens=computed)
-            if traced and (now := req.status) != status and _SWAPPED in (now.name, status.name):
+            if (now := req.status) != status and _SWAPPED in (now.name, status.name):
                 name = "swap_out" if now.name == _SWAPPED else "swap_in"
                 blocks = engine.kv.num_blocks_for(req.num_tokens)
                 self.spans.event(rid, name, num_blocks=blocks)
@@ -79,8 +78,7 @@ class WorkerObserver:
             if d.finish_reason is not None:
                 n = before[d.request_id][0].num_output_tokens if d.request_id in before else 0
                 self.spans.finish(d.request_id, d.finish_reason, n)
-        # The step's size as the engine scheduled it (a prefix hit's cached tokens are not in it).
-        self.metrics.observe_step(deltas, stats, getattr(engine, "last_step_tokens", num_tokens))
+        self.metrics.observe_step(deltas, stats, num_scheduled_tokens)
 
     def removed(self, request_id: str, reason: str = "abort", num_output_tokens: int = 0,
                 error: str | None = None) -> None:
