@@ -8,7 +8,16 @@ snapshot (``EngineLoop._refresh``), and the step's write
 as the engine loop builds it (``EngineLoop._encode``: the record a retry's replay keeps, and
 the messages serialized as the writer sends them, one ``StepOutputs`` a gateway field).
 ``--batch`` requests of ``--max-tokens`` tokens run to the end, ``--rounds`` times; it prints
-CPU µs per token (``time.process_time``) in all and by part.
+CPU µs per token (``time.thread_time``: the one thread that runs it all) in all and by part.
+
+``--engine model`` runs the real engine on the CPU (``--model``, ``tiny`` by default; torch on
+this one thread) with the forward pass and the sampler excluded: the step's thread CPU less
+the model's (``ModelRunner.last_model_cpu_seconds``) and the sampler's
+(``last_sample_cpu_seconds``: its tensor ops and its one read of the ids). What is left is the
+host path the engine adds on any device: building the step's inputs, scheduling and block
+bookkeeping, appending and detokenizing each token, stop checks, the metrics, the snapshot and
+the step's write. ``--engine sim`` (the default) is the simulated worker ``bench token-path``
+runs, whose token draw is its model.
 """
 
 from __future__ import annotations
@@ -22,7 +31,26 @@ from pathlib import Path
 from .results import header
 
 
-def measure(batch: int, max_tokens: int, prompt_len: int = 32) -> dict:
+def _engine(kind: str, model: str, batch: int, num_blocks: int):
+    if kind == "sim":
+        from pagefleet.worker.sim import SimEngine
+
+        return SimEngine("llama-3-8b-h100", time_scale=math.inf, max_num_seqs=batch, num_blocks=num_blocks,
+                         block_size=16), lambda: 0.0
+    import torch
+
+    from pagefleet.worker.engine import Engine
+
+    torch.set_num_threads(1)  # the forward's CPU on this thread, where it is subtracted
+    engine = Engine(model, device="cpu", max_num_seqs=batch, num_blocks=num_blocks, block_size=16)
+    runner = engine.executor.runner
+    runner.profile = True
+    return engine, lambda: runner.last_model_cpu_seconds + runner.last_sample_cpu_seconds
+
+
+def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "sim", model: str = "tiny") -> dict:
+    """``engine``: ``sim`` or ``model`` (the real engine on the CPU, its forward pass and
+    sampler excluded)."""
     import prometheus_client
 
     from pagefleet.common import fencing
@@ -30,35 +58,37 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32) -> dict:
     from pagefleet.common.sampling_params import SamplingParams
     from pagefleet.worker.engine_loop import EngineLoop
     from pagefleet.worker.observe import WorkerObserver
-    from pagefleet.worker.sim import SimEngine
 
-    engine = SimEngine("llama-3-8b-h100", time_scale=math.inf, max_num_seqs=batch,
-                       num_blocks=batch * ((prompt_len + max_tokens) // 16 + 2), block_size=16)
+    kind = engine
+    engine, excluded = _engine(kind, model, batch, batch * ((prompt_len + max_tokens) // 16 + 2))
     observer = WorkerObserver("host-path", WorkerMetrics(prometheus_client.CollectorRegistry()))
     loop = EngineLoop(engine, emit=lambda b: None, notify=lambda: None)
     for i in range(batch):
         rid = f"r{i}"
         engine.add_request(list(range(1, prompt_len + 1)),
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 1.0, seed=i),
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 1.0, seed=i,
+                                          ignore_eos=True),
                            request_id=rid)
         loop.assignments[rid] = ("1-0", 1, fencing.steps_field("g"))
     tokens = 0
-    step_s = write_s = 0.0
+    step_s = write_s = model_s = 0.0
+    clock = time.thread_time
     while engine.has_unfinished_requests():  # as EngineLoop._run does a step
-        a = time.process_time()
+        a = clock()
         probe = observer.before_step(engine)
         deltas = engine.step()
-        b = time.process_time()
+        b = clock()
+        left_out = excluded()
         step = loop._encode(deltas)
-        c = time.process_time()
+        c = clock()
         rebuilt = loop._refresh(after_step=step is None or not step.finals)
         observer.after_step(probe, engine, deltas, loop.snapshot if rebuilt else None)
-        d = time.process_time()
-        step_s, write_s = step_s + (b - a) + (d - c), write_s + c - b
+        d = clock()
+        step_s, write_s, model_s = step_s + (b - a) - left_out + (d - c), write_s + c - b, model_s + left_out
         tokens += sum(len(x.token_ids) for x in deltas)
     us = lambda s: round(1e6 * s / tokens, 2)  # noqa: E731
-    return {"batch": batch, "tokens": tokens, "us_per_token": us(step_s + write_s),
-            "step_us": us(step_s), "write_us": us(write_s)}
+    return {"engine": kind, "batch": batch, "tokens": tokens, "us_per_token": us(step_s + write_s),
+            "step_us": us(step_s), "write_us": us(write_s), "excluded_us": us(model_s)}
 
 
 def main(argv: list[str]) -> int:
@@ -66,6 +96,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, action="append", help="running requests (repeatable; default 16 and 64)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--engine", default="sim", choices=("sim", "model"),
+                   help="sim: the simulated worker; model: the real engine on the CPU, its forward pass and "
+                        "sampler excluded")
+    p.add_argument("--model", default="tiny", help="--engine model: the model (a name or a checkpoint folder)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = args.batch or [16, 64]
@@ -74,10 +108,11 @@ def main(argv: list[str]) -> int:
     rows = []
     for b in batches:
         for _ in range(args.rounds):
-            r = measure(b, args.max_tokens)
+            r = measure(b, args.max_tokens, engine=args.engine, model=args.model)
             rows.append(r)
-            print(f"batch {b}: {r['us_per_token']:.2f} us/token (step and observer {r['step_us']:.2f}, "
-                  f"the step's write {r['write_us']:.2f})", flush=True)
+            left_out = f"; forward pass and sampler, left out: {r['excluded_us']:.2f}" if args.engine == "model" else ""
+            print(f"{args.engine} batch {b}: {r['us_per_token']:.2f} us/token (step and observer {r['step_us']:.2f}, "
+                  f"the step's write {r['write_us']:.2f}{left_out})", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({**header("host-path", "pagefleet bench host-path"), "rows": rows},

@@ -96,3 +96,27 @@ def test_a_blocking_finish_loads_the_script_where_redis_lost_it(redis_url):
 
 def test_only_a_standalone_client_has_a_blocking_lane():
     assert blocking_lane_for(object()) is None
+
+
+def test_a_blocking_lane_gives_up_on_a_server_that_stops_answering():
+    """A server that stops answering (SIGSTOP) fails the call within the lane's timeout, as a
+    connection error, and the lane answers again once the server does."""
+    import os
+    import signal
+    import time
+
+    with RedisServer() as server:
+        lane = _blocking(server.url)
+        lane.timeout_s = 0.3
+        lane.close()  # reopened with the short timeout
+        assert lane.call([("PING",)]) == [b"PONG"]
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(rx.ConnectionError):
+                lane.call([("PING",)])
+            assert time.monotonic() - started < 5
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert lane.call([("PING",)]) == [b"PONG"]
+        lane.close()

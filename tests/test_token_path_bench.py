@@ -62,3 +62,14 @@ def test_host_path_bench_counts_every_token_and_splits_the_cost():
     assert abs(r["step_us"] + r["write_us"] - r["us_per_token"]) < 0.05
     with pytest.raises(SystemExit):
         main(["--batch", "0"])
+
+
+def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
+    from pagefleet.benchmarks.host_path import main, measure
+
+    r = measure(batch=4, max_tokens=8, engine="model")
+    assert r["engine"] == "model" and r["tokens"] == 4 * 8  # every request to its max_tokens, EOS or not
+    assert r["excluded_us"] > 0 and r["us_per_token"] > 0 and r["step_us"] >= 0
+    assert abs(r["step_us"] + r["write_us"] - r["us_per_token"]) < 0.05
+    with pytest.raises(SystemExit):
+        main(["--engine", "gpu"])

@@ -53,6 +53,7 @@ class ModelRunner:
         self.profile = False
         self.last_model_seconds = 0.0
         self.last_model_cpu_seconds = 0.0
+        self.last_sample_cpu_seconds = 0.0  # the sampler's (its tensor ops and its one read of the ids)
         # On a GPU a step's inputs go over in one packed copy with block tables as diffs
         # (``step_inputs``). On a CPU the numpy arrays are the device's already: wrapping them
         # costs nothing, staging would only add work (tests turn it on to check it there).
@@ -170,6 +171,7 @@ class ModelRunner:
         start_grammar_masks(sampled)  # structured output's masks, on their thread while the forward runs
         if self.profile:
             t0, c0 = time.perf_counter(), time.thread_time()
+            self.last_sample_cpu_seconds = 0.0
         graphs = self.graphs
         self.last_step_graphed = decode and graphs is not None and input_ids.shape[0] <= graphs.max_size
         if self.last_step_graphed:
@@ -186,4 +188,9 @@ class ModelRunner:
         if keep is not None:  # static batching: drop the finished rows' logits
             logits = logits[keep]
         # The step's one wait for the device: reading the sampled ids (and logprobs).
-        return sampled, sample(logits, sampled, self.generator)
+        if not self.profile:
+            return sampled, sample(logits, sampled, self.generator)
+        c0 = time.thread_time()
+        tokens = sample(logits, sampled, self.generator)
+        self.last_sample_cpu_seconds = time.thread_time() - c0
+        return sampled, tokens
