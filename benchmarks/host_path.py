@@ -18,6 +18,10 @@ host path the engine adds on any device: building the step's inputs, scheduling 
 bookkeeping, appending and detokenizing each token, stop checks, the metrics, the snapshot and
 the step's write. ``--engine sim`` (the default) is the simulated worker ``bench token-path``
 runs, whose token draw is its model.
+
+``--touch-mb N`` reads N MB between steps, outside the timing: what the Python host path costs
+with cold caches, as after a forward pass on the CPU or, in a cluster, after the other
+processes ran between two paced steps.
 """
 
 from __future__ import annotations
@@ -48,9 +52,12 @@ def _engine(kind: str, model: str, batch: int, num_blocks: int):
     return engine, lambda: runner.last_model_cpu_seconds + runner.last_sample_cpu_seconds
 
 
-def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "sim", model: str = "tiny") -> dict:
+def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "sim", model: str = "tiny",
+            touch_mb: int = 0) -> dict:
     """``engine``: ``sim`` or ``model`` (the real engine on the CPU, its forward pass and
-    sampler excluded)."""
+    sampler excluded). ``touch_mb``: read that many MB between steps, untimed (the caches as
+    a forward pass on the CPU, or the other processes of a machine between paced steps, leave them)."""
+    import numpy as np
     import prometheus_client
 
     from pagefleet.common import fencing
@@ -73,7 +80,10 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
     tokens = 0
     step_s = write_s = model_s = 0.0
     clock = time.thread_time
+    other = np.ones(touch_mb * 2**20 // 8) if touch_mb else None
     while engine.has_unfinished_requests():  # as EngineLoop._run does a step
+        if other is not None:
+            other.sum()
         a = clock()
         probe = observer.before_step(engine)
         deltas = engine.step()
@@ -87,7 +97,7 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
         step_s, write_s, model_s = step_s + (b - a) - left_out + (d - c), write_s + c - b, model_s + left_out
         tokens += sum(len(x.token_ids) for x in deltas)
     us = lambda s: round(1e6 * s / tokens, 2)  # noqa: E731
-    return {"engine": kind, "batch": batch, "tokens": tokens, "us_per_token": us(step_s + write_s),
+    return {"engine": kind, "batch": batch, "touch_mb": touch_mb, "tokens": tokens, "us_per_token": us(step_s + write_s),
             "step_us": us(step_s), "write_us": us(write_s), "excluded_us": us(model_s)}
 
 
@@ -100,18 +110,24 @@ def main(argv: list[str]) -> int:
                    help="sim: the simulated worker; model: the real engine on the CPU, its forward pass and "
                         "sampler excluded")
     p.add_argument("--model", default="tiny", help="--engine model: the model (a name or a checkpoint folder)")
+    p.add_argument("--touch-mb", type=int, default=0,
+                   help="read this many MB between steps, untimed: the caches as a forward pass on the CPU or "
+                        "other processes between paced steps leave them")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = args.batch or [16, 64]
     if any(b < 1 for b in batches) or args.max_tokens < 1 or args.rounds < 1:
         p.error("--batch, --max-tokens and --rounds must be at least 1")
+    if not 0 <= args.touch_mb <= 4096:
+        p.error("--touch-mb must be between 0 and 4096")
     rows = []
     for b in batches:
         for _ in range(args.rounds):
-            r = measure(b, args.max_tokens, engine=args.engine, model=args.model)
+            r = measure(b, args.max_tokens, engine=args.engine, model=args.model, touch_mb=args.touch_mb)
             rows.append(r)
             left_out = f"; forward pass and sampler, left out: {r['excluded_us']:.2f}" if args.engine == "model" else ""
-            print(f"{args.engine} batch {b}: {r['us_per_token']:.2f} us/token (step and observer {r['step_us']:.2f}, "
+            touched = f", {args.touch_mb} MB read between steps" if args.touch_mb else ""
+            print(f"{args.engine} batch {b}{touched}: {r['us_per_token']:.2f} us/token (step and observer {r['step_us']:.2f}, "
                   f"the step's write {r['write_us']:.2f}{left_out})", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
