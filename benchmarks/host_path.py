@@ -11,7 +11,7 @@ the messages serialized as the writer sends them, one ``StepOutputs`` a gateway 
 CPU µs per token (``time.thread_time``: the one thread that runs it all) in all and by part.
 
 ``--engine model`` runs the real engine on the CPU (``--model``, ``tiny`` by default; torch on
-this one thread) with the forward pass and the sampler excluded: the step's thread CPU less
+this one thread; step inputs staged as on a GPU) with the forward pass and the sampler excluded: the step's thread CPU less
 the model's (``ModelRunner.last_model_cpu_seconds``) and the sampler's
 (``last_sample_cpu_seconds``: its tensor ops and its one read of the ids). What is left is the
 host path the engine adds on any device: building the step's inputs, scheduling and block
@@ -49,6 +49,7 @@ def _engine(kind: str, model: str, batch: int, num_blocks: int):
     engine = Engine(model, device="cpu", max_num_seqs=batch, num_blocks=num_blocks, block_size=16)
     runner = engine.executor.runner
     runner.profile = True
+    runner.stage_inputs = True  # the inputs as a GPU's are built: one packed upload, block tables by diffs
     return engine, lambda: runner.last_model_cpu_seconds + runner.last_sample_cpu_seconds
 
 

@@ -84,3 +84,30 @@ def test_staged_inputs_give_the_same_tokens_under_preemption_swap_and_prefix_hit
         return first, again
 
     assert run(True) == run(False)
+
+
+def test_a_staged_decode_step_has_the_inputs_of_an_unstaged_one():
+    """A decode step with staged inputs builds no host block table: its slots (from each
+    request's last block) and its gathered device tables are the unstaged step's."""
+    e = Engine("tiny", device="cpu", num_blocks=200, block_size=4)
+    for i in range(6):
+        e.add_request([7 + i] * (5 + 3 * i), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    runner = e.executor.runner
+    prepare, checked = runner.prepare, []
+
+    def both(out):  # every step's inputs, built both ways
+        got = {}
+        for stage in (False, True):
+            runner.stage_inputs = stage
+            input_ids, positions, meta, logits_rows, sampled, keep, decode = prepare(out)
+            got[stage] = (input_ids.tolist(), positions.tolist(), meta.slot_mapping.tolist(),
+                          meta.block_tables.tolist(), meta.seq_lens.tolist(), meta.query_start_loc.tolist(),
+                          logits_rows.tolist(), sampled, keep, decode)
+        assert got[True] == got[False]
+        checked.append(got[True][-1])
+        return prepare(out)
+
+    runner.prepare = both
+    while e.has_unfinished_requests():
+        e.step()
+    assert checked.count(True) >= 25 and False in checked  # decode steps (blocks gained on the way) and prompts

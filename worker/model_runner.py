@@ -30,6 +30,15 @@ from .structured import start_grammar_masks
 _EMPTY: list[int] = []
 
 
+def _block_table(rows: list[list[int]], lens: list[int], width: int) -> np.ndarray:
+    """``rows`` (block tables of ``lens`` blocks) as one ``[len(rows), width]`` array, zero-padded."""
+    table = np.zeros((len(rows), width), dtype=np.int32)
+    table[np.arange(width)[None, :] < np.array(lens)[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(rows), dtype=np.int32, count=sum(lens)
+    )
+    return table
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -77,7 +86,11 @@ class ModelRunner:
         logits they keep (static batching) and whether the step is decode-only.
 
         Per-request Python work is kept to list comprehensions; everything per token is
-        numpy, so a step of 256 decoding sequences costs well under a millisecond here.
+        numpy, so a step of 256 decoding sequences costs well under a millisecond here. A
+        decode step with staged inputs (a GPU's) does nothing per block: its slots come from
+        each request's last block, the device's tables from diffs; the host builds the whole
+        ``[requests, blocks]`` table only where attention reads it from here (the CPU) or for
+        steps with prompt chunks.
         """
         bs = self.block_size
         reqs, counts = out.requests, out.num_scheduled_tokens
@@ -88,17 +101,15 @@ class ModelRunner:
         rows = [tables.get(r.request_id, _EMPTY) for r in reqs]
         lens = [len(t) for t in rows]
         width = max(max(lens), 1)
-        block_tables = np.zeros((n, width), dtype=np.int32)
-        block_tables[np.arange(width)[None, :] < np.array(lens)[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(rows), dtype=np.int32, count=sum(lens)
-        )
         c = np.array(counts, dtype=np.int64)
         s = np.array(starts, dtype=np.int64)
         decode = pads is None and counts.count(1) == n  # one token per request: mostly decoding
+        block_tables = None if decode and self.stage_inputs else _block_table(rows, lens, width)
         if decode:
             q, qsl = c, np.arange(n + 1, dtype=np.int64)
             positions = s
-            slots = block_tables[np.arange(n), s // bs].astype(np.int64) * bs + s % bs
+            # The slot of each request's one new token: in its last block.
+            slots = np.fromiter((t[st // bs] for t, st in zip(rows, starts, strict=True)), np.int64, n) * bs + s % bs
             input_ids = np.fromiter(
                 (r.all_token_ids[st] for r, st in zip(reqs, starts, strict=True)), np.int64, n
             )

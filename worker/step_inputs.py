@@ -88,28 +88,29 @@ class DeviceBlockTables:
         """For this step's requests (their ids and block tables, in step order): their rows,
         and the (row, column, block id) entries to write first. ``live``: every request that
         holds a table now (rows of the others are reused)."""
-        rows = np.empty(len(request_ids), dtype=np.int64)
+        rows: list[int] = []
         d_rows: list[int] = []
         d_cols: list[int] = []
         d_vals: list[int] = []
         need = max((len(t) for t in tables), default=0)
         if need > self.table.shape[1]:
             self._widen(need)
-        for i, (rid, table) in enumerate(zip(request_ids, tables, strict=True)):
-            row = self._row.get(rid)
+        row_of, sent = self._row, self._sent
+        for rid, table in zip(request_ids, tables, strict=True):
+            row = row_of.get(rid)
             if row is None:
                 row = self._take_row(rid, live)
-            src, n = self._sent.get(rid, (None, 0))
-            if src is not table:
-                n = 0  # a new table (first step, or allocated again): send it whole
-            if len(table) > n:
-                d_rows.extend([row] * (len(table) - n))
-                d_cols.extend(range(n, len(table)))
+            rows.append(row)
+            was = sent.get(rid)
+            n = 0 if was is None or was[0] is not table else was[1]  # a new table: sent whole
+            m = len(table)
+            if m != n:  # most decode steps: nothing new (a block is gained every block_size steps)
+                d_rows.extend([row] * (m - n))
+                d_cols.extend(range(n, m))
                 d_vals.extend(table[n:])
-            self._sent[rid] = (table, len(table))
-            rows[i] = row
+                sent[rid] = (table, m)
         self.num_entries_sent += len(d_vals)
-        return (rows, np.array(d_rows, dtype=np.int64), np.array(d_cols, dtype=np.int64),
+        return (np.array(rows, dtype=np.int64), np.array(d_rows, dtype=np.int64), np.array(d_cols, dtype=np.int64),
                 np.array(d_vals, dtype=np.int32))
 
     def apply(self, rows: torch.Tensor, d_rows: torch.Tensor, d_cols: torch.Tensor, d_vals: torch.Tensor,
