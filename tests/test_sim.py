@@ -448,24 +448,9 @@ def test_the_study_compares_colocated_with_disaggregated_fleets_and_migration_wi
     assert refused.value.code == 2
 
 
-def test_a_steps_tokens_drawn_together_are_each_requests_own():
-    """``sim_token_ids`` (a step's draw, on uint64 arrays) is ``sim_token_id`` of each, for
-    seeds and positions across their whole range (the products wrap as the masks do)."""
-    import numpy as np
-
-    from pagefleet.worker.sim import _seed_key, sim_token_ids
-
-    rng = random.Random(7)
-    seeds = [0, 1, -1, 2**63, 2**64 - 1, 2**64 + 5] + [rng.randrange(-2**70, 2**70) for _ in range(200)]
-    positions = [0, 1, 2**48 - 1, 2**48, 2**60] + [rng.randrange(0, 2**62) for _ in range(201)]
-    for vocabulary in (list(range(0x20, 0x7F)), list(range(3, 50_000, 7))):
-        got = sim_token_ids([_seed_key(s) for s in seeds], positions, np.array(vocabulary, dtype=np.int64))
-        assert got == [sim_token_id(s, p, vocabulary) for s, p in zip(seeds, positions, strict=True)]
-
-
 def test_a_large_batch_draws_what_each_request_alone_would():
-    """A step of many requests (drawn together) gives each the tokens it gets alone, greedy,
-    seeded and with ``min_tokens`` (a finish token drawn before it is drawn again)."""
+    """A step of many requests gives each the tokens it gets alone, greedy, seeded and with
+    ``min_tokens`` (a finish token drawn before it is drawn again)."""
     engine = SimEngine(time_scale=FAST, max_num_seqs=64)
     ps = prompts(40, seed=3)
     params = [SamplingParams(max_tokens=12, temperature=0 if i % 3 == 0 else 1.0, seed=None if i % 3 == 1 else i)

@@ -27,8 +27,6 @@ import functools
 import math
 import time
 
-import numpy as np
-
 from pagefleet.common.logprobs import TokenLogprobs
 from pagefleet.common.model_config import ModelSpec
 from pagefleet.common.tokenizer import ByteTokenizer
@@ -76,21 +74,6 @@ def sim_token_id(seed: int, position: int, vocabulary: list[int], attempt: int =
     return vocabulary[h % len(vocabulary)]
 
 
-_U64 = np.uint64
-
-
-def sim_token_ids(seed_keys: list[int], positions: list[int], vocabulary: np.ndarray) -> list[int]:
-    """``sim_token_id`` of many (first attempts), in one pass: ``seed_keys`` are
-    ``_seed_key(seed)``, ``vocabulary`` the vocabulary as an int64 array. splitmix64 on
-    uint64 arrays, whose products wrap as the Python version's masks do."""
-    x = np.array(seed_keys, dtype=np.uint64) ^ (np.array(positions, dtype=np.uint64) & _U64(0xFFFFFFFFFFFF))
-    x += _U64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
-    x ^= x >> _U64(31)
-    return vocabulary[x % _U64(len(vocabulary))].tolist()
-
-
 def sim_seed(params, engine_seed: int) -> int:
     """The seed a simulated request's tokens hash: 0 when greedy, else its own or the engine's."""
     if params.temperature == 0:
@@ -127,7 +110,6 @@ class SimExecutor(Executor):
         self.max_model_len = max_model_len
         self.seed = seed
         self.vocabulary = sim_vocabulary(spec)
-        self._vocabulary = np.array(self.vocabulary, dtype=np.int64)
         self.time_scale = float(time_scale)
         self.block_size = 0
         self.clock_s = 0.0  # simulated seconds of every step so far
@@ -170,25 +152,12 @@ class SimExecutor(Executor):
         self._unslept_s += seconds
         if not sampled:
             return [], SamplerOutput([])
-        tokens = self._tokens(sampled)
+        tokens = [self._token(r) for r in sampled]
         if not any(r.params.logprobs is not None for r in sampled):
             return sampled, SamplerOutput(tokens)
         logprobs = [None if r.params.logprobs is None else self._logprobs(r, t)
                     for r, t in zip(sampled, tokens, strict=True)]
         return sampled, SamplerOutput(tokens, logprobs)
-
-    def _tokens(self, sampled: list[Request]) -> list[int]:
-        """The tokens of a step's sampled requests: ``_token`` of each, the hashes in one pass."""
-        if len(sampled) < 8:  # a pass over arrays costs more than it saves
-            return [self._token(r) for r in sampled]
-        seed = self.seed
-        keys = [_seed_key(0 if r.params.temperature == 0 else seed if r.params.seed is None else r.params.seed)
-                for r in sampled]
-        tokens = sim_token_ids(keys, [len(r.all_token_ids) for r in sampled], self._vocabulary)
-        for i, (r, t) in enumerate(zip(sampled, tokens, strict=True)):
-            if t in r.finish_token_ids and len(r.output_token_ids) < r.params.min_tokens:
-                tokens[i] = self._token(r)  # a finish token before min_tokens: drawn again
-        return tokens
 
     def _token(self, r: Request) -> int:
         seed = sim_seed(r.params, self.seed)
