@@ -21,7 +21,8 @@ runs, whose token draw is its model.
 
 ``--touch-mb N`` reads N MB between steps, outside the timing: what the Python host path costs
 with cold caches, as after a forward pass on the CPU or, in a cluster, after the other
-processes ran between two paced steps.
+processes ran between two paced steps. ``--idle-ms N`` sleeps N ms between steps instead (or
+as well): a worker paced by its device (a simulated one sleeps) finds its caches cold too.
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def _engine(kind: str, model: str, batch: int, num_blocks: int):
 
 
 def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "sim", model: str = "tiny",
-            touch_mb: int = 0) -> dict:
+            touch_mb: int = 0, idle_ms: float = 0.0) -> dict:
     """``engine``: ``sim`` or ``model`` (the real engine on the CPU, its forward pass and
     sampler excluded). ``touch_mb``: read that many MB between steps, untimed (the caches as
-    a forward pass on the CPU, or the other processes of a machine between paced steps, leave them)."""
+    a forward pass on the CPU, or the other processes of a machine between paced steps, leave them);
+    ``idle_ms``: sleep that long between steps (as a paced worker waits for its next step)."""
     import numpy as np
     import prometheus_client
 
@@ -85,6 +87,8 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
     while engine.has_unfinished_requests():  # as EngineLoop._run does a step
         if other is not None:
             other.sum()
+        if idle_ms:
+            time.sleep(idle_ms / 1000)
         a = clock()
         probe = observer.before_step(engine)
         deltas = engine.step()
@@ -98,7 +102,7 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
         step_s, write_s, model_s = step_s + (b - a) - left_out + (d - c), write_s + c - b, model_s + left_out
         tokens += sum(len(x.token_ids) for x in deltas)
     us = lambda s: round(1e6 * s / tokens, 2)  # noqa: E731
-    return {"engine": kind, "batch": batch, "touch_mb": touch_mb, "tokens": tokens, "us_per_token": us(step_s + write_s),
+    return {"engine": kind, "batch": batch, "touch_mb": touch_mb, "idle_ms": idle_ms, "tokens": tokens, "us_per_token": us(step_s + write_s),
             "step_us": us(step_s), "write_us": us(write_s), "excluded_us": us(model_s)}
 
 
@@ -114,6 +118,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--touch-mb", type=int, default=0,
                    help="read this many MB between steps, untimed: the caches as a forward pass on the CPU or "
                         "other processes between paced steps leave them")
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="sleep this long between steps, untimed (a worker paced by its device waits between steps)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = args.batch or [16, 64]
@@ -121,13 +127,17 @@ def main(argv: list[str]) -> int:
         p.error("--batch, --max-tokens and --rounds must be at least 1")
     if not 0 <= args.touch_mb <= 4096:
         p.error("--touch-mb must be between 0 and 4096")
+    if not 0 <= args.idle_ms <= 1000:
+        p.error("--idle-ms must be between 0 and 1000")
     rows = []
     for b in batches:
         for _ in range(args.rounds):
-            r = measure(b, args.max_tokens, engine=args.engine, model=args.model, touch_mb=args.touch_mb)
+            r = measure(b, args.max_tokens, engine=args.engine, model=args.model, touch_mb=args.touch_mb,
+                        idle_ms=args.idle_ms)
             rows.append(r)
             left_out = f"; forward pass and sampler, left out: {r['excluded_us']:.2f}" if args.engine == "model" else ""
-            touched = f", {args.touch_mb} MB read between steps" if args.touch_mb else ""
+            touched = (f", {args.touch_mb} MB read between steps" if args.touch_mb else "") + (
+                f", {args.idle_ms:g} ms idle between steps" if args.idle_ms else "")
             print(f"{args.engine} batch {b}{touched}: {r['us_per_token']:.2f} us/token (step and observer {r['step_us']:.2f}, "
                   f"the step's write {r['write_us']:.2f}{left_out})", flush=True)
     if args.json:

@@ -73,7 +73,8 @@ def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
     assert abs(r["step_us"] + r["write_us"] - r["us_per_token"]) < 0.05
     with pytest.raises(SystemExit):
         main(["--engine", "gpu"])
-    cold = measure(batch=4, max_tokens=8, touch_mb=1)  # a MB read between steps, outside the timing
-    assert cold["touch_mb"] == 1 and cold["tokens"] == 4 * 8
-    with pytest.raises(SystemExit):
-        main(["--touch-mb", "-1"])
+    cold = measure(batch=4, max_tokens=8, touch_mb=1, idle_ms=1)  # outside the timing
+    assert cold["touch_mb"] == 1 and cold["idle_ms"] == 1 and cold["tokens"] == 4 * 8
+    for bad in (["--touch-mb", "-1"], ["--idle-ms", "-1"]):
+        with pytest.raises(SystemExit):
+            main(bad)
