@@ -32,6 +32,10 @@ def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
     assert 1 <= stream["tokens_per_write"] <= 2 * 8 * 12  # a write holds a step of its worker's requests
     assert stream["redis_cpu_us_per_write"] > 0
     assert all(v > 0 for v in stream["cpu_us"].values())
+    by_thread = stream["worker_cpu_us_by_thread"]  # the workers' CPU by thread (clock ticks: a short run's few)
+    assert by_thread and all(v > 0 for v in by_thread.values())
+    assert set(by_thread) & {"engine", "main"}
+    assert sum(by_thread.values()) <= stream["cpu_us"]["workers"] * 1.05 + 1
     assert stream["redis_bytes_per_request_kept"] > 0
     assert by_mode["fixed"]["per"] == "request" and by_mode["fixed"]["num_tokens"] == 24
     assert by_mode["floor"]["cpu_us_per_message"] > 0

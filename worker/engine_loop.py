@@ -28,6 +28,7 @@ import structlog
 from pagefleet.common.fencing import step_piece, steps_field
 from pagefleet.common.redis import OutEntry
 from pagefleet.common.sampling_proto import from_proto
+from pagefleet.common.service import name_os_thread
 from pagefleet.common.step_write import Final, StepEncoder, StepWrite
 from pagefleet.protos import cluster_pb2
 
@@ -136,6 +137,7 @@ class EngineLoop:
             fut.set_result(mig.stats)
 
     def _run(self) -> None:
+        name_os_thread("engine")
         while not self._stop.is_set():
             busy = not self._paused and self.engine.has_unfinished_requests()
             self._run_commands(block=not busy and not self._migrations)

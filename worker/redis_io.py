@@ -36,6 +36,7 @@ import structlog
 from pagefleet.common.fencing import Fenced, Fencing, is_fenced
 from pagefleet.common.redis import Keys, retry_blocking
 from pagefleet.common.redis_lane import LaneUnavailable, blocking_lane_for
+from pagefleet.common.service import name_os_thread
 from pagefleet.common.step_write import StepWrite
 
 log = structlog.get_logger("worker.redis")
@@ -139,6 +140,7 @@ class OutputWriter:
 
     # -- the writer's thread ------------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread("output-writer")
         try:
             while True:
                 try:

@@ -9,7 +9,8 @@ and prints, per output token:
 * Redis commands (``INFO commandstats``: EVALSHA and every command a script calls), in all
   and by command, with each command's own time (its ``usec``: a script's includes the commands
   it calls; what is left of Redis CPU is its event loop and sockets); Redis CPU (``INFO cpu``);
-* CPU of the gateway, scheduler and worker processes (``/proc``);
+* CPU of the gateway, scheduler and worker processes (``/proc``), the workers' also by thread
+  (``worker_cpu_us_by_thread``: ``engine``, ``output-writer``, ``main``: the event loop, grpc's);
 * delivered tokens/s, TTFT and ITL p50/p99 (the client's clocks), how many streams came back
   whole (``token_client``), the workers' steps per output write (worker-0's) and output tokens
   per write (every worker's writes, as Redis counts them): a write is a Redis command, so
@@ -76,6 +77,28 @@ def tree_cpu(pid: int) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
+
+
+def thread_cpu(pids: list[int]) -> dict[str, float]:
+    """CPU seconds of the threads of ``pids`` (and their descendants), by the name the OS
+    knows each by: ``main`` for a process's first thread (its event loop), else its ``comm``
+    (the worker names its ``engine`` and ``output-writer`` threads; grpc names its own)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        for p in tree_pids(pid):
+            try:
+                tids = os.listdir(f"/proc/{p}/task")
+            except OSError:
+                continue
+            for t in tids:
+                try:
+                    fields = Path(f"/proc/{p}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()
+                    name = "main" if t == str(p) else Path(f"/proc/{p}/task/{t}/comm").read_text().strip()
+                except OSError:
+                    continue
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def redis_cpu(r) -> float:
@@ -193,6 +216,7 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         mem0 = int(r.info("memory")["used_memory"])
         r.config_resetstat()
         cpu0 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
+        threads0 = thread_cpu(procs["workers"])
         rcpu0 = redis_cpu(r)
         cfg = dict(base, run=mode, num_requests=args.requests, concurrency=args.concurrency, max_tokens=max_tokens)
         client = subprocess.Popen([sys.executable, "-m", "pagefleet.bench.token_client",
@@ -206,6 +230,7 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         if client.returncode:
             raise RuntimeError(f"the client failed ({client.returncode})")
         cpu1 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
+        threads1 = thread_cpu(procs["workers"])
         rcpu1 = redis_cpu(r)
         cmdstats = r.info("commandstats")
         stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in cmdstats.items()}
@@ -234,6 +259,10 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         "redis_cpu_us": (rcpu1 - rcpu0) / per * 1e6,
         "redis_command_us_by_name": {k: v / per for k, v in sorted(usec.items(), key=lambda kv: -kv[1])},
         "cpu_us": {k: (cpu1[k] - cpu0[k]) / per * 1e6 for k in procs},
+        # The workers' CPU by thread (engine, output-writer, main: the event loop, grpc's, ...).
+        "worker_cpu_us_by_thread": dict(sorted(
+            ((name, (t - threads0.get(name, 0.0)) / per * 1e6) for name, t in threads1.items()
+             if t - threads0.get(name, 0.0) > 0), key=lambda kv: -kv[1])),
         "steps_per_write": steps / writes if steps and writes else None,
         "tokens_per_write": s["num_tokens"] / steps_writes if steps_writes > 0 else None,
         "redis_cpu_us_per_write": (rcpu1 - rcpu0) / steps_writes * 1e6 if steps_writes > 0 else None,
@@ -385,6 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _by_thread(x: dict, top: int = 3) -> str:
+    """The workers' CPU by thread, the biggest ``top`` and the rest."""
+    by = list(x.get("worker_cpu_us_by_thread", {}).items())
+    parts = [f"{name} {us:.1f}" for name, us in by[:top]]
+    if len(by) > top:
+        parts.append(f"other {sum(us for _, us in by[top:]):.1f}")
+    return ", ".join(parts)
+
+
 def row(x: dict) -> str:
     def f(v, fmt=".1f"):
         return "-" if v is None else format(v, fmt)
@@ -397,7 +435,7 @@ def row(x: dict) -> str:
     cpu = x["cpu_us"]
     return (f"{head}; {x['tokens_per_s']:.0f} tok/s; per {x['per']}: Redis {x['redis_commands']:.2f} commands "
             f"{x['redis_cpu_us']:.1f} us, gateway {cpu['gateway']:.1f} us, scheduler {cpu['scheduler']:.1f} us, "
-            f"workers {cpu['workers']:.1f} us; steps/write {f(x['steps_per_write'], '.2f')}, tokens/write "
+            f"workers {cpu['workers']:.1f} us ({_by_thread(x)}); steps/write {f(x['steps_per_write'], '.2f')}, tokens/write "
             f"{f(x.get('tokens_per_write'))}; Redis bytes/request "
             f"in flight {f(x['redis_bytes_per_request_in_flight'], '.0f')} kept {x['redis_bytes_per_request_kept']:.0f}")
 

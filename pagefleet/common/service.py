@@ -8,13 +8,34 @@ place here too: one ``add_*`` helper that every server calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import random
 import socket
+import sys
 import threading
 from collections.abc import Iterable
 
 ENV_PREFIX = "PAGEFLEET_"
+_PR_SET_NAME = 15
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` where the OS shows it (``/proc/<pid>/task/<tid>/comm``,
+    ``top -H``, ``perf``, ``bench token-path``'s CPU by thread): Python's thread names are its own.
+    Linux only (15 bytes kept); elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        _libc().prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def env_name(flag: str) -> str:
