@@ -7,8 +7,10 @@ detokenizing each token, stop checks) with the step observer's metrics and the o
 snapshot (``EngineLoop._refresh``), and the step's write
 as the engine loop builds it (``EngineLoop._encode``: the record a retry's replay keeps, and
 the messages serialized as the writer sends them, one ``StepOutputs`` a gateway field).
-``--batch`` requests of ``--max-tokens`` tokens run to the end, ``--rounds`` times; it prints
-CPU µs per token (``time.thread_time``: the one thread that runs it all) in all and by part.
+``--batch`` requests of ``--prompt-len`` prompt tokens (no two sharing a prefix) and
+``--max-tokens`` output tokens run to the end, ``--rounds`` times; the steps once every prompt is
+computed are timed, and it prints CPU µs per token they made (``time.thread_time``: the one
+thread that runs it all) in all and by part.
 
 ``--engine model`` runs the real engine on the CPU (``--model``, ``tiny`` by default; torch on
 this one thread; step inputs staged as on a GPU) with the forward pass and the sampler excluded: the step's thread CPU less
@@ -75,7 +77,7 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
     loop = EngineLoop(engine, emit=lambda b: None, notify=lambda: None)
     for i in range(batch):
         rid = f"r{i}"
-        engine.add_request(list(range(1, prompt_len + 1)),
+        engine.add_request([1 + (i * 7 + j) % 250 for j in range(prompt_len)],  # no two share a prefix
                            SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 1.0, seed=i,
                                           ignore_eos=True),
                            request_id=rid)
@@ -84,7 +86,10 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
     step_s = write_s = model_s = 0.0
     clock = time.thread_time
     other = np.ones(touch_mb * 2**20 // 8) if touch_mb else None
+    prompts_done = False  # the steps that compute prompts are run, not timed: decode steps are
     while engine.has_unfinished_requests():  # as EngineLoop._run does a step
+        prompts_done = prompts_done or all(r.num_computed_tokens >= r.num_prompt_tokens
+                                           for r in engine.requests.values())
         if other is not None:
             other.sum()
         if idle_ms:
@@ -99,10 +104,11 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
         rebuilt = loop._refresh(after_step=step is None or not step.finals)
         observer.after_step(probe, engine, deltas, loop.snapshot if rebuilt else None)
         d = clock()
-        step_s, write_s, model_s = step_s + (b - a) - left_out + (d - c), write_s + c - b, model_s + left_out
-        tokens += sum(len(x.token_ids) for x in deltas)
+        if prompts_done:
+            step_s, write_s, model_s = step_s + (b - a) - left_out + (d - c), write_s + c - b, model_s + left_out
+            tokens += sum(len(x.token_ids) for x in deltas)
     us = lambda s: round(1e6 * s / tokens, 2)  # noqa: E731
-    return {"engine": kind, "batch": batch, "touch_mb": touch_mb, "idle_ms": idle_ms, "tokens": tokens, "us_per_token": us(step_s + write_s),
+    return {"engine": kind, "batch": batch, "prompt_len": prompt_len, "touch_mb": touch_mb, "idle_ms": idle_ms, "tokens": tokens, "us_per_token": us(step_s + write_s),
             "step_us": us(step_s), "write_us": us(write_s), "excluded_us": us(model_s)}
 
 
@@ -110,6 +116,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagefleet bench host-path", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, action="append", help="running requests (repeatable; default 16 and 64)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=32, help="each request's prompt (the context its steps read)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engine", default="sim", choices=("sim", "model"),
                    help="sim: the simulated worker; model: the real engine on the CPU, its forward pass and "
@@ -123,8 +130,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = args.batch or [16, 64]
-    if any(b < 1 for b in batches) or args.max_tokens < 1 or args.rounds < 1:
-        p.error("--batch, --max-tokens and --rounds must be at least 1")
+    if any(b < 1 for b in batches) or args.max_tokens < 1 or args.rounds < 1 or args.prompt_len < 1:
+        p.error("--batch, --max-tokens, --prompt-len and --rounds must be at least 1")
     if not 0 <= args.touch_mb <= 4096:
         p.error("--touch-mb must be between 0 and 4096")
     if not 0 <= args.idle_ms <= 1000:
@@ -132,8 +139,8 @@ def main(argv: list[str]) -> int:
     rows = []
     for b in batches:
         for _ in range(args.rounds):
-            r = measure(b, args.max_tokens, engine=args.engine, model=args.model, touch_mb=args.touch_mb,
-                        idle_ms=args.idle_ms)
+            r = measure(b, args.max_tokens, args.prompt_len, engine=args.engine, model=args.model,
+                        touch_mb=args.touch_mb, idle_ms=args.idle_ms)
             rows.append(r)
             left_out = f"; forward pass and sampler, left out: {r['excluded_us']:.2f}" if args.engine == "model" else ""
             touched = (f", {args.touch_mb} MB read between steps" if args.touch_mb else "") + (

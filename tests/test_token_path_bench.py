@@ -61,7 +61,7 @@ def test_host_path_bench_counts_every_token_and_splits_the_cost():
     from pagefleet.benchmarks.host_path import main, measure
 
     r = measure(batch=4, max_tokens=8)
-    assert r["tokens"] == 4 * 8
+    assert r["tokens"] == 4 * 7  # the decode steps' (each first token comes with its prompt's step)
     assert r["us_per_token"] > 0 and all(r[k] >= 0 for k in ("step_us", "write_us"))
     assert abs(r["step_us"] + r["write_us"] - r["us_per_token"]) < 0.05
     with pytest.raises(SystemExit):
@@ -71,14 +71,14 @@ def test_host_path_bench_counts_every_token_and_splits_the_cost():
 def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
     from pagefleet.benchmarks.host_path import main, measure
 
-    r = measure(batch=4, max_tokens=8, engine="model")
-    assert r["engine"] == "model" and r["tokens"] == 4 * 8  # every request to its max_tokens, EOS or not
+    r = measure(batch=4, max_tokens=8, prompt_len=40, engine="model")
+    assert r["engine"] == "model" and r["tokens"] == 4 * 7  # every request to its max_tokens, EOS or not
     assert r["excluded_us"] > 0 and r["us_per_token"] > 0 and r["step_us"] >= 0
     assert abs(r["step_us"] + r["write_us"] - r["us_per_token"]) < 0.05
     with pytest.raises(SystemExit):
         main(["--engine", "gpu"])
     cold = measure(batch=4, max_tokens=8, touch_mb=1, idle_ms=1)  # outside the timing
-    assert cold["touch_mb"] == 1 and cold["idle_ms"] == 1 and cold["tokens"] == 4 * 8
-    for bad in (["--touch-mb", "-1"], ["--idle-ms", "-1"]):
+    assert cold["touch_mb"] == 1 and cold["idle_ms"] == 1 and cold["tokens"] == 4 * 7
+    for bad in (["--touch-mb", "-1"], ["--idle-ms", "-1"], ["--prompt-len", "0"]):
         with pytest.raises(SystemExit):
             main(bad)
