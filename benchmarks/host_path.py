@@ -30,6 +30,7 @@ as well): a worker paced by its device (a simulated one sleeps) finds its caches
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -39,21 +40,42 @@ from .results import header
 
 
 def _engine(kind: str, model: str, batch: int, num_blocks: int):
+    """The engine, and a function that takes the CPU seconds of the last step's forward pass and
+    sampler (what is left out; zero for a simulated engine)."""
     if kind == "sim":
         from pagefleet.worker.sim import SimEngine
 
         return SimEngine("llama-3-8b-h100", time_scale=math.inf, max_num_seqs=batch, num_blocks=num_blocks,
                          block_size=16), lambda: 0.0
-    import torch
-
     from pagefleet.worker.engine import Engine
 
-    torch.set_num_threads(1)  # the forward's CPU on this thread, where it is subtracted
     engine = Engine(model, device="cpu", max_num_seqs=batch, num_blocks=num_blocks, block_size=16)
     runner = engine.executor.runner
     runner.profile = True
     runner.stage_inputs = True  # the inputs as a GPU's are built: one packed upload, block tables by diffs
-    return engine, lambda: runner.last_model_cpu_seconds + runner.last_sample_cpu_seconds
+
+    def take() -> float:  # read once: a step that runs no model leaves nothing to subtract
+        seconds = runner.last_model_cpu_seconds + runner.last_sample_cpu_seconds
+        runner.last_model_cpu_seconds = runner.last_sample_cpu_seconds = 0.0
+        return seconds
+
+    return engine, take
+
+
+@contextlib.contextmanager
+def _one_torch_thread(kind: str):
+    """The real engine's forward on this thread alone, where its CPU is subtracted (restored after)."""
+    if kind == "sim":
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "sim", model: str = "tiny",
@@ -61,7 +83,16 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
     """``engine``: ``sim`` or ``model`` (the real engine on the CPU, its forward pass and
     sampler excluded). ``touch_mb``: read that many MB between steps, untimed (the caches as
     a forward pass on the CPU, or the other processes of a machine between paced steps, leave them);
-    ``idle_ms``: sleep that long between steps (as a paced worker waits for its next step)."""
+    ``idle_ms``: sleep that long between steps (as a paced worker waits for its next step).
+    ``max_tokens`` is at least 2: a request's first token comes with its prompt's step, untimed."""
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2 (the first comes with the prompt), got {max_tokens}")
+    with _one_torch_thread(engine):
+        return _measure(batch, max_tokens, prompt_len, engine, model, touch_mb, idle_ms)
+
+
+def _measure(batch: int, max_tokens: int, prompt_len: int, engine: str, model: str, touch_mb: int,
+             idle_ms: float) -> dict:
     import numpy as np
     import prometheus_client
 
@@ -108,7 +139,8 @@ def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "si
             step_s, write_s, model_s = step_s + (b - a) - left_out + (d - c), write_s + c - b, model_s + left_out
             tokens += sum(len(x.token_ids) for x in deltas)
     us = lambda s: round(1e6 * s / tokens, 2)  # noqa: E731
-    return {"engine": kind, "batch": batch, "prompt_len": prompt_len, "touch_mb": touch_mb, "idle_ms": idle_ms, "tokens": tokens, "us_per_token": us(step_s + write_s),
+    return {"engine": kind, "batch": batch, "prompt_len": prompt_len, "touch_mb": touch_mb, "idle_ms": idle_ms,
+            "tokens": tokens, "us_per_token": us(step_s + write_s),
             "step_us": us(step_s), "write_us": us(write_s), "excluded_us": us(model_s)}
 
 
@@ -130,8 +162,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = args.batch or [16, 64]
-    if any(b < 1 for b in batches) or args.max_tokens < 1 or args.rounds < 1 or args.prompt_len < 1:
-        p.error("--batch, --max-tokens, --prompt-len and --rounds must be at least 1")
+    if any(b < 1 for b in batches) or args.rounds < 1 or args.prompt_len < 1:
+        p.error("--batch, --prompt-len and --rounds must be at least 1")
+    if args.max_tokens < 2:
+        p.error("--max-tokens must be at least 2 (a request's first token comes with its prompt's step, untimed)")
     if not 0 <= args.touch_mb <= 4096:
         p.error("--touch-mb must be between 0 and 4096")
     if not 0 <= args.idle_ms <= 1000:

@@ -107,16 +107,17 @@ def test_a_blocking_lane_gives_up_on_a_server_that_stops_answering():
 
     with RedisServer() as server:
         lane = _blocking(server.url)
-        lane.timeout_s = 0.3
-        lane.close()  # reopened with the short timeout
-        assert lane.call([("PING",)]) == [b"PONG"]
+        assert lane.call([("PING",)]) == [b"PONG"]  # connected with the default timeout
+        lane.timeout_s = 0.3  # the open socket's timeout
+        lane._sock.settimeout(lane.timeout_s)
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
             with pytest.raises(rx.ConnectionError):
-                lane.call([("PING",)])
+                lane.call([("ECHO", "while-stopped")])
             assert time.monotonic() - started < 5
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
-        assert lane.call([("PING",)]) == [b"PONG"]
+        lane.timeout_s = 30.0
+        assert lane.call([("ECHO", "after")]) == [b"after"]  # a new connection: no stale reply read
         lane.close()

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from pagefleet import Engine, SamplingParams
+from pagefleet.worker.model_runner import _block_table
 from pagefleet.worker.step_inputs import DeviceBlockTables, StepUploader
 
 
@@ -104,6 +105,14 @@ def test_a_staged_decode_step_has_the_inputs_of_an_unstaged_one():
                           meta.block_tables.tolist(), meta.seq_lens.tolist(), meta.query_start_loc.tolist(),
                           logits_rows.tolist(), sampled, keep, decode)
         assert got[True] == got[False]
+        if got[True][-1]:  # a decode step: each token's slot, read from the whole table as before
+            rows = [runner.kv.block_tables.get(r.request_id, []) for r in out.requests]
+            lens = [len(t) for t in rows]
+            table = _block_table(rows, lens, max(max(lens), 1))
+            starts = np.array([r.num_computed_tokens for r in out.requests])
+            bs = runner.block_size
+            assert got[True][2] == (table[np.arange(len(rows)), starts // bs].astype(np.int64) * bs
+                                    + starts % bs).tolist()
         checked.append(got[True][-1])
         return prepare(out)
 

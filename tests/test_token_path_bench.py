@@ -4,6 +4,7 @@ what a token costs; and a burst of streams past grpc's default pending-call boun
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -32,10 +33,11 @@ def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
     assert 1 <= stream["tokens_per_write"] <= 2 * 8 * 12  # a write holds a step of its worker's requests
     assert stream["redis_cpu_us_per_write"] > 0
     assert all(v > 0 for v in stream["cpu_us"].values())
-    by_thread = stream["worker_cpu_us_by_thread"]  # the workers' CPU by thread (clock ticks: a short run's few)
-    assert by_thread and all(v > 0 for v in by_thread.values())
-    assert set(by_thread) & {"engine", "main"}
-    assert sum(by_thread.values()) <= stream["cpu_us"]["workers"] * 1.05 + 1
+    by_thread = stream["worker_cpu_us_by_thread"]  # the workers' threads, by the names the OS shows
+    assert by_thread["engine"] > 0 and by_thread["main"] > 0
+    # The same CPU as the processes' (theirs in clock ticks: 10 ms, ~35 us a token of this short run, each)
+    tick_us = 1e6 / os.sysconf("SC_CLK_TCK") / stream["num_tokens"]
+    assert abs(sum(by_thread.values()) - stream["cpu_us"]["workers"]) <= 0.2 * stream["cpu_us"]["workers"] + 4 * tick_us
     assert stream["redis_bytes_per_request_kept"] > 0
     assert by_mode["fixed"]["per"] == "request" and by_mode["fixed"]["num_tokens"] == 24
     assert by_mode["floor"]["cpu_us_per_message"] > 0
@@ -69,9 +71,13 @@ def test_host_path_bench_counts_every_token_and_splits_the_cost():
 
 
 def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
+    import torch
+
     from pagefleet.benchmarks.host_path import main, measure
 
+    threads = torch.get_num_threads()
     r = measure(batch=4, max_tokens=8, prompt_len=40, engine="model")
+    assert torch.get_num_threads() == threads  # the forward ran on one thread, and torch is as it was
     assert r["engine"] == "model" and r["tokens"] == 4 * 7  # every request to its max_tokens, EOS or not
     assert r["excluded_us"] > 0 and r["us_per_token"] > 0 and r["step_us"] >= 0
     assert abs(r["step_us"] + r["write_us"] - r["us_per_token"]) < 0.05
@@ -79,6 +85,6 @@ def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
         main(["--engine", "gpu"])
     cold = measure(batch=4, max_tokens=8, touch_mb=1, idle_ms=1)  # outside the timing
     assert cold["touch_mb"] == 1 and cold["idle_ms"] == 1 and cold["tokens"] == 4 * 7
-    for bad in (["--touch-mb", "-1"], ["--idle-ms", "-1"], ["--prompt-len", "0"]):
+    for bad in (["--touch-mb", "-1"], ["--idle-ms", "-1"], ["--prompt-len", "0"], ["--max-tokens", "1"]):
         with pytest.raises(SystemExit):
             main(bad)

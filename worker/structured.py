@@ -31,12 +31,15 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 from pagefleet.common.grammar import GrammarError, grammar_of, kind_of, ll_tokenizer
 from pagefleet.common.sampling_params import StructuredOutputs
+from pagefleet.common.service import name_os_thread
 
 from .request import Request
 
 MAX_CACHED_GRAMMARS = 256
 OVERLAP = True  # compute a step's masks while its forward runs
-_MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+# Named for the OS too: a thread started from the engine thread would show as "engine".
+_MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask", initializer=name_os_thread,
+                                  initargs=("grammar-mask",))
 
 
 class GrammarCompiler:
@@ -45,7 +48,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int = 2) -> None:
         self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
         self._ll_tokenizer = None
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar", initializer=name_os_thread,
+                                        initargs=("grammar",))
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
         self.executor = LLExecutor(num_threads)

@@ -79,11 +79,12 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def thread_cpu(pids: list[int]) -> dict[str, float]:
-    """CPU seconds of the threads of ``pids`` (and their descendants), by the name the OS
-    knows each by: ``main`` for a process's first thread (its event loop), else its ``comm``
-    (the worker names its ``engine`` and ``output-writer`` threads; grpc names its own)."""
-    out: dict[str, float] = {}
+def thread_cpu(pids: list[int]) -> dict[tuple[int, str], tuple[str, float]]:
+    """Every thread of ``pids`` (and their descendants), by (process, thread id): the name the
+    OS knows it by (``main`` for a process's first thread, its event loop; else its ``comm``: the
+    worker names its ``engine`` and ``output-writer`` threads, grpc names its own) and its CPU
+    seconds (``schedstat``'s nanoseconds; a thread's clock ticks where that is missing)."""
+    out: dict[tuple[int, str], tuple[str, float]] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for pid in pids:
         for p in tree_pids(pid):
@@ -92,12 +93,28 @@ def thread_cpu(pids: list[int]) -> dict[str, float]:
             except OSError:
                 continue
             for t in tids:
+                task = f"/proc/{p}/task/{t}"
                 try:
-                    fields = Path(f"/proc/{p}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()
-                    name = "main" if t == str(p) else Path(f"/proc/{p}/task/{t}/comm").read_text().strip()
-                except OSError:
+                    name = "main" if t == str(p) else Path(f"{task}/comm").read_text().strip()
+                    try:
+                        seconds = int(Path(f"{task}/schedstat").read_text().split()[0]) / 1e9
+                    except (OSError, IndexError, ValueError):
+                        fields = Path(f"{task}/stat").read_text().rsplit(")", 1)[1].split()
+                        seconds = (int(fields[11]) + int(fields[12])) / tick
+                except OSError:  # the thread ended
                     continue
-                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+                out[(p, t)] = (name, seconds)
+    return out
+
+
+def cpu_by_thread(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds between two ``thread_cpu`` readings, summed by thread name (a thread that
+    started between them counts from zero; one that ended between them is not counted)."""
+    out: dict[str, float] = {}
+    for key, (name, seconds) in after.items():
+        was = before.get(key)
+        used = seconds - (was[1] if was is not None and was[0] == name else 0.0)
+        out[name] = out.get(name, 0.0) + max(0.0, used)
     return out
 
 
@@ -260,9 +277,8 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         "redis_command_us_by_name": {k: v / per for k, v in sorted(usec.items(), key=lambda kv: -kv[1])},
         "cpu_us": {k: (cpu1[k] - cpu0[k]) / per * 1e6 for k in procs},
         # The workers' CPU by thread (engine, output-writer, main: the event loop, grpc's, ...).
-        "worker_cpu_us_by_thread": dict(sorted(
-            ((name, (t - threads0.get(name, 0.0)) / per * 1e6) for name, t in threads1.items()
-             if t - threads0.get(name, 0.0) > 0), key=lambda kv: -kv[1])),
+        "worker_cpu_us_by_thread": {name: seconds / per * 1e6 for name, seconds in sorted(
+            cpu_by_thread(threads0, threads1).items(), key=lambda kv: -kv[1])},
         "steps_per_write": steps / writes if steps and writes else None,
         "tokens_per_write": s["num_tokens"] / steps_writes if steps_writes > 0 else None,
         "redis_cpu_us_per_write": (rcpu1 - rcpu0) / steps_writes * 1e6 if steps_writes > 0 else None,

@@ -31,7 +31,8 @@ def _libc():
 def name_os_thread(name: str) -> None:
     """Give the calling thread ``name`` where the OS shows it (``/proc/<pid>/task/<tid>/comm``,
     ``top -H``, ``perf``, ``bench token-path``'s CPU by thread): Python's thread names are its own.
-    Linux only (15 bytes kept); elsewhere nothing."""
+    Linux only (15 bytes kept); elsewhere nothing. A thread started from this one starts with its
+    name (torch's CPU threads started by the engine thread show as ``engine``) until it names itself."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
