@@ -176,8 +176,11 @@ def test_the_target_killed_mid_transfer_loses_nothing_and_the_drain_moves_on(tmp
         c.add_worker(["--num-blocks", "512"])  # worker-2: the most room, the drain's first choice
         c.wait_ready(num_workers=3)
         prompts = PROMPTS[:6]
+        # Long enough that the source still runs its requests when its drain starts (at 128 tokens
+        # a request could end between the scheduler seeing it and the drain: nothing to move).
+        max_tokens = 4 * MAX_TOKENS
         results: list = []
-        t = threading.Thread(target=lambda: results.extend(generate_all(c.gateway_target, prompts, MAX_TOKENS)))
+        t = threading.Thread(target=lambda: results.extend(generate_all(c.gateway_target, prompts, max_tokens)))
         t.start()
         # The drain's source: whichever of the two small workers placement gave requests first.
         source = wait_for(lambda: next((w.worker_id for w in c.scheduler_state().workers
@@ -189,7 +192,7 @@ def test_the_target_killed_mid_transfer_loses_nothing_and_the_drain_moves_on(tmp
                              for e in log_events(tmp_path, "scheduler")), 30, "a drain move to the frozen worker-2")
         c.kill("worker-2")
         t.join(240)
-        assert [o.token_ids for o in results] == reference(prompts, MAX_TOKENS)
+        assert [o.token_ids for o in results] == reference(prompts, max_tokens)
         assert all(o.finish_reason == "length" for o in results)
         ended = [e for e in log_events(tmp_path, "scheduler") if e.get("event") == "transfer.ended"]
         assert not any(e["outcome"] == "migrated" and e["target"] == "worker-2" for e in ended)
