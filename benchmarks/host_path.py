@@ -173,8 +173,11 @@ def main(argv: list[str]) -> int:
     rows = []
     for b in batches:
         for _ in range(args.rounds):
-            r = measure(b, args.max_tokens, args.prompt_len, engine=args.engine, model=args.model,
-                        touch_mb=args.touch_mb, idle_ms=args.idle_ms)
+            try:
+                r = measure(b, args.max_tokens, args.prompt_len, engine=args.engine, model=args.model,
+                            touch_mb=args.touch_mb, idle_ms=args.idle_ms)
+            except ValueError as e:  # the engine refuses what it cannot run (a prompt past its model's length)
+                p.error(str(e))
             rows.append(r)
             left_out = f"; forward pass and sampler, left out: {r['excluded_us']:.2f}" if args.engine == "model" else ""
             touched = (f", {args.touch_mb} MB read between steps" if args.touch_mb else "") + (

@@ -85,6 +85,7 @@ def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
         main(["--engine", "gpu"])
     cold = measure(batch=4, max_tokens=8, touch_mb=1, idle_ms=1)  # outside the timing
     assert cold["touch_mb"] == 1 and cold["idle_ms"] == 1 and cold["tokens"] == 4 * 7
-    for bad in (["--touch-mb", "-1"], ["--idle-ms", "-1"], ["--prompt-len", "0"], ["--max-tokens", "1"]):
+    for bad in (["--touch-mb", "-1"], ["--idle-ms", "-1"], ["--prompt-len", "0"], ["--max-tokens", "1"],
+                ["--prompt-len", "100000", "--rounds", "1", "--batch", "1"]):  # past the model's length
         with pytest.raises(SystemExit):
             main(bad)
