@@ -13,7 +13,8 @@ computed are timed, and it prints CPU µs per token they made (``time.thread_tim
 thread that runs it all) in all and by part.
 
 ``--engine model`` runs the real engine on the CPU (``--model``, ``tiny`` by default; torch on
-this one thread; step inputs staged as on a GPU) with the forward pass and the sampler excluded: the step's thread CPU less
+this one thread; step inputs staged as on a GPU; ``--device cuda`` on a GPU) with the forward
+pass and the sampler excluded: the step's thread CPU less
 the model's (``ModelRunner.last_model_cpu_seconds``) and the sampler's
 (``last_sample_cpu_seconds``: its tensor ops and its one read of the ids). What is left is the
 host path the engine adds on any device: building the step's inputs, scheduling and block
@@ -39,7 +40,7 @@ from pathlib import Path
 from .results import header
 
 
-def _engine(kind: str, model: str, batch: int, num_blocks: int):
+def _engine(kind: str, model: str, batch: int, num_blocks: int, device: str = "cpu"):
     """The engine, and a function that takes the CPU seconds of the last step's forward pass and
     sampler (what is left out; zero for a simulated engine)."""
     if kind == "sim":
@@ -49,7 +50,7 @@ def _engine(kind: str, model: str, batch: int, num_blocks: int):
                          block_size=16), lambda: 0.0
     from pagefleet.worker.engine import Engine
 
-    engine = Engine(model, device="cpu", max_num_seqs=batch, num_blocks=num_blocks, block_size=16)
+    engine = Engine(model, device=device, max_num_seqs=batch, num_blocks=num_blocks, block_size=16)
     runner = engine.executor.runner
     runner.profile = True
     runner.stage_inputs = True  # the inputs as a GPU's are built: one packed upload, block tables by diffs
@@ -79,20 +80,22 @@ def _one_torch_thread(kind: str):
 
 
 def measure(batch: int, max_tokens: int, prompt_len: int = 32, engine: str = "sim", model: str = "tiny",
-            touch_mb: int = 0, idle_ms: float = 0.0) -> dict:
+            touch_mb: int = 0, idle_ms: float = 0.0, device: str = "cpu") -> dict:
     """``engine``: ``sim`` or ``model`` (the real engine on the CPU, its forward pass and
     sampler excluded). ``touch_mb``: read that many MB between steps, untimed (the caches as
     a forward pass on the CPU, or the other processes of a machine between paced steps, leave them);
     ``idle_ms``: sleep that long between steps (as a paced worker waits for its next step).
-    ``max_tokens`` is at least 2: a request's first token comes with its prompt's step, untimed."""
+    ``max_tokens`` is at least 2: a request's first token comes with its prompt's step, untimed.
+    ``device``: where the real engine runs (``cpu``, ``cuda``); its forward pass's CPU (launches
+    and the wait for the device included) is left out either way."""
     if max_tokens < 2:
         raise ValueError(f"max_tokens must be at least 2 (the first comes with the prompt), got {max_tokens}")
     with _one_torch_thread(engine):
-        return _measure(batch, max_tokens, prompt_len, engine, model, touch_mb, idle_ms)
+        return _measure(batch, max_tokens, prompt_len, engine, model, touch_mb, idle_ms, device)
 
 
 def _measure(batch: int, max_tokens: int, prompt_len: int, engine: str, model: str, touch_mb: int,
-             idle_ms: float) -> dict:
+             idle_ms: float, device: str) -> dict:
     import numpy as np
     import prometheus_client
 
@@ -103,7 +106,7 @@ def _measure(batch: int, max_tokens: int, prompt_len: int, engine: str, model: s
     from pagefleet.worker.observe import WorkerObserver
 
     kind = engine
-    engine, excluded = _engine(kind, model, batch, batch * ((prompt_len + max_tokens) // 16 + 2))
+    engine, excluded = _engine(kind, model, batch, batch * ((prompt_len + max_tokens) // 16 + 2), device)
     observer = WorkerObserver("host-path", WorkerMetrics(prometheus_client.CollectorRegistry()))
     loop = EngineLoop(engine, emit=lambda b: None, notify=lambda: None)
     for i in range(batch):
@@ -139,7 +142,7 @@ def _measure(batch: int, max_tokens: int, prompt_len: int, engine: str, model: s
             step_s, write_s, model_s = step_s + (b - a) - left_out + (d - c), write_s + c - b, model_s + left_out
             tokens += sum(len(x.token_ids) for x in deltas)
     us = lambda s: round(1e6 * s / tokens, 2)  # noqa: E731
-    return {"engine": kind, "batch": batch, "prompt_len": prompt_len, "touch_mb": touch_mb, "idle_ms": idle_ms,
+    return {"engine": kind, "device": device if kind == "model" else "sim", "batch": batch, "prompt_len": prompt_len, "touch_mb": touch_mb, "idle_ms": idle_ms,
             "tokens": tokens, "us_per_token": us(step_s + write_s),
             "step_us": us(step_s), "write_us": us(write_s), "excluded_us": us(model_s)}
 
@@ -154,6 +157,7 @@ def main(argv: list[str]) -> int:
                    help="sim: the simulated worker; model: the real engine on the CPU, its forward pass and "
                         "sampler excluded")
     p.add_argument("--model", default="tiny", help="--engine model: the model (a name or a checkpoint folder)")
+    p.add_argument("--device", default="cpu", help="--engine model: cpu or cuda (the forward's CPU is left out on either)")
     p.add_argument("--touch-mb", type=int, default=0,
                    help="read this many MB between steps, untimed: the caches as a forward pass on the CPU or "
                         "other processes between paced steps leave them")
@@ -175,7 +179,7 @@ def main(argv: list[str]) -> int:
         for _ in range(args.rounds):
             try:
                 r = measure(b, args.max_tokens, args.prompt_len, engine=args.engine, model=args.model,
-                            touch_mb=args.touch_mb, idle_ms=args.idle_ms)
+                            touch_mb=args.touch_mb, idle_ms=args.idle_ms, device=args.device)
             except ValueError as e:  # the engine refuses what it cannot run (a prompt past its model's length)
                 p.error(str(e))
             rows.append(r)

@@ -78,11 +78,15 @@ def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
     threads = torch.get_num_threads()
     r = measure(batch=4, max_tokens=8, prompt_len=40, engine="model")
     assert torch.get_num_threads() == threads  # the forward ran on one thread, and torch is as it was
-    assert r["engine"] == "model" and r["tokens"] == 4 * 7  # every request to its max_tokens, EOS or not
+    assert r["engine"] == "model" and r["device"] == "cpu"
+    assert r["tokens"] == 4 * 7  # every request to its max_tokens, EOS or not
     assert r["excluded_us"] > 0 and r["us_per_token"] > 0 and r["step_us"] >= 0
     assert abs(r["step_us"] + r["write_us"] - r["us_per_token"]) < 0.05
     with pytest.raises(SystemExit):
         main(["--engine", "gpu"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):  # a usage error naming the missing device
+            main(["--engine", "model", "--device", "cuda", "--batch", "1", "--rounds", "1", "--max-tokens", "2"])
     cold = measure(batch=4, max_tokens=8, touch_mb=1, idle_ms=1)  # outside the timing
     assert cold["touch_mb"] == 1 and cold["idle_ms"] == 1 and cold["tokens"] == 4 * 7
     for bad in (["--touch-mb", "-1"], ["--idle-ms", "-1"], ["--prompt-len", "0"], ["--max-tokens", "1"],
