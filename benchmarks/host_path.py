@@ -14,10 +14,10 @@ thread that runs it all) in all and by part.
 
 ``--engine model`` runs the real engine on the CPU (``--model``, ``tiny`` by default; torch on
 this one thread; step inputs staged as on a GPU; ``--device cuda`` on a GPU) with the forward
-pass and the sampler excluded: the step's thread CPU less
-the model's (``ModelRunner.last_model_cpu_seconds``) and the sampler's
-(``last_sample_cpu_seconds``: its tensor ops and its one read of the ids). What is left is the
-host path the engine adds on any device: building the step's inputs, scheduling and block
+pass and the sampler excluded: the step's thread CPU less the model's
+(``ModelRunner.last_model_cpu_seconds``) and the sampler's (``last_sample_cpu_seconds``: its
+tensor ops and its one read of the ids). What is left is the host path the engine adds on any
+device: building the step's inputs, scheduling and block
 bookkeeping, appending and detokenizing each token, stop checks, the metrics, the snapshot and
 the step's write. ``--engine sim`` (the default) is the simulated worker ``bench token-path``
 runs, whose token draw is its model.

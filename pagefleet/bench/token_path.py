@@ -68,14 +68,19 @@ def tree_pids(pid: int) -> list[int]:
     return out
 
 
+def _stat_seconds(path: str) -> float:
+    """User and system CPU seconds from a ``/proc`` ``stat`` file (a process's or a thread's)."""
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu(pid: int) -> float:
     total = 0.0
     for p in tree_pids(pid):
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += _stat_seconds(f"/proc/{p}/stat")
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
 
@@ -85,7 +90,6 @@ def thread_cpu(pids: list[int]) -> dict[tuple[int, str], tuple[str, float]]:
     worker names its ``engine`` and ``output-writer`` threads, grpc names its own) and its CPU
     seconds (``schedstat``'s nanoseconds; a thread's clock ticks where that is missing)."""
     out: dict[tuple[int, str], tuple[str, float]] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for pid in pids:
         for p in tree_pids(pid):
             try:
@@ -99,8 +103,7 @@ def thread_cpu(pids: list[int]) -> dict[tuple[int, str], tuple[str, float]]:
                     try:
                         seconds = int(Path(f"{task}/schedstat").read_text().split()[0]) / 1e9
                     except (OSError, IndexError, ValueError):
-                        fields = Path(f"{task}/stat").read_text().rsplit(")", 1)[1].split()
-                        seconds = (int(fields[11]) + int(fields[12])) / tick
+                        seconds = _stat_seconds(f"{task}/stat")
                 except OSError:  # the thread ended
                     continue
                 out[(p, t)] = (name, seconds)
