@@ -41,6 +41,12 @@ def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
     assert stream["redis_bytes_per_request_kept"] > 0
     assert by_mode["fixed"]["per"] == "request" and by_mode["fixed"]["num_tokens"] == 24
     assert by_mode["floor"]["cpu_us_per_message"] > 0
+    paced = stream["floor_paced"]  # the floor again, its messages as the stream's: as many tokens, as far apart
+    per = paced["tokens_per_message"]
+    assert per == max(1, round(stream["num_tokens"] / stream["num_messages"]))
+    assert paced["num_whole"] == 24 and paced["num_messages"] == 24 * -(-12 // per)
+    assert paced["pace_ms"] == round(stream["message_gap_ms_p50"], 3) > 0
+    assert stream["gateway_cpu_vs_paced_floor"] > 0
 
 
 def test_a_burst_of_streams_past_grpcs_pending_call_bound_is_served(tmp_path):
@@ -53,10 +59,14 @@ def test_a_burst_of_streams_past_grpcs_pending_call_bound_is_served(tmp_path):
 
 def test_token_path_bench_over_the_http_door(tmp_path):
     report = _bench(tmp_path, "--backend", "openai", "--workers", "2", "--requests", "16", "--concurrency", "8",
-                    "--max-tokens", "10", "--time-scale", "inf", "--modes", "stream")
+                    "--max-tokens", "10", "--time-scale", "inf", "--modes", "stream", "--stream-interval", "4")
     by_mode = {r["mode"]: r for r in report["results"]}
     assert by_mode["floor"]["num_whole"] == 16 and by_mode["stream"]["num_whole"] == 16
-    assert by_mode["stream"]["num_tokens"] == 160
+    stream = by_mode["stream"]
+    assert stream["num_tokens"] == 160
+    paced = stream["floor_paced"]  # its messages as the stream's: several tokens each (4, 4, 2 a stream)
+    assert paced["num_whole"] == 16 and paced["tokens_per_message"] == round(160 / stream["num_messages"]) > 1
+    assert paced["num_messages"] == 16 * -(-10 // paced["tokens_per_message"]) and paced["num_tokens"] == 160
 
 
 def test_host_path_bench_counts_every_token_and_splits_the_cost():

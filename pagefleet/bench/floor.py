@@ -10,17 +10,34 @@ same fields), as fast as the client takes them:
 
 The same client (``token_client``) drives it as it drives the cluster, so the server's CPU
 per message is the floor a gateway's relay is compared with.
+
+``--tokens-per-message N`` sends N tokens a message (the last one may hold fewer), as a
+gateway does with ``--stream-interval N`` or for a client that fell behind; ``--pace-ms X``
+sends a stream's messages X ms apart (its first one at once), as a cluster's steps pace them:
+the floor of a relay whose messages wait for the model, each write alone on its connection.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
 import time
 
 
-async def _grpc(port: int) -> None:
+def _pieces(n: int, per: int):
+    """A stream of ``n`` canned tokens as messages of ``per``: (index, token ids, text) each,
+    one character a token."""
+    for i in range(0, n, per):
+        if per == 1:
+            yield i, [65 + i % 58], chr(65 + i % 58)
+        else:
+            ids = [65 + j % 58 for j in range(i, min(n, i + per))]
+            yield i, ids, "".join(map(chr, ids))
+
+
+async def _grpc(port: int, per: int = 1, pace_s: float = 0.0) -> None:
     import grpc
 
     from pagefleet.common.service import SERVER_OPTIONS
@@ -30,10 +47,11 @@ async def _grpc(port: int) -> None:
     class Canned(generation_pb2_grpc.GenerationServicer):
         async def Generate(self, request, context):
             n = request.sampling.max_tokens
-            for i in range(n):
-                msg = pb.GenerateResponse(request_id=request.request_id, token_ids=[65 + i % 58],
-                                          text=chr(65 + i % 58), index=i)
-                if i == n - 1:
+            for i, ids, text in _pieces(n, per):
+                if pace_s and i:
+                    await asyncio.sleep(pace_s)
+                msg = pb.GenerateResponse(request_id=request.request_id, token_ids=ids, text=text, index=i)
+                if i + len(ids) == n:
                     msg.finish_reason = pb.FINISH_REASON_LENGTH
                     msg.usage.prompt_tokens = len(request.prompt_token_ids.ids)
                     msg.usage.completion_tokens = n
@@ -47,7 +65,7 @@ async def _grpc(port: int) -> None:
     await server.wait_for_termination()
 
 
-def _sse_app():
+def _sse_app(per: int = 1, pace_s: float = 0.0):
     from fastapi import FastAPI, Request
     from fastapi.responses import StreamingResponse
 
@@ -63,8 +81,10 @@ def _sse_app():
             return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
         async def events():
-            for i in range(n):
-                yield chunk(chr(65 + i % 58), "length" if i == n - 1 else None)
+            for i, ids, text in _pieces(n, per):
+                if pace_s and i:
+                    await asyncio.sleep(pace_s)
+                yield chunk(text, "length" if i + len(ids) == n else None)
             usage = {"id": rid, "object": "text_completion", "created": created, "model": body["model"],
                      "choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
                                               "total_tokens": len(body["prompt"]) + n}}
@@ -79,17 +99,25 @@ def _sse_app():
 
 
 def main(argv: list[str]) -> int:
-    kind, port = argv[0], int(argv[1])
-    if kind == "grpc":
-        asyncio.run(_grpc(port))
-    elif kind == "sse":
+    p = argparse.ArgumentParser(prog="python -m pagefleet.bench.floor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=("grpc", "sse"))
+    p.add_argument("port", type=int)
+    p.add_argument("--tokens-per-message", type=int, default=1, metavar="N")
+    p.add_argument("--pace-ms", type=float, default=0.0, metavar="X")
+    args = p.parse_args(argv)
+    if args.tokens_per_message < 1:
+        p.error(f"--tokens-per-message must be at least 1, got {args.tokens_per_message}")
+    if not args.pace_ms >= 0:
+        p.error(f"--pace-ms must be 0 or more, got {args.pace_ms}")
+    per, pace_s = args.tokens_per_message, args.pace_ms / 1000
+    if args.kind == "grpc":
+        asyncio.run(_grpc(args.port, per, pace_s))
+    else:
         import uvicorn
 
         print("ready", flush=True)
-        uvicorn.run(_sse_app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    else:
-        print(f"usage: python -m pagefleet.bench.floor grpc|sse PORT (not {kind!r})", file=sys.stderr)
-        return 2
+        uvicorn.run(_sse_app(per, pace_s), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
     return 0
 
 

@@ -23,7 +23,11 @@ and prints, per output token:
 outputs, whose figures per request are the fixed cost of a request. In the same run, **the
 floor**: a trivial grpcio servicer (``--backend grpc``) or uvicorn SSE endpoint (``openai``)
 streaming canned messages of the same size to the same client (``floor.py``); its CPU per
-message is what a relay is compared with.
+message is what a relay is compared with. After a ``stream`` run, **the floor at its pace**
+(``floor_paced`` in its JSON): the same server sending messages of the tokens the run's
+messages carried, each stream's as far apart as the run's were (``message_gap_ms_p50``), so
+its writes wait between messages as the gateway's do; ``gateway_cpu_vs_paced_floor`` is the
+gateway's CPU a token over that floor's.
 
 ``--python PATH`` runs the cluster's processes with another interpreter (a venv where an
 older checkout is installed), so one machine measures before and after side by side.
@@ -172,6 +176,9 @@ def summarize(streams: list[dict]) -> dict:
         "num_messages": sum(s["num_messages"] for s in streams),
         "ttft_p50_ms": _ms(_pct(ttft, 0.5)), "ttft_p99_ms": _ms(_pct(ttft, 0.99)),
         "itl_p50_ms": _ms(_pct(itl, 0.5)), "itl_p99_ms": _ms(_pct(itl, 0.99)),
+        # A stream's messages apart, its first to its last over the gaps between them (the median stream).
+        "message_gap_ms_p50": _ms(_pct([sum(s["itl_s"]) / (s["num_messages"] - 1)
+                                        for s in streams if s["num_messages"] > 1], 0.5)),
     }
 
 
@@ -296,12 +303,15 @@ def _delta(a: dict, b: dict, name: str) -> float | None:
     return b[name] - a.get(name, 0.0)
 
 
-def measure_floor(args, tmp: Path) -> dict:
+def measure_floor(args, tmp: Path, tokens_per_message: int = 1, pace_ms: float = 0.0) -> dict:
+    """The floor's run: ``--requests`` streams of ``--max-tokens`` canned tokens, ``tokens_per_message``
+    a message, each stream's messages ``pace_ms`` apart (0: as fast as the client takes them)."""
     from pagefleet.common.service import free_port
 
     port = free_port()
     kind = "grpc" if args.backend == "grpc" else "sse"
-    server = subprocess.Popen([sys.executable, "-m", "pagefleet.bench.floor", kind, str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "pagefleet.bench.floor", kind, str(port),
+                               "--tokens-per-message", str(tokens_per_message), "--pace-ms", str(pace_ms)],
                               stdout=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         server.stdout.readline()
@@ -325,8 +335,18 @@ def measure_floor(args, tmp: Path) -> dict:
         server.terminate()
         server.wait(10)
     s = summarize(out["streams"])
-    return {"mode": "floor", "backend": args.backend, "server": kind, **s, "wall_s": out["wall_s"],
-            "cpu_us_per_message": cpu / max(1, s["num_messages"]) * 1e6}
+    return {"mode": "floor", "backend": args.backend, "server": kind, "tokens_per_message": tokens_per_message,
+            "pace_ms": pace_ms, **s, "wall_s": out["wall_s"],
+            "cpu_us_per_message": cpu / max(1, s["num_messages"]) * 1e6,
+            "cpu_us_per_token": cpu / max(1, s["num_tokens"]) * 1e6}
+
+
+def measure_paced_floor(args, tmp: Path, stream: dict) -> dict:
+    """The floor at a stream run's pace: messages of the tokens its messages carried (on
+    average, rounded), each stream's ``message_gap_ms_p50`` apart: what a trivial server
+    costs a token when its writes wait on the model as the gateway's do."""
+    per = max(1, round(stream["num_tokens"] / max(1, stream["num_messages"])))
+    return measure_floor(args, tmp, per, round(stream["message_gap_ms_p50"] or 0.0, 3))
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -414,11 +434,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results.append(measure_cluster(args, tmp, mode))
             print(row(results[-1]), flush=True)
+            if mode == "stream" and not args.no_floor:
+                x = results[-1]
+                x["floor_paced"] = measure_paced_floor(args, tmp, x)
+                print(row(x["floor_paced"]), flush=True)
     floor = next((x for x in results if x["mode"] == "floor"), None)
     for x in results:
         if floor and x["mode"] == "stream":  # a floor too short to read a CPU tick: no ratio
             per = floor["cpu_us_per_message"]
             x["gateway_cpu_vs_floor"] = x["cpu_us"]["gateway"] / per if per else None
+            paced = x.get("floor_paced", {}).get("cpu_us_per_token")
+            x["gateway_cpu_vs_paced_floor"] = x["cpu_us"]["gateway"] / paced if paced else None
     report = {
         "benchmark": "token-path", "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
@@ -449,6 +475,9 @@ def row(x: dict) -> str:
     head = (f"{x.get('label') or '':>8} {x['mode']:>6} {x['backend']:>6}: {x['num_whole']}/{x['num_streams']} whole, "
             f"TTFT p50/p99 {f(x['ttft_p50_ms'])}/{f(x['ttft_p99_ms'])} ms, ITL p50/p99 "
             f"{f(x['itl_p50_ms'], '.2f')}/{f(x['itl_p99_ms'], '.2f')} ms")
+    if x["mode"] == "floor" and (x.get("pace_ms") or x.get("tokens_per_message", 1) > 1):
+        return (f"{head}; floor server, {x['tokens_per_message']} tokens a message {x['pace_ms']:.1f} ms apart: "
+                f"{x['cpu_us_per_message']:.1f} us CPU/message, {x['cpu_us_per_token']:.1f} us/token")
     if x["mode"] == "floor":
         return f"{head}; floor server {x['cpu_us_per_message']:.1f} us CPU/message"
     cpu = x["cpu_us"]
