@@ -20,7 +20,8 @@ tensor ops and its one read of the ids). What is left is the host path the engin
 device: building the step's inputs, scheduling and block
 bookkeeping, appending and detokenizing each token, stop checks, the metrics, the snapshot and
 the step's write. ``--engine sim`` (the default) is the simulated worker ``bench token-path``
-runs, whose token draw is its model.
+runs; its model (the cost model of its step and its token draw, ``SimExecutor``'s
+``last_model_cpu_seconds``) is left out the same way.
 
 ``--touch-mb N`` reads N MB between steps, outside the timing: what the Python host path costs
 with cold caches, as after a forward pass on the CPU or, in a cluster, after the other
@@ -46,8 +47,15 @@ def _engine(kind: str, model: str, batch: int, num_blocks: int, device: str = "c
     if kind == "sim":
         from pagefleet.worker.sim import SimEngine
 
-        return SimEngine("llama-3-8b-h100", time_scale=math.inf, max_num_seqs=batch, num_blocks=num_blocks,
-                         block_size=16), lambda: 0.0
+        engine = SimEngine("llama-3-8b-h100", time_scale=math.inf, max_num_seqs=batch, num_blocks=num_blocks,
+                           block_size=16)
+        executor = engine.executor
+
+        def take_sim() -> float:  # the simulated model's (its cost model and token draw), read once
+            seconds, executor.last_model_cpu_seconds = executor.last_model_cpu_seconds, 0.0
+            return seconds
+
+        return engine, take_sim
     from pagefleet.worker.engine import Engine
 
     engine = Engine(model, device=device, max_num_seqs=batch, num_blocks=num_blocks, block_size=16)
@@ -154,8 +162,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-len", type=int, default=32, help="each request's prompt (the context its steps read)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engine", default="sim", choices=("sim", "model"),
-                   help="sim: the simulated worker; model: the real engine on the CPU, its forward pass and "
-                        "sampler excluded")
+                   help="sim: the simulated worker, its simulated model (cost model, token draw) excluded; "
+                        "model: the real engine on the CPU, its forward pass and sampler excluded")
     p.add_argument("--model", default="tiny", help="--engine model: the model (a name or a checkpoint folder)")
     p.add_argument("--device", default="cpu", help="--engine model: cpu or cuda (the forward's CPU is left out on either)")
     p.add_argument("--touch-mb", type=int, default=0,
@@ -183,7 +191,8 @@ def main(argv: list[str]) -> int:
             except ValueError as e:  # the engine refuses what it cannot run (a prompt past its model's length)
                 p.error(str(e))
             rows.append(r)
-            left_out = f"; forward pass and sampler, left out: {r['excluded_us']:.2f}" if args.engine == "model" else ""
+            model = "forward pass and sampler" if args.engine == "model" else "the simulated model"
+            left_out = f"; {model}, left out: {r['excluded_us']:.2f}"
             touched = (f", {args.touch_mb} MB read between steps" if args.touch_mb else "") + (
                 f", {args.idle_ms:g} ms idle between steps" if args.idle_ms else "")
             print(f"{args.engine} batch {b}{touched}: {r['us_per_token']:.2f} us/token (step and observer {r['step_us']:.2f}, "

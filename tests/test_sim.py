@@ -466,3 +466,27 @@ def test_a_large_batch_draws_what_each_request_alone_would():
             assert o.token_ids == expected(engine, p, 12, sp.seed, greedy=sp.temperature == 0)
         else:
             assert o.token_ids[0] != expected(engine, p, 1, sp.seed, greedy=sp.temperature == 0)[0]
+
+
+def test_the_simulated_models_cpu_is_counted_apart_from_the_host_path():
+    """The cost model and token draw (what a forward pass and the sampler are to a real
+    engine) are counted on the stepping thread, cumulative in the engine's stats and its
+    metric; the tokens are the same measured or not."""
+    import prometheus_client
+
+    from pagefleet.common.metrics import WorkerMetrics
+
+    engine = SimEngine(time_scale=FAST, max_num_seqs=8)
+    ps = prompts(8, seed=5)
+    params = SamplingParams(max_tokens=20, seed=1, temperature=1.0)
+    outs = engine.generate(ps, params)
+    total = engine.stats().sim_model_cpu_seconds_total
+    assert total > 0 and engine.executor.model_cpu_seconds_total == total
+    assert engine.executor.last_model_cpu_seconds <= total
+    unmeasured = SimEngine(time_scale=FAST, max_num_seqs=8)
+    unmeasured.executor.measure_model_cpu = False
+    assert [o.token_ids for o in unmeasured.generate(ps, params)] == [o.token_ids for o in outs]
+    assert unmeasured.stats().sim_model_cpu_seconds_total == 0.0
+    metrics = WorkerMetrics(prometheus_client.CollectorRegistry())
+    metrics.observe_stats(engine.stats())
+    assert metrics.registry.get_sample_value("pagefleet:sim_model_cpu_seconds_total") == pytest.approx(total)

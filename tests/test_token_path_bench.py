@@ -33,6 +33,9 @@ def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
     assert 1 <= stream["tokens_per_write"] <= 2 * 8 * 12  # a write holds a step of its worker's requests
     assert stream["redis_cpu_us_per_write"] > 0
     assert all(v > 0 for v in stream["cpu_us"].values())
+    # The workers' host path: their CPU less the simulated model's (worker-0's a token)
+    assert 0 < stream["worker_sim_model_cpu_us"] < stream["cpu_us"]["workers"]
+    assert stream["worker_cpu_us_outside_model"] == pytest.approx(stream["cpu_us"]["workers"] - stream["worker_sim_model_cpu_us"])
     by_thread = stream["worker_cpu_us_by_thread"]  # the workers' threads, by the names the OS shows
     assert by_thread["engine"] > 0 and by_thread["main"] > 0
     # The same CPU as the processes' (theirs in clock ticks: 10 ms, ~35 us a token of this short run, each)
@@ -75,6 +78,7 @@ def test_host_path_bench_counts_every_token_and_splits_the_cost():
     r = measure(batch=4, max_tokens=8)
     assert r["tokens"] == 4 * 7  # the decode steps' (each first token comes with its prompt's step)
     assert r["us_per_token"] > 0 and all(r[k] >= 0 for k in ("step_us", "write_us"))
+    assert r["excluded_us"] > 0  # the simulated model (its cost model, its token draw) is left out
     assert abs(r["step_us"] + r["write_us"] - r["us_per_token"]) < 0.05
     with pytest.raises(SystemExit):
         main(["--batch", "0"])

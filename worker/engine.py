@@ -414,6 +414,7 @@ class Engine:
             num_swapped_in_blocks_total=s.num_swapped_in_blocks_total,
             prefix_cache_queries_total=self.kv.prefix_cache_queries_total,
             prefix_cache_hits_total=self.kv.prefix_cache_hits_total,
+            sim_model_cpu_seconds_total=getattr(self.executor, "model_cpu_seconds_total", 0.0),
         )
 
     def check_integrity(self) -> None:

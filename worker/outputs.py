@@ -74,6 +74,9 @@ class EngineStats:
     num_swapped_in_blocks_total: int = 0
     prefix_cache_queries_total: int = 0  # tokens looked up in the prefix cache at admission
     prefix_cache_hits_total: int = 0  # of those, tokens found cached
+    # CPU seconds the stepping thread spent in a simulated model (--engine sim: its cost model
+    # and token draw, what the forward pass and sampler are to a real engine); 0 on a real one.
+    sim_model_cpu_seconds_total: float = 0.0
 
     @property
     def num_swapped_blocks(self) -> int:

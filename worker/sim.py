@@ -116,6 +116,11 @@ class SimExecutor(Executor):
         self.last_step_s = 0.0  # simulated seconds of the latest step
         self.num_swapped_bytes_total = 0
         self._unslept_s = 0.0  # simulated time of the current step not yet slept out
+        # The simulated model's CPU (its cost model and token draw: what a forward pass and the
+        # sampler are to a real engine), on the thread that steps, measured where ``measure_model_cpu``.
+        self.measure_model_cpu = False
+        self.model_cpu_seconds_total = 0.0
+        self.last_model_cpu_seconds = 0.0
 
     # -- sizing ------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
@@ -136,17 +141,29 @@ class SimExecutor(Executor):
 
     # -- the step ----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
-        p, bs = self.profile, self.block_size
-        num_moved = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
-        seconds = p.transfer_seconds(len(out.blocks_to_swap_out), bs) + p.transfer_seconds(len(out.blocks_to_swap_in), bs)
-        self.num_swapped_bytes_total += num_moved * p.block_bytes(bs)
         sampled: list[Request] = []
         if out.requests:
-            seconds += p.step.seconds(*step_shape(out))
             done = RequestStatus.FINISHED_STOPPED
             # As ModelRunner.prepare: a request samples when the step computes its last missing token.
             sampled = [r for r, k in zip(out.requests, out.num_scheduled_tokens, strict=True)
                        if k > 0 and r.num_computed_tokens + k == len(r.all_token_ids) and r.status < done]
+        if not self.measure_model_cpu:
+            return self._model(out, sampled)
+        c0 = time.thread_time()
+        result = self._model(out, sampled)
+        self.last_model_cpu_seconds = spent = time.thread_time() - c0
+        self.model_cpu_seconds_total += spent
+        return result
+
+    def _model(self, out: SchedulerOutput, sampled: list[Request]) -> tuple[list[Request], SamplerOutput]:
+        """The simulated model's part of a step: its time on the simulated clock, and the
+        tokens of ``sampled`` (with their logprobs where asked)."""
+        p, bs = self.profile, self.block_size
+        num_moved = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        seconds = p.transfer_seconds(len(out.blocks_to_swap_out), bs) + p.transfer_seconds(len(out.blocks_to_swap_in), bs)
+        self.num_swapped_bytes_total += num_moved * p.block_bytes(bs)
+        if out.requests:
+            seconds += p.step.seconds(*step_shape(out))
         self.last_step_s = seconds
         self.clock_s += seconds
         self._unslept_s += seconds
@@ -205,7 +222,9 @@ class SimEngine(Engine):
 
     def _make_executor(self, spec: ModelSpec, *, device: str, dtype: str, max_model_len: int | None,
                        seed: int, max_num_seqs: int, enforce_eager: bool, load_format: str) -> SimExecutor:
-        return SimExecutor(self.profile, spec, max_model_len=max_model_len, seed=seed, time_scale=self.time_scale)
+        executor = SimExecutor(self.profile, spec, max_model_len=max_model_len, seed=seed, time_scale=self.time_scale)
+        executor.measure_model_cpu = True  # two clock reads a step: the host path is told apart from the model
+        return executor
 
     def step(self):
         started_at = time.perf_counter()

@@ -10,7 +10,10 @@ and prints, per output token:
   and by command, with each command's own time (its ``usec``: a script's includes the commands
   it calls; what is left of Redis CPU is its event loop and sockets); Redis CPU (``INFO cpu``);
 * CPU of the gateway, scheduler and worker processes (``/proc``), the workers' also by thread
-  (``worker_cpu_us_by_thread``: ``engine``, ``output-writer``, ``main``: the event loop, grpc's);
+  (``worker_cpu_us_by_thread``: ``engine``, ``output-writer``, ``main``: the event loop, grpc's)
+  and less the simulated model's (``worker_cpu_us_outside_model``: the workers' host path, the
+  model's cost model and token draw left out as a real worker's forward pass and sampler are;
+  the model's share is worker-0's, ``pagefleet:sim_model_cpu_seconds_total``);
 * delivered tokens/s, TTFT and ITL p50/p99 (the client's clocks), how many streams came back
   whole (``token_client``), the workers' steps per output write (worker-0's) and output tokens
   per write (every worker's writes, as Redis counts them): a write is a Redis command, so
@@ -271,6 +274,11 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
     per = s["num_tokens"] if mode == "stream" else s["num_streams"]
     calls = sum(stats.values())
     steps = _delta(w0, w1, "pagefleet:iteration_tokens_total_count")
+    # The simulated model's CPU (its cost model and token draw: a real worker's forward pass and
+    # sampler) a token, worker-0's (a process of several workers serves its first one's metrics).
+    model_s = _delta(w0, w1, "pagefleet:sim_model_cpu_seconds_total")
+    generated = _delta(w0, w1, "pagefleet:generation_tokens_total")
+    sim_model_us = model_s / generated * 1e6 * s["num_tokens"] / per if model_s is not None and generated else None
     writes = _delta(w0, w1, "pagefleet:worker_output_writes_total")
     # Every steps write of every worker as Redis counts it: each XADD but an admission's (one a
     # request) and a finish's done entry (one a finishing write, with its XACK).
@@ -286,6 +294,9 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         "redis_cpu_us": (rcpu1 - rcpu0) / per * 1e6,
         "redis_command_us_by_name": {k: v / per for k, v in sorted(usec.items(), key=lambda kv: -kv[1])},
         "cpu_us": {k: (cpu1[k] - cpu0[k]) / per * 1e6 for k in procs},
+        "worker_sim_model_cpu_us": sim_model_us,
+        # The workers' host path: their CPU less the simulated model's (issue 19's measure).
+        "worker_cpu_us_outside_model": None if sim_model_us is None else (cpu1["workers"] - cpu0["workers"]) / per * 1e6 - sim_model_us,
         # The workers' CPU by thread (engine, output-writer, main: the event loop, grpc's, ...).
         "worker_cpu_us_by_thread": {name: seconds / per * 1e6 for name, seconds in sorted(
             cpu_by_thread(threads0, threads1).items(), key=lambda kv: -kv[1])},
@@ -468,6 +479,11 @@ def _by_thread(x: dict, top: int = 3) -> str:
     return ", ".join(parts)
 
 
+def _outside_model(x: dict) -> str:
+    outside = x.get("worker_cpu_us_outside_model")
+    return "" if outside is None else f"; {outside:.1f} outside the simulated model"
+
+
 def row(x: dict) -> str:
     def f(v, fmt=".1f"):
         return "-" if v is None else format(v, fmt)
@@ -483,7 +499,7 @@ def row(x: dict) -> str:
     cpu = x["cpu_us"]
     return (f"{head}; {x['tokens_per_s']:.0f} tok/s; per {x['per']}: Redis {x['redis_commands']:.2f} commands "
             f"{x['redis_cpu_us']:.1f} us, gateway {cpu['gateway']:.1f} us, scheduler {cpu['scheduler']:.1f} us, "
-            f"workers {cpu['workers']:.1f} us ({_by_thread(x)}); steps/write {f(x['steps_per_write'], '.2f')}, tokens/write "
+            f"workers {cpu['workers']:.1f} us ({_by_thread(x)}{_outside_model(x)}); steps/write {f(x['steps_per_write'], '.2f')}, tokens/write "
             f"{f(x.get('tokens_per_write'))}; Redis bytes/request "
             f"in flight {f(x['redis_bytes_per_request_in_flight'], '.0f')} kept {x['redis_bytes_per_request_kept']:.0f}")
 

@@ -112,6 +112,7 @@ class WorkerMetrics:
         "swapped_in_blocks": "num_swapped_in_blocks_total",
         "prefix_cache_queries": "prefix_cache_queries_total",
         "prefix_cache_hits": "prefix_cache_hits_total",
+        "sim_model_cpu_seconds": "sim_model_cpu_seconds_total",
     }
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -135,6 +136,12 @@ class WorkerMetrics:
         )
         self.prefix_cache_hits = Counter(
             "pagefleet:prefix_cache_hits", "Tokens looked up in the prefix cache and found cached.", registry=r
+        )
+        self.sim_model_cpu_seconds = Counter(
+            "pagefleet:sim_model_cpu_seconds",
+            "CPU seconds the engine thread spent in the simulated model (--engine sim: its cost model and "
+            "token draw, what the forward pass and sampler are to a real engine; 0 on a real engine).",
+            registry=r,
         )
         self.kv_transfer_peers = Gauge(
             "pagefleet:kv_transfer_peers",
