@@ -194,7 +194,14 @@ class StepRelay:
         return self._last is not None
 
     def feed(self, o) -> None:
-        """One message of the request (a ``StepOutput`` or an ``OutEntry``), in any order."""
+        """One message of the request (a ``StepOutput``, a ``Row`` or an ``OutEntry``), in any order."""
+        self._feed(o.index, o.token_ids, o.text, o.logprobs, o.finish_reason, o)
+
+    def feed_row(self, index: int, token_ids: list[int], text: str) -> None:
+        """One message that finishes nothing and has no logprobs (a row of a step's columns)."""
+        self._feed(index, token_ids, text, None, "", None)
+
+    def _feed(self, index: int, ids, text: str, lp, finish_reason: str, o) -> None:
         if self.detached:
             return
         self.num_buffered += 1
@@ -202,17 +209,15 @@ class StepRelay:
             self.detach()
         else:
             order = self.order
-            if o.index == order.next_index and not o.finish_reason and not order.has_gap:  # the common case
-                ids = o.token_ids
+            if index == order.next_index and not finish_reason and not order.has_gap:  # the common case
                 if ids:
                     self._token_ids.extend(ids)
                     order.next_index += len(ids)
-                    lp = o.logprobs
                     if lp:
                         self._logprobs.extend(lp)
-                self._texts.append(o.text)
+                self._texts.append(text)
             else:
-                for e in order.add(o):
+                for e in order.add(o if o is not None else OutEntry(index, list(ids), text)):
                     self._add(e)
             if len(self._token_ids) < self.wake_after and self._last is None:
                 return  # its reader would only hold these back: no wake-up per token
@@ -397,7 +402,17 @@ class StepReader:
 
     def _dispatch(self, raw: bytes) -> None:
         relays = self.relays
-        for o in cluster_pb2.StepOutputs.FromString(raw).outputs:
+        steps = cluster_pb2.StepOutputs.FromString(raw)
+        rids = steps.column_request_ids
+        if rids:  # the step's rows, straight from its columns: no object a message
+            ids, at = list(steps.column_token_ids), 0
+            for rid, index, k, text in zip(rids, steps.column_indices, steps.column_num_tokens, steps.column_texts,
+                                           strict=True):
+                r = relays.get(rid)
+                if r is not None:
+                    r.feed_row(index, ids[at:at + k], text)
+                at += k
+        for o in steps.outputs:
             r = relays.get(o.request_id)
             if r is not None:
                 r.feed(o)

@@ -496,7 +496,17 @@ class StepOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "column_request_ids", "column_indices", "column_num_tokens", "column_token_ids", "column_texts")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    COLUMN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COLUMN_INDICES_FIELD_NUMBER: _ClassVar[int]
+    COLUMN_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COLUMN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COLUMN_TEXTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[StepOutput]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[StepOutput, _Mapping]]] = ...) -> None: ...
+    column_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    column_indices: _containers.RepeatedScalarFieldContainer[int]
+    column_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    column_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    column_texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[StepOutput, _Mapping]]] = ..., column_request_ids: _Optional[_Iterable[str]] = ..., column_indices: _Optional[_Iterable[int]] = ..., column_num_tokens: _Optional[_Iterable[int]] = ..., column_token_ids: _Optional[_Iterable[int]] = ..., column_texts: _Optional[_Iterable[str]] = ...) -> None: ...

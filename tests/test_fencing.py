@@ -12,6 +12,7 @@ import pytest
 from pagefleet.common.fencing import DONE_TTL_S, Fenced, Fencing, Write, read_record, take_over
 from pagefleet.common.redis import GROUP, Keys, OutEntry, RedisServer, connect
 from pagefleet.common.redis_lane import blocking_lane_for
+from pagefleet.common.step_write import messages
 from pagefleet.protos import cluster_pb2
 
 WRITE_PATH = {"lane": False}
@@ -67,7 +68,7 @@ def test_a_step_is_one_entry_in_the_workers_stream_whatever_its_requests(redis_u
         stats = await r.info("commandstats")
         assert stats["cmdstat_xadd"]["calls"] == 1 and "cmdstat_evalsha" not in stats
         entries = await r.xrange(f.steps_key)
-        outs = cluster_pb2.StepOutputs.FromString(entries[0][1][b"o"]).outputs
+        outs = messages(cluster_pb2.StepOutputs.FromString(entries[0][1][b"o"]))  # rows of its columns
         assert [(o.request_id, o.index, list(o.token_ids), o.text) for o in outs] == [
             ("a", 0, [5, 6], "xy"), ("b", 0, [9], "z")]
         await r.aclose()
@@ -152,7 +153,7 @@ def test_finish_is_durable_and_atomic_and_only_the_owner_finishes(redis_url):
         await f.assign("b", 7, "w2")
         assert await f.write([Write("b", eb, OutEntry(0, [4], "", "stop"))]) == [False]
         last = await r.xrevrange(f.steps_key, count=1)
-        assert not cluster_pb2.StepOutputs.FromString(last[0][1][b"o"]).outputs
+        assert not messages(cluster_pb2.StepOutputs.FromString(last[0][1][b"o"]))
         await r.aclose()
 
     run(go())
@@ -201,7 +202,7 @@ def test_a_steps_stream_is_trimmed_by_age_but_never_past_a_running_requests_firs
         for i in range(600):  # a busy stream: other requests, while "a" waits (swapped, say)
             await f.write([Write(f"b{i}", 1, OutEntry(0, [2]))], live={"a", f"b{i}"})
         first = await r.xrange(f.steps_key, count=1)
-        assert cluster_pb2.StepOutputs.FromString(first[0][1][b"o"]).outputs[0].request_id == "a"
+        assert messages(cluster_pb2.StepOutputs.FromString(first[0][1][b"o"]))[0].request_id == "a"
         assert (await take_over(r, keys, "a", fence=True))[0] == [1]  # what a resume reads back
         g = await _worker(r, keys, "w2")
         for i in range(600):  # "a" is not held here: the stream is trimmed

@@ -57,7 +57,7 @@ from pagefleet.protos import cluster_pb2
 from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, execute_pipeline, retry
 from .redis_lane import BlockingLane
 from .scripts import ASSIGN, FINISH
-from .step_write import Final, StepEncoder, StepWrite, piece, set_output
+from .step_write import Final, StepEncoder, StepWrite, messages, piece, set_output
 
 # A running request's owner record lives this long after its assignment (or the worker's refresh).
 REQUEST_TTL_S = 3600
@@ -108,11 +108,12 @@ def steps_field(reply_to: str) -> str:
 
 
 def outputs_of(fields: dict, only: Iterable[bytes] | None = None):
-    """Every ``StepOutput`` of one entry of a steps stream, field after field (``only``: just
-    those fields; default every field of messages)."""
+    """Every message of one entry of a steps stream, field after field (``only``: just those
+    fields; default every field of messages): a ``StepOutput``, or a ``Row`` of the columns,
+    which reads as one."""
     for name, raw in fields.items():
         if raw and (name in only if only is not None else name[:1] == b"o"):
-            yield from cluster_pb2.StepOutputs.FromString(raw).outputs
+            yield from messages(cluster_pb2.StepOutputs.FromString(raw))
 
 
 def add_step_output(steps, request_id: str, e: OutEntry):

@@ -8,6 +8,10 @@ those while they run). A worker's engine thread builds it straight from the step
 (``StepEncoder``), so the event loop only sends bytes; steps that wait are coalesced with
 ``extend`` (serialized ``StepOutputs`` concatenate: the pieces of a repeated field).
 
+A step's messages that finish nothing and carry no logprobs (most of them) are written as the
+``StepOutputs``' columns (a few arrays for the whole step: ``Row`` reads one back), the others as
+its ``outputs`` (a message each). ``messages`` reads both.
+
 Nothing here is per token on the writer's side: ``request_ids`` and ``split`` decode the fields
 again, for the failure paths only.
 """
@@ -17,6 +21,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagefleet.protos import cluster_pb2, generation_pb2
+
+
+class Row:
+    """One message of a ``StepOutputs``' columns, read as a ``StepOutput`` is: it finishes
+    nothing and carries no logprobs."""
+
+    __slots__ = ("index", "request_id", "text", "token_ids")
+    finish_reason = ""
+    error = ""
+    logprobs = ()
+
+    def __init__(self, request_id: str, index: int, token_ids: list[int], text: str) -> None:
+        self.request_id, self.index, self.token_ids, self.text = request_id, index, token_ids, text
+
+
+def rows(steps) -> list[Row]:
+    """The messages of ``steps``' (a ``StepOutputs``) columns, in order."""
+    ids = list(steps.column_token_ids)
+    out, at = [], 0
+    for rid, index, k, text in zip(steps.column_request_ids, steps.column_indices, steps.column_num_tokens,
+                                   steps.column_texts, strict=True):
+        out.append(Row(rid, index, ids[at:at + k], text))
+        at += k
+    return out
+
+
+def messages(steps) -> list:
+    """Every message of ``steps`` (a ``StepOutputs``): its columns' rows (``Row``), then its
+    ``outputs`` (``StepOutput``); each request's in the order written."""
+    return [*rows(steps), *steps.outputs] if steps.column_request_ids else list(steps.outputs)
 
 
 @dataclass(slots=True)
@@ -62,17 +96,20 @@ class StepWrite:
         """Every request with a message here (decodes the fields)."""
         ids = {f.request_id for f in self.finals}
         for raw in self.fields.values():
-            ids.update(o.request_id for o in cluster_pb2.StepOutputs.FromString(raw).outputs)
+            ids.update(o.request_id for o in messages(cluster_pb2.StepOutputs.FromString(raw)))
         return ids
 
     def split(self) -> dict[str, StepWrite]:
-        """This write as one write per request, in order (decodes the fields)."""
+        """This write as one write per request, in order (decodes the fields; a row becomes a
+        message of ``outputs``)."""
         out: dict[str, StepWrite] = {}
         for name, raw in self.fields.items():
-            for o in cluster_pb2.StepOutputs.FromString(raw).outputs:
+            for o in messages(cluster_pb2.StepOutputs.FromString(raw)):
                 w = out.setdefault(o.request_id, StepWrite())
-                piece = cluster_pb2.StepOutputs(outputs=[o]).SerializeToString()
-                w.fields[name] = w.fields.get(name, b"") + piece
+                piece = (cluster_pb2.StepOutputs(outputs=[o]) if not isinstance(o, Row) else
+                         cluster_pb2.StepOutputs(outputs=[cluster_pb2.StepOutput(
+                             request_id=o.request_id, index=o.index, token_ids=o.token_ids, text=o.text)]))
+                w.fields[name] = w.fields.get(name, b"") + piece.SerializeToString()
                 w.num_messages += 1
         for f in self.finals:
             w = out.setdefault(f.request_id, StepWrite())
@@ -124,30 +161,32 @@ class StepEncoder:
     """Builds one ``StepWrite``: ``add`` each message that finishes nothing, ``finish`` each
     last one, then ``build``. Not thread-safe: one step, one thread."""
 
-    __slots__ = ("_adders", "_outputs", "finals", "first", "num_messages", "refresh")
+    __slots__ = ("_columns", "_outputs", "finals", "first", "num_messages", "refresh")
 
     def __init__(self) -> None:
-        self._outputs: dict[str, object] = {}  # field -> its StepOutputs
-        self._adders: dict[str, object] = {}  # field -> its StepOutputs' outputs.add
+        self._outputs: dict[str, object] = {}  # field -> its StepOutputs (messages with logprobs)
+        self._columns: dict[str, tuple[list, list, list, list, list]] = {}  # field -> its columns
         self.finals: list[Final] = []
         self.refresh: list[str] = []
         self.first: list[str] = []
         self.num_messages = 0
 
     def add(self, field_name: str, request_id: str, index: int, token_ids, text: str, logprobs=None) -> None:
-        new = self._adders.get(field_name)
-        if new is None:
-            outs = self._outputs[field_name] = cluster_pb2.StepOutputs()
-            new = self._adders[field_name] = outs.outputs.add
-        o = new()  # set_output's work, inline: this runs for every token
-        o.request_id = request_id
-        o.index = index
-        o.token_ids.extend(token_ids)
-        if text:
-            o.text = text
-        if logprobs:
-            add_logprobs(o, logprobs)
         self.num_messages += 1
+        if logprobs:
+            outs = self._outputs.get(field_name)
+            if outs is None:
+                outs = self._outputs[field_name] = cluster_pb2.StepOutputs()
+            set_output(outs.outputs.add(), request_id, index, token_ids, text, logprobs=logprobs)
+            return
+        cols = self._columns.get(field_name)  # a row: this runs for (nearly) every token
+        if cols is None:
+            cols = self._columns[field_name] = ([], [], [], [], [])
+        cols[0].append(request_id)
+        cols[1].append(index)
+        cols[2].append(len(token_ids))
+        cols[3].extend(token_ids)
+        cols[4].append(text)
 
     def finish(self, final: Final) -> None:
         self.finals.append(final)
@@ -157,5 +196,14 @@ class StepEncoder:
         """The write (None if it has no message)."""
         if not self.num_messages:
             return None
-        return StepWrite({f: outs.SerializeToString() for f, outs in self._outputs.items()},
-                         self.finals, self.refresh, self.first, self.num_messages)
+        fields = {}
+        for f, (rids, indices, counts, ids, texts) in self._columns.items():
+            outs = cluster_pb2.StepOutputs(column_request_ids=rids, column_indices=indices, column_num_tokens=counts,
+                                           column_token_ids=ids, column_texts=texts)
+            if f in self._outputs:
+                outs.outputs.extend(self._outputs[f].outputs)
+            fields[f] = outs.SerializeToString()
+        for f, outs in self._outputs.items():
+            if f not in fields:
+                fields[f] = outs.SerializeToString()
+        return StepWrite(fields, self.finals, self.refresh, self.first, self.num_messages)

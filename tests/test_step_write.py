@@ -1,0 +1,94 @@
+"""A step's write as the worker encodes it: rows of columns for the common messages, a message
+each for those with logprobs, and finals; read back by ``messages`` in the order written."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagefleet.common.fencing import entry_of, outputs_of, step_piece
+from pagefleet.common.redis import OutEntry
+from pagefleet.common.step_write import Row, StepEncoder, StepWrite, messages
+from pagefleet.protos import cluster_pb2
+from pagefleet.protos import generation_pb2 as pb
+
+
+def _read(raw: bytes) -> list[tuple]:
+    return [(o.request_id, o.index, list(o.token_ids), o.text, o.finish_reason, len(o.logprobs))
+            for o in messages(cluster_pb2.StepOutputs.FromString(raw))]
+
+
+def _lp(token: int) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=-0.5, top_logprobs=[pb.TopLogprob(token_id=token, logprob=-0.5)])
+
+
+def test_common_messages_are_rows_and_those_with_logprobs_messages():
+    enc = StepEncoder()
+    enc.add("o:g1", "a", 0, [5, 6], "xy")
+    enc.add("o:g1", "b", 3, [9], "")  # no text yet (a character not complete): still a row
+    enc.add("o:g1", "c", 1, [7], "q", [_lp(7)])
+    enc.add("o:g2", "d", 0, [8], "z")
+    step = enc.build()
+    assert step.num_messages == 4 and set(step.fields) == {"o:g1", "o:g2"}
+    g1 = cluster_pb2.StepOutputs.FromString(step.fields["o:g1"])
+    assert list(g1.column_request_ids) == ["a", "b"] and list(g1.column_num_tokens) == [2, 1]
+    assert [o.request_id for o in g1.outputs] == ["c"]
+    assert _read(step.fields["o:g1"]) == [("a", 0, [5, 6], "xy", "", 0), ("b", 3, [9], "", "", 0),
+                                          ("c", 1, [7], "q", "", 1)]
+    assert _read(step.fields["o:g2"]) == [("d", 0, [8], "z", "", 0)]
+    assert step.request_ids() == {"a", "b", "c", "d"}
+    alone = step.split()  # one write a request, each a message as written (a row becomes one)
+    assert {rid: _read(w.fields[next(iter(w.fields))]) for rid, w in alone.items()} == {
+        "a": [("a", 0, [5, 6], "xy", "", 0)], "b": [("b", 3, [9], "", "", 0)],
+        "c": [("c", 1, [7], "q", "", 1)], "d": [("d", 0, [8], "z", "", 0)]}
+    row = next(o for o in messages(g1) if isinstance(o, Row))
+    assert entry_of(row) == OutEntry(0, [5, 6], "xy")  # as a message of outputs reads
+
+
+def test_pieces_concatenated_stay_aligned_and_a_final_comes_after_the_rows():
+    """Steps coalesced (``StepWrite.extend``) and a final appended by the finish script are
+    byte concatenations: every row keeps its tokens and text, each request's in order."""
+    first, second = StepEncoder(), StepEncoder()
+    first.add("o", "a", 0, [1, 2], "ab")
+    first.add("o", "b", 0, [3], "c")
+    second.add("o", "a", 2, [4], "d")
+    second.add("o", "b", 1, [5, 6, 7], "efg")
+    write = first.build()
+    write.extend(second.build())
+    raw = write.fields["o"] + step_piece("a", OutEntry(3, [8], "h", "stop"))
+    assert _read(raw) == [("a", 0, [1, 2], "ab", "", 0), ("b", 0, [3], "c", "", 0), ("a", 2, [4], "d", "", 0),
+                          ("b", 1, [5, 6, 7], "efg", "", 0), ("a", 3, [8], "h", "stop", 0)]
+    assert [o.request_id for o in outputs_of({b"o": raw, b"x": b"ignored"})] == ["a", "b", "a", "b", "a"]
+    assert StepWrite().request_ids() == set() and StepEncoder().build() is None
+
+
+def test_the_gateways_reader_feeds_each_relay_its_rows_and_messages_in_order():
+    from pagefleet.gateway.relay import StepReader, StepRelay
+
+    async def go():
+        reader = StepReader.__new__(StepReader)
+        loop = asyncio.get_running_loop()
+        reader.relays = {rid: StepRelay(rid, loop, set()) for rid in ("a", "b")}
+        enc = StepEncoder()
+        enc.add("o", "a", 0, [1, 2], "ab")
+        enc.add("o", "zz", 0, [9], "?")  # another process's request: not relayed here
+        enc.add("o", "b", 0, [3], "c", [_lp(3)])
+        enc.add("o", "a", 2, [4], "d")
+        reader._dispatch(enc.build().fields["o"])
+        reader._dispatch(step_piece("a", OutEntry(3, [5], "e", "length")))
+        a, b = reader.relays["a"].take(), reader.relays["b"].take()
+        assert (a.index, list(a.token_ids), a.text, a.finish_reason) == (0, [1, 2, 4, 5], "abde",
+                                                                      pb.FINISH_REASON_LENGTH)
+        assert (list(b.token_ids), b.text, [x.logprob for x in b.logprobs]) == ([3], "c", [-0.5])
+        # A later row before an earlier one (an old worker's write landing late): held, then in order.
+        c = reader.relays["c"] = StepRelay("c", loop, set())
+        late, early = StepEncoder(), StepEncoder()
+        late.add("o", "c", 2, [7], "g")
+        early.add("o", "c", 0, [5, 6], "ef")
+        reader._dispatch(late.build().fields["o"])
+        assert c.take() is None
+        reader._dispatch(early.build().fields["o"])
+        reader._dispatch(early.build().fields["o"])  # a repeat (a retried write): dropped
+        got = c.take()
+        assert (got.index, list(got.token_ids), got.text) == (0, [5, 6, 7], "efg")
+
+    asyncio.run(go())
