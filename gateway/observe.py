@@ -16,6 +16,7 @@ from typing import Any
 
 from pagefleet.common import telemetry
 from pagefleet.common.api_keys import SPAN_ATTRIBUTE, current_key_id
+from pagefleet.protos import generation_pb2 as pb
 
 GRPC_SERVICE = "pagefleet.v1.Generation"
 
@@ -55,8 +56,6 @@ class CallObserver:
                 telemetry.detach(token)
 
     def message(self, msg: Any) -> None:
-        from pagefleet.protos import generation_pb2 as pb
-
         if msg.token_ids and self.num_output_tokens == 0:
             self.metrics.ttft.observe(time.monotonic() - self.started)
         self.num_output_tokens += len(msg.token_ids)
