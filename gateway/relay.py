@@ -31,9 +31,11 @@ import secrets
 from collections.abc import AsyncIterator
 
 import structlog
+from google.protobuf.message import DecodeError
 
 from pagefleet.common.fencing import entry_of, outputs_of, read_record, steps_field
 from pagefleet.common.redis import SCHEDULER_STEPS, Keys, OutEntry, retry
+from pagefleet.common.step_write import check_columns
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
 
@@ -383,10 +385,13 @@ class StepReader:
                 resp = await retry(lambda: self._read(self._cursors, 1024, int(REFRESH_S * 1000)), what="xread_steps")
                 self.num_reads += 1
                 for key, entries in resp:
-                    for _, fields in entries:
+                    for entry_id, fields in entries:
                         for i in range(0, len(fields), 2):
                             if fields[i] in wanted and fields[i + 1]:
-                                self._dispatch(fields[i + 1])
+                                try:
+                                    self._dispatch(fields[i + 1])
+                                except (ValueError, DecodeError) as e:  # a bad entry is skipped, not read again and again
+                                    log.error("steps.bad_entry", stream=key, entry=entry_id, error=str(e))
                     if entries:
                         last = entries[-1][0]
                         self._cursors[key] = last.decode() if isinstance(last, bytes) else last
@@ -410,7 +415,7 @@ class StepReader:
         steps = cluster_pb2.StepOutputs.FromString(raw)
         rids = steps.column_request_ids
         if rids:  # the step's rows, straight from its columns: no object a message
-            ids, at = list(steps.column_token_ids), 0
+            ids, at = check_columns(steps), 0
             for rid, index, k, text in zip(rids, steps.column_indices, steps.column_num_tokens, steps.column_texts,
                                            strict=True):
                 r = relays.get(rid)

@@ -206,3 +206,26 @@ def test_a_step_relay_gathers_messages_in_order_and_a_detach_goes_back_to_what_w
         assert r.take() is None and not r.finished
 
     asyncio.run(go())
+
+
+def test_a_steps_entry_the_reader_cannot_decode_is_skipped_and_what_follows_is_relayed(redis_url):
+    async def go():
+        r, keys = await _cluster(redis_url, "r9")
+        reader = StepReader(r, keys)
+        f = await _writer(r, keys, "w1")
+        relay = reader.open("a")
+        await asyncio.sleep(0.05)
+        epoch = await f.assign("a", 1, "w1")
+        collect = asyncio.ensure_future(_relayed(r, keys, relay))
+        await asyncio.sleep(0.1)
+        await r.xadd(f.steps_key, {"o": b"\xff\xff\xff"})  # not a StepOutputs: logged and skipped
+        await _write_all(f, "a", epoch, 6)
+        _check_whole(await asyncio.wait_for(collect, 10), 6)
+        await reader.stop()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+async def _relayed(r, keys, relay) -> list[pb.GenerateResponse]:
+    return [m async for m in relay_steps(r, keys, relay, 3)]

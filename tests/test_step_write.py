@@ -92,3 +92,60 @@ def test_the_gateways_reader_feeds_each_relay_its_rows_and_messages_in_order():
         assert (got.index, list(got.token_ids), got.text) == (0, [5, 6, 7], "efg")
 
     asyncio.run(go())
+
+
+def test_a_request_that_asked_for_logprobs_never_writes_rows_and_an_abort_after_rows_ends_it():
+    """The engine loop's encoding of real deltas: a request with logprobs is all messages, one
+    without all rows; a coalesced write whose last piece is a zero-token abort final ends the
+    relay after the rows before it."""
+    from pagefleet.common.sampling_params import SamplingParams
+    from pagefleet.worker.engine_loop import EngineLoop
+    from pagefleet.worker.sim import SimEngine
+
+    engine = SimEngine(time_scale=float("inf"), max_num_seqs=4)
+    loop = EngineLoop(engine, emit=lambda b: None, notify=lambda: None)
+    engine.add_request([65, 66, 67], SamplingParams(max_tokens=6, logprobs=2, seed=1), request_id="lp")
+    engine.add_request([65, 66, 68], SamplingParams(max_tokens=6, seed=2), request_id="plain")
+    written = None
+    while engine.has_unfinished_requests():
+        step = loop._encode(engine.step())
+        if step is not None and step.fields:
+            if written is None:
+                written = step
+            else:
+                written.extend(step)
+    got = cluster_pb2.StepOutputs.FromString(written.fields["o"])
+    assert set(got.column_request_ids) == {"plain"} and {o.request_id for o in got.outputs} == {"lp"}
+    assert all(len(o.logprobs) == len(o.token_ids) > 0 for o in got.outputs)
+
+    from pagefleet.gateway.relay import StepReader, StepRelay
+
+    async def go():
+        reader = StepReader.__new__(StepReader)
+        r = StepRelay("plain", asyncio.get_running_loop(), set())
+        reader.relays = {"plain": r}
+        n = len([i for i in got.column_request_ids if i == "plain"])
+        reader._dispatch(written.fields["o"] + step_piece("plain", OutEntry(n, [], "", "abort")))
+        msg = r.take()
+        assert msg.finish_reason == pb.FINISH_REASON_ABORT and len(msg.token_ids) == n
+
+    asyncio.run(go())
+
+
+def test_columns_that_do_not_align_are_refused_by_name():
+    bad = cluster_pb2.StepOutputs(column_request_ids=["a"], column_indices=[0], column_num_tokens=[2],
+                                  column_token_ids=[1], column_texts=["x"])
+    try:
+        messages(bad)
+    except ValueError as e:
+        assert "token counts add up to 2" in str(e)
+    else:
+        raise AssertionError("misaligned columns were read")
+    short = cluster_pb2.StepOutputs(column_request_ids=["a", "b"], column_indices=[0], column_num_tokens=[1],
+                                    column_token_ids=[1], column_texts=["x"])
+    try:
+        messages(short)
+    except ValueError as e:
+        assert "do not align: 2 request ids, 1 indices" in str(e)
+    else:
+        raise AssertionError("misaligned columns were read")

@@ -36,9 +36,24 @@ class Row:
         self.request_id, self.index, self.token_ids, self.text = request_id, index, token_ids, text
 
 
-def rows(steps) -> list[Row]:
-    """The messages of ``steps``' (a ``StepOutputs``) columns, in order."""
+def check_columns(steps) -> list[int]:
+    """``steps``' (a ``StepOutputs``) token ids column, once its columns are checked to align
+    (``ValueError`` naming what does not: an entry not written as ``StepEncoder`` writes)."""
     ids = list(steps.column_token_ids)
+    n = len(steps.column_request_ids)
+    if not (len(steps.column_indices) == len(steps.column_num_tokens) == len(steps.column_texts) == n):
+        raise ValueError(f"a StepOutputs' columns do not align: {n} request ids, {len(steps.column_indices)} "
+                         f"indices, {len(steps.column_num_tokens)} token counts, {len(steps.column_texts)} texts")
+    if sum(steps.column_num_tokens) != len(ids):
+        raise ValueError(f"a StepOutputs' token counts add up to {sum(steps.column_num_tokens)}, "
+                         f"its token ids are {len(ids)}")
+    return ids
+
+
+def rows(steps) -> list[Row]:
+    """The messages of ``steps``' (a ``StepOutputs``) columns, in order (``ValueError`` if its
+    columns do not align)."""
+    ids = check_columns(steps)
     out, at = [], 0
     for rid, index, k, text in zip(steps.column_request_ids, steps.column_indices, steps.column_num_tokens,
                                    steps.column_texts, strict=True):
@@ -172,6 +187,11 @@ class StepEncoder:
         self.num_messages = 0
 
     def add(self, field_name: str, request_id: str, index: int, token_ids, text: str, logprobs=None) -> None:
+        """A message that finishes nothing: a row of its field's columns, or (with logprobs) a
+        message of its ``outputs``. A request's messages are all one or all the other (every
+        message that finishes nothing has tokens, and a request that asked for logprobs has
+        them for each), so its rows keep their order; its last one (``finish``) comes after
+        them. Readers place messages by index anyway (the gateway's ``Reorder``)."""
         self.num_messages += 1
         if logprobs:
             outs = self._outputs.get(field_name)
