@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from pagefleet.bench.floor import _pieces
+
 
 def _bench(tmp_path, *args: str) -> dict:
     out = tmp_path / "tp.json"
@@ -46,8 +48,9 @@ def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
     assert by_mode["floor"]["cpu_us_per_message"] > 0
     paced = stream["floor_paced"]  # the floor again, its messages as the stream's: as many tokens, as far apart
     per = paced["tokens_per_message"]
-    assert per == max(1, round(stream["num_tokens"] / stream["num_messages"]))
-    assert paced["num_whole"] == 24 and paced["num_messages"] == 24 * -(-12 // per)
+    assert per == max(1.0, round(stream["num_tokens"] / stream["num_messages"], 3))
+    assert paced["num_whole"] == 24 and paced["num_tokens"] == 24 * 12
+    assert paced["num_messages"] == 24 * len(list(_pieces(12, per)))  # sizes mixed to that mean
     assert paced["pace_ms"] == round(stream["message_gap_ms_p50"], 3) > 0
     assert stream["gateway_cpu_vs_paced_floor"] > 0
 
@@ -68,8 +71,21 @@ def test_token_path_bench_over_the_http_door(tmp_path):
     stream = by_mode["stream"]
     assert stream["num_tokens"] == 160
     paced = stream["floor_paced"]  # its messages as the stream's: several tokens each (4, 4, 2 a stream)
-    assert paced["num_whole"] == 16 and paced["tokens_per_message"] == round(160 / stream["num_messages"]) > 1
-    assert paced["num_messages"] == 16 * -(-10 // paced["tokens_per_message"]) and paced["num_tokens"] == 160
+    per = paced["tokens_per_message"]
+    assert paced["num_whole"] == 16 and per == round(160 / stream["num_messages"], 3) > 1
+    assert paced["num_messages"] == 16 * len(list(_pieces(10, per))) and paced["num_tokens"] == 160
+
+
+def test_the_floor_mixes_message_sizes_to_a_fractional_mean_and_refuses_bad_flags():
+    from pagefleet.bench.floor import main
+
+    sizes = [len(ids) for _, ids, _ in _pieces(10, 2.5)]
+    assert sizes == [2, 3, 3, 2] and [i for i, _, _ in _pieces(10, 2.5)] == [0, 2, 5, 8]
+    assert [len(ids) for _, ids, _ in _pieces(3, 1)] == [1, 1, 1] and not list(_pieces(0, 4))
+    for bad in (["--tokens-per-message", "0.5"], ["--tokens-per-message", "inf"], ["--pace-ms", "-1"],
+                ["--pace-ms", "nan"]):
+        with pytest.raises(SystemExit):
+            main(["grpc", "1", *bad])
 
 
 def test_host_path_bench_counts_every_token_and_splits_the_cost():

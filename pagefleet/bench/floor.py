@@ -11,7 +11,8 @@ same fields), as fast as the client takes them:
 The same client (``token_client``) drives it as it drives the cluster, so the server's CPU
 per message is the floor a gateway's relay is compared with.
 
-``--tokens-per-message N`` sends N tokens a message (the last one may hold fewer), as a
+``--tokens-per-message N`` sends N tokens a message on average (2.5: 2, 3, 2, 3, ...; the last
+one may hold fewer), as a
 gateway does with ``--stream-interval N`` or for a client that fell behind; ``--pace-ms X``
 sends a stream's messages X ms apart (its first one at once), as a cluster's steps pace them:
 the floor of a relay whose messages wait for the model, each write alone on its connection.
@@ -22,22 +23,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 
 
-def _pieces(n: int, per: int):
-    """A stream of ``n`` canned tokens as messages of ``per``: (index, token ids, text) each,
-    one character a token."""
-    for i in range(0, n, per):
-        if per == 1:
+def _pieces(n: int, per: float):
+    """A stream of ``n`` canned tokens as messages of ``per`` on average (a fraction: sizes
+    round up and down so the k-th message ends at round(k * per)): (index, token ids, text)
+    each, one character a token."""
+    if per == 1:
+        for i in range(n):
             yield i, [65 + i % 58], chr(65 + i % 58)
-        else:
-            ids = [65 + j % 58 for j in range(i, min(n, i + per))]
-            yield i, ids, "".join(map(chr, ids))
+        return
+    i, k = 0, 0
+    while i < n:
+        k += 1
+        end = min(n, max(i + 1, round(k * per)))
+        ids = [65 + j % 58 for j in range(i, end)]
+        yield i, ids, "".join(map(chr, ids))
+        i = end
 
 
-async def _grpc(port: int, per: int = 1, pace_s: float = 0.0) -> None:
+async def _grpc(port: int, per: float = 1, pace_s: float = 0.0) -> None:
     import grpc
 
     from pagefleet.common.service import SERVER_OPTIONS
@@ -65,7 +73,7 @@ async def _grpc(port: int, per: int = 1, pace_s: float = 0.0) -> None:
     await server.wait_for_termination()
 
 
-def _sse_app(per: int = 1, pace_s: float = 0.0):
+def _sse_app(per: float = 1, pace_s: float = 0.0):
     from fastapi import FastAPI, Request
     from fastapi.responses import StreamingResponse
 
@@ -103,13 +111,13 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=("grpc", "sse"))
     p.add_argument("port", type=int)
-    p.add_argument("--tokens-per-message", type=int, default=1, metavar="N")
+    p.add_argument("--tokens-per-message", type=float, default=1, metavar="N", help="on average (a fraction: sizes mixed)")
     p.add_argument("--pace-ms", type=float, default=0.0, metavar="X")
     args = p.parse_args(argv)
-    if args.tokens_per_message < 1:
-        p.error(f"--tokens-per-message must be at least 1, got {args.tokens_per_message}")
-    if not args.pace_ms >= 0:
-        p.error(f"--pace-ms must be 0 or more, got {args.pace_ms}")
+    if not 1 <= args.tokens_per_message < math.inf:
+        p.error(f"--tokens-per-message must be at least 1 (and finite), got {args.tokens_per_message}")
+    if not 0 <= args.pace_ms < math.inf:
+        p.error(f"--pace-ms must be 0 or more (and finite), got {args.pace_ms}")
     per, pace_s = args.tokens_per_message, args.pace_ms / 1000
     if args.kind == "grpc":
         asyncio.run(_grpc(args.port, per, pace_s))

@@ -314,7 +314,7 @@ def _delta(a: dict, b: dict, name: str) -> float | None:
     return b[name] - a.get(name, 0.0)
 
 
-def measure_floor(args, tmp: Path, tokens_per_message: int = 1, pace_ms: float = 0.0) -> dict:
+def measure_floor(args, tmp: Path, tokens_per_message: float = 1, pace_ms: float = 0.0) -> dict:
     """The floor's run: ``--requests`` streams of ``--max-tokens`` canned tokens, ``tokens_per_message``
     a message, each stream's messages ``pace_ms`` apart (0: as fast as the client takes them)."""
     from pagefleet.common.service import free_port
@@ -354,9 +354,9 @@ def measure_floor(args, tmp: Path, tokens_per_message: int = 1, pace_ms: float =
 
 def measure_paced_floor(args, tmp: Path, stream: dict) -> dict:
     """The floor at a stream run's pace: messages of the tokens its messages carried (on
-    average, rounded), each stream's ``message_gap_ms_p50`` apart: what a trivial server
-    costs a token when its writes wait on the model as the gateway's do."""
-    per = max(1, round(stream["num_tokens"] / max(1, stream["num_messages"])))
+    average: sizes mixed to that mean), each stream's ``message_gap_ms_p50`` apart: what a
+    trivial server costs a token when its writes wait on the model as the gateway's do."""
+    per = max(1.0, round(stream["num_tokens"] / max(1, stream["num_messages"]), 3))
     return measure_floor(args, tmp, per, round(stream["message_gap_ms_p50"] or 0.0, 3))
 
 
@@ -492,7 +492,7 @@ def row(x: dict) -> str:
             f"TTFT p50/p99 {f(x['ttft_p50_ms'])}/{f(x['ttft_p99_ms'])} ms, ITL p50/p99 "
             f"{f(x['itl_p50_ms'], '.2f')}/{f(x['itl_p99_ms'], '.2f')} ms")
     if x["mode"] == "floor" and (x.get("pace_ms") or x.get("tokens_per_message", 1) > 1):
-        return (f"{head}; floor server, {x['tokens_per_message']} tokens a message {x['pace_ms']:.1f} ms apart: "
+        return (f"{head}; floor server, {x['tokens_per_message']:g} tokens a message {x['pace_ms']:.1f} ms apart: "
                 f"{x['cpu_us_per_message']:.1f} us CPU/message, {x['cpu_us_per_token']:.1f} us/token")
     if x["mode"] == "floor":
         return f"{head}; floor server {x['cpu_us_per_message']:.1f} us CPU/message"
