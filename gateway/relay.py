@@ -35,7 +35,7 @@ from google.protobuf.message import DecodeError
 
 from pagefleet.common.fencing import entry_of, outputs_of, read_record, steps_field
 from pagefleet.common.redis import SCHEDULER_STEPS, Keys, OutEntry, retry
-from pagefleet.common.step_write import check_columns
+from pagefleet.common.step_write import row_fields
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
 
@@ -413,15 +413,11 @@ class StepReader:
     def _dispatch(self, raw: bytes) -> None:
         relays = self.relays
         steps = cluster_pb2.StepOutputs.FromString(raw)
-        rids = steps.column_request_ids
-        if rids:  # the step's rows, straight from its columns: no object a message
-            ids, at = check_columns(steps), 0
-            for rid, index, k, text in zip(rids, steps.column_indices, steps.column_num_tokens, steps.column_texts,
-                                           strict=True):
+        if steps.column_request_ids:  # the step's rows, straight from its columns
+            for rid, index, ids, text in row_fields(steps):
                 r = relays.get(rid)
                 if r is not None:
-                    r.feed_row(index, ids[at:at + k], text)
-                at += k
+                    r.feed_row(index, ids, text)
         for o in steps.outputs:
             r = relays.get(o.request_id)
             if r is not None:

@@ -28,7 +28,7 @@ floor**: a trivial grpcio servicer (``--backend grpc``) or uvicorn SSE endpoint 
 streaming canned messages of the same size to the same client (``floor.py``); its CPU per
 message is what a relay is compared with. After a ``stream`` run, **the floor at its pace**
 (``floor_paced`` in its JSON): the same server sending messages of the tokens the run's
-messages carried, each stream's as far apart as the run's were (``message_gap_ms_p50``), so
+messages carried on average, each stream's as far apart as the run's were (``message_gap_ms_p50``), so
 its writes wait between messages as the gateway's do; ``gateway_cpu_vs_paced_floor`` is the
 gateway's CPU a token over that floor's.
 

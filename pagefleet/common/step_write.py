@@ -50,16 +50,19 @@ def check_columns(steps) -> list[int]:
     return ids
 
 
-def rows(steps) -> list[Row]:
-    """The messages of ``steps``' (a ``StepOutputs``) columns, in order (``ValueError`` if its
-    columns do not align)."""
-    ids = check_columns(steps)
-    out, at = [], 0
+def row_fields(steps):
+    """``(request id, index, token ids, text)`` of each row of ``steps``' (a ``StepOutputs``)
+    columns, in order: no object a message (``ValueError`` if its columns do not align)."""
+    ids, at = check_columns(steps), 0
     for rid, index, k, text in zip(steps.column_request_ids, steps.column_indices, steps.column_num_tokens,
                                    steps.column_texts, strict=True):
-        out.append(Row(rid, index, ids[at:at + k], text))
+        yield rid, index, ids[at:at + k], text
         at += k
-    return out
+
+
+def rows(steps) -> list[Row]:
+    """The messages of ``steps``' columns as ``Row``s, in order."""
+    return [Row(*fields) for fields in row_fields(steps)]
 
 
 def messages(steps) -> list:
