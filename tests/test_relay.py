@@ -38,6 +38,17 @@ async def _writer(r, keys, wid: str, registered: bool = True) -> Fencing:
     return f
 
 
+async def _one_request(url: str, ns: str):
+    """A steps reader, worker w1's writer and the relay of request "a", assigned to w1:
+    ``(redis, keys, reader, writer, relay, epoch)``."""
+    r, keys = await _cluster(url, ns)
+    reader = StepReader(r, keys)
+    f = await _writer(r, keys, "w1")
+    rel = reader.open("a")
+    await asyncio.sleep(0.05)
+    return r, keys, reader, f, rel, await f.assign("a", 1, "w1")
+
+
 async def _write_all(f: Fencing, rid: str, epoch: int, n: int, per_write: int = 1, delay_s: float = 0.0):
     i = 0
     while i < n:
@@ -92,12 +103,7 @@ def test_a_relay_whose_client_does_not_read_is_bounded_and_loses_nothing(redis_u
     monkeypatch.setattr(relay_mod, "MAX_BUFFERED", 8)
 
     async def go():
-        r, keys = await _cluster(redis_url, "r2")
-        reader = StepReader(r, keys)
-        f = await _writer(r, keys, "w1")
-        rel = reader.open("a")
-        await asyncio.sleep(0.05)
-        epoch = await f.assign("a", 1, "w1")
+        r, keys, reader, f, rel, epoch = await _one_request(redis_url, "r2")
         await _write_all(f, "a", epoch, 100)  # the client reads nothing meanwhile
         await asyncio.sleep(0.3)
         assert rel.detached and rel.num_buffered == 0 and rel.num_tokens == 0  # the backlog stays in Redis
@@ -162,12 +168,7 @@ def test_logprobs_reach_the_responses_cut_with_their_tokens(redis_url):
         return TokenLogprobs(-0.5 * i, [i, i + 1], [-0.5 * i, -0.5 * i - 0.25])
 
     async def go():
-        r, keys = await _cluster(redis_url, "r5")
-        reader = StepReader(r, keys)
-        f = await _writer(r, keys, "w1")
-        rel = reader.open("a")
-        await asyncio.sleep(0.05)
-        e = await f.assign("a", 1, "w1")
+        r, keys, reader, f, rel, e = await _one_request(redis_url, "r5")
         await f.write([Write("a", e, OutEntry(0, [10, 11], "ab", logprobs=[lp(10), lp(11)]))])
         await f.write([Write("a", e, OutEntry(1, [11, 12], "bc", logprobs=[lp(11), lp(12)]))])  # a repeat
         await f.write([Write("a", e, OutEntry(3, [], "", "stop"))])
@@ -210,13 +211,8 @@ def test_a_step_relay_gathers_messages_in_order_and_a_detach_goes_back_to_what_w
 
 def test_a_steps_entry_the_reader_cannot_decode_is_skipped_and_what_follows_is_relayed(redis_url):
     async def go():
-        r, keys = await _cluster(redis_url, "r9")
-        reader = StepReader(r, keys)
-        f = await _writer(r, keys, "w1")
-        relay = reader.open("a")
-        await asyncio.sleep(0.05)
-        epoch = await f.assign("a", 1, "w1")
-        collect = asyncio.ensure_future(_relayed(r, keys, relay))
+        r, keys, reader, f, relay, epoch = await _one_request(redis_url, "r9")
+        collect = asyncio.ensure_future(_collect(relay_steps(r, keys, relay, 3)))
         await asyncio.sleep(0.1)
         await r.xadd(f.steps_key, {"o": b"\xff\xff\xff"})  # not a StepOutputs: logged and skipped
         await _write_all(f, "a", epoch, 6)
@@ -225,7 +221,3 @@ def test_a_steps_entry_the_reader_cannot_decode_is_skipped_and_what_follows_is_r
         await r.aclose()
 
     asyncio.run(go())
-
-
-async def _relayed(r, keys, relay) -> list[pb.GenerateResponse]:
-    return [m async for m in relay_steps(r, keys, relay, 3)]
