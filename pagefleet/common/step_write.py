@@ -219,14 +219,9 @@ class StepEncoder:
         """The write (None if it has no message)."""
         if not self.num_messages:
             return None
-        fields = {}
-        for f, (rids, indices, counts, ids, texts) in self._columns.items():
-            outs = cluster_pb2.StepOutputs(column_request_ids=rids, column_indices=indices, column_num_tokens=counts,
+        fields = {f: outs.SerializeToString() for f, outs in self._outputs.items()}
+        for f, (rids, indices, counts, ids, texts) in self._columns.items():  # rows, then the messages
+            cols = cluster_pb2.StepOutputs(column_request_ids=rids, column_indices=indices, column_num_tokens=counts,
                                            column_token_ids=ids, column_texts=texts)
-            if f in self._outputs:
-                outs.outputs.extend(self._outputs[f].outputs)
-            fields[f] = outs.SerializeToString()
-        for f, outs in self._outputs.items():
-            if f not in fields:
-                fields[f] = outs.SerializeToString()
+            fields[f] = cols.SerializeToString() + fields.get(f, b"")  # serialized StepOutputs concatenate
         return StepWrite(fields, self.finals, self.refresh, self.first, self.num_messages)
