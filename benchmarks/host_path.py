@@ -123,7 +123,7 @@ def _measure(batch: int, max_tokens: int, prompt_len: int, engine: str, model: s
                            SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 1.0, seed=i,
                                           ignore_eos=True),
                            request_id=rid)
-        loop.assignments[rid] = ("1-0", 1, fencing.steps_field("g"))
+        loop.hold(rid, "1-0", 1, fencing.steps_field("g"))
     tokens = 0
     step_s = write_s = model_s = 0.0
     clock = time.thread_time

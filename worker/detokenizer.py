@@ -38,6 +38,16 @@ class IncrementalDetokenizer:
         """The output's text so far (cut before a stop string, if one appeared)."""
         return "".join(self._done) + self._tail
 
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of text handed out so far (a mark for ``text_since``)."""
+        return len(self._done)
+
+    def text_since(self, num_pieces: int) -> str:
+        """The text handed out after the first ``num_pieces`` pieces: everything ``push`` and
+        ``finish`` returned since ``num_pieces`` was read, in one string."""
+        return "".join(self._done[num_pieces:])
+
     def push(self, token_id: int) -> str | None:
         """Append one token; the text to hand out now, or None if a stop string appeared.
 

@@ -60,6 +60,46 @@ MAX_UNREPORTED_FINISHED = 100_000
 _UNASSIGNED = ("", 0, "o")
 
 
+class Held:
+    """A request this loop writes for: its assignment (the entry in the Redis requests stream,
+    acknowledged with its last write; the epoch its writes are fenced with; the steps entry
+    field of its gateway) and where what it wrote here begins.
+
+    What its final write keeps for a retry's replay (``record``: everything written here since
+    its assignment) is read back from the request itself when it is needed: its output token
+    ids from ``index`` on, its detokenizer's text from the mark ``num_pieces`` on, its logprobs;
+    nothing is copied a token."""
+
+    __slots__ = ("entry_id", "epoch", "field", "index", "num_messages", "num_pieces", "request")
+
+    def __init__(self, entry_id: str, epoch: int, field: str, request=None) -> None:
+        self.entry_id, self.epoch, self.field = entry_id, epoch, field
+        self.request = request  # the engine's Request (None: not known, the record is the final message alone)
+        self.index = -1  # the index of its first message written here (-1: none yet)
+        self.num_messages = 0
+        self.num_pieces = request.detokenizer.num_pieces if request is not None else 0
+
+    @property
+    def assignment(self) -> tuple[str, int, str]:
+        return self.entry_id, self.epoch, self.field
+
+    def record(self, finish_reason: str = "", error: str = "", unsent: str = "") -> OutEntry | None:
+        """Everything written here so far as one message (None if nothing was); ``unsent``: text
+        the detokenizer handed out last that no message carried (an error's cut)."""
+        req = self.request
+        if req is None or self.index < 0:
+            return None
+        end = req.num_emitted_tokens
+        text = req.detokenizer.text_since(self.num_pieces)
+        if unsent and text.endswith(unsent):
+            text = text[:len(text) - len(unsent)]
+        lps = req.output_logprobs
+        if lps:
+            base = len(req.output_token_ids) - len(lps)  # the output index of lps[0]
+            lps = lps[max(0, self.index - base):end - base] or None
+        return OutEntry(self.index, req.output_token_ids[self.index:end], text, finish_reason, error, lps or None)
+
+
 class EngineLoop:
     def __init__(self, engine, emit: Callable[[StepWrite], None], notify: Callable[[], None],
                  observer=None, room: threading.Event | None = None) -> None:
@@ -69,12 +109,8 @@ class EngineLoop:
         self.emit = emit
         self.notify = notify
         self.room = room
-        # request id -> (its entry in the Redis requests stream, acknowledged with its last
-        # write; the epoch its writes are fenced with; the steps entry field of its gateway)
-        self.assignments: dict[str, tuple[str, int, str]] = {}
-        # request id -> everything this worker wrote for it since its assignment: the record its
-        # final write keeps for a retry's replay ([index, token ids, text pieces, logprobs, messages])
-        self._records: dict[str, list] = {}
+        # request id -> its assignment and where what it wrote here begins
+        self.held: dict[str, Held] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._paused = False
@@ -187,7 +223,7 @@ class EngineLoop:
         """The step's messages as one write (None if it has none); each request's record grows
         by its message (what its final write keeps for a retry's replay)."""
         enc = StepEncoder()
-        records, assignments = self._records, self.assignments
+        held = self.held
         for d in deltas:
             if d.finish_reason:
                 entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason, logprobs=d.logprobs)
@@ -197,43 +233,41 @@ class EngineLoop:
             if not token_ids and not text:
                 continue
             rid = d.request_id
-            rec = records.get(rid)
-            if rec is None:
-                rec = records[rid] = [d.index, [], [], [] if d.logprobs else None, 0]
+            h = held.get(rid)
+            if h is None:
+                h = self._hold_unassigned(rid, text)
+            if h.index < 0:
+                h.index = d.index
                 enc.first.append(rid)
-            rec[1] += token_ids
-            rec[2].append(text)
-            if d.logprobs and rec[3] is not None:
-                rec[3] += d.logprobs
-            rec[4] += 1
-            if rec[4] % TTL_REFRESH_MESSAGES == 0:
+            h.num_messages += 1
+            if h.num_messages % TTL_REFRESH_MESSAGES == 0:
                 enc.refresh.append(rid)
-            enc.add(assignments.get(rid, _UNASSIGNED)[2], rid, d.index, token_ids, text, d.logprobs)
+            enc.add(h.field, rid, d.index, token_ids, text, d.logprobs)
         return enc.build()
 
-    def _record(self, rid: str, e: OutEntry) -> None:
-        """Add ``e`` to what this worker wrote for ``rid``."""
-        rec = self._records.get(rid)
-        if rec is None:
-            rec = self._records[rid] = [e.index, [], [], [] if e.logprobs else None, 0]
-        rec[1].extend(e.token_ids)
-        rec[2].append(e.text)
-        if e.logprobs and rec[3] is not None:
-            rec[3].extend(e.logprobs)
-        rec[4] += 1
+    def _hold_unassigned(self, rid: str, text: str) -> Held:
+        """A request that writes with no assignment (its engine driven directly, as a bench
+        does): held from its first message, which ``text`` is."""
+        h = self.held[rid] = Held(*_UNASSIGNED, self.engine.requests.get(rid))
+        if text and h.request is not None:
+            h.num_pieces -= 1  # the message's text is the detokenizer's last piece
+        return h
 
-    def _final(self, rid: str, entry: OutEntry) -> Final:
+    def _final(self, rid: str, entry: OutEntry, unsent: str = "") -> Final:
         """``rid``'s last message, with the record of everything written for it here (it is
-        forgotten on this worker from here on)."""
-        entry_id, epoch, field = self.assignments.pop(rid, _UNASSIGNED)
-        self._record(rid, entry)
-        rec = self._records.pop(rid)
-        record = OutEntry(rec[0], rec[1], "".join(rec[2]), entry.finish_reason, entry.error, rec[3] or None)
+        forgotten on this worker from here on). ``unsent``: text its detokenizer handed out
+        last that ``entry`` does not carry (an error after an abort)."""
+        h = self.held.pop(rid, None)
+        if h is None:
+            h = Held(*_UNASSIGNED)
+        if h.index < 0:
+            h.index = entry.index
+        record = h.record(entry.finish_reason, entry.error, unsent) if h.request is not None else entry
         self._finished(rid)
-        return Final(rid, epoch, entry_id, entry.finish_reason, field, step_piece(rid, entry), step_piece(rid, record))
+        return Final(rid, h.epoch, h.entry_id, entry.finish_reason, h.field, step_piece(rid, entry),
+                     step_piece(rid, record))
 
     def _finished(self, request_id: str) -> None:
-        self._records.pop(request_id, None)
         for q in self._subscribers:
             q.append(request_id)
 
@@ -242,7 +276,7 @@ class EngineLoop:
         for rid in list(self.engine.requests):
             d = self.engine.abort_request(rid)
             index = d.index if d is not None else 0
-            batch.append(self._final(rid, OutEntry(index, [], "", "error", error)))
+            batch.append(self._final(rid, OutEntry(index, [], "", "error", error), d.text if d is not None else ""))
             if self.observer:
                 self.observer.removed(rid, "error", index, error)
         if batch:
@@ -283,32 +317,43 @@ class EngineLoop:
     def _handed_over(self, request_id: str) -> None:
         """``request_id`` runs on another worker now (its engine here let it go): forget it,
         writing nothing; not reported finished (the reports show it gone, the scheduler knows why)."""
-        self.assignments.pop(request_id, None)
-        self._records.pop(request_id, None)
+        self.held.pop(request_id, None)
         if self.observer:
             self.observer.removed(request_id, "migrated")
 
     def assignment(self, request_id: str) -> tuple[str, int, str]:
         """``request_id``'s (entry id, epoch, steps field); ("", 0, "o") if unassigned."""
-        return self.assignments.get(request_id, _UNASSIGNED)
+        h = self.held.get(request_id)
+        return _UNASSIGNED if h is None else h.assignment
 
     def record_piece(self, request_id: str) -> bytes:
         """Everything this worker wrote for ``request_id`` since its assignment, as one
         ``StepOutputs`` piece (empty if nothing): what a handover records in Redis."""
-        rec = self._records.get(request_id)
-        if rec is None or not rec[1]:
+        h = self.held.get(request_id)
+        record = h.record() if h is not None else None
+        if record is None or not record.token_ids:
             return b""
-        return step_piece(request_id, OutEntry(rec[0], rec[1], "".join(rec[2]), "", "", rec[3] or None))
+        return step_piece(request_id, record)
 
     def set_epoch(self, request_id: str, epoch: int) -> None:
         """``request_id``'s writes go under ``epoch`` from now on (it took the request back)."""
-        entry_id, _, field = self.assignments.get(request_id, _UNASSIGNED)
-        self.assignments[request_id] = (entry_id, epoch, field)
+        h = self.held.get(request_id)
+        if h is None:
+            h = self.held[request_id] = Held(*_UNASSIGNED, self.engine.requests.get(request_id))
+        h.epoch = epoch
+
+    def hold(self, request_id: str, entry_id: str, epoch: int, field: str) -> None:
+        """Write for ``request_id`` (in the engine now) under this assignment from its next message on."""
+        h = self.held.get(request_id)
+        if h is None:
+            self.held[request_id] = Held(entry_id, epoch, field, self.engine.requests.get(request_id))
+        else:
+            h.entry_id, h.epoch, h.field = entry_id, epoch, field
 
     def adopt(self, request_id: str, entry_id: str, epoch: int, field: str, assign=None) -> None:
         """A request migrated in (its engine runs it already) is written under ``epoch``;
         ``assign``: an ``AssignRequest`` describing it, for the metrics and traces."""
-        self.assignments[request_id] = (entry_id, epoch, field)
+        self.hold(request_id, entry_id, epoch, field)
         if self.observer and assign is not None:
             self.observer.assigned(assign)
         self._refresh(force_notify=True)
@@ -345,9 +390,9 @@ class EngineLoop:
         """``parent``: the trace context of the scheduler's Assign call."""
         rid = msg.request_id
         if rid in self.engine.requests:  # a repeated Assign (the scheduler retried): already here
-            entry_id, epoch, field = self.assignments.get(rid, _UNASSIGNED)
+            entry_id, epoch, _ = self.assignment(rid)
             if msg.epoch > epoch:  # re-placed here while it runs here (it came by migration): write under it
-                self.assignments[rid] = (msg.entry_id or entry_id, msg.epoch, steps_field(msg.reply_to))
+                self.hold(rid, msg.entry_id or entry_id, msg.epoch, steps_field(msg.reply_to))
             return
         try:
             self.engine.add_request(
@@ -364,7 +409,7 @@ class EngineLoop:
             self.emit(finals_write([Final(rid, msg.epoch, msg.entry_id, "error", steps_field(msg.reply_to), p, p)]))
             self._finished(rid)
             return
-        self.assignments[rid] = (msg.entry_id, msg.epoch, steps_field(msg.reply_to))
+        self.hold(rid, msg.entry_id, msg.epoch, steps_field(msg.reply_to))
         if self.observer:
             self.observer.assigned(msg, parent)
         log.info("request.assigned", request_id=rid, traceparent=msg.traceparent,
@@ -373,14 +418,14 @@ class EngineLoop:
     def cancel(self, request_id: str, notify_client: bool) -> bool:
         d = self.engine.abort_request(request_id)
         if d is None:
-            self.assignments.pop(request_id, None)
+            self.held.pop(request_id, None)
             return False
         if self.observer:
             self.observer.removed(request_id, "abort", d.index)
         if notify_client:
             self.emit(finals_write([self._final(request_id, OutEntry(d.index, list(d.token_ids), d.text, "abort"))]))
         else:
-            self.assignments.pop(request_id, None)
+            self.held.pop(request_id, None)
         self._finished(request_id)
         log.info("request.cancelled", request_id=request_id, notify_client=notify_client)
         return True
@@ -391,8 +436,7 @@ class EngineLoop:
         Not reported finished: the reports show it gone unfinished, so a scheduler that still
         has it placed here (its assignment lost in a Redis failover) resumes it."""
         if self.engine.abort_request(request_id) is not None:
-            self.assignments.pop(request_id, None)
-            self._records.pop(request_id, None)
+            self.held.pop(request_id, None)
             if self.observer:
                 self.observer.removed(request_id, "abort")
             log.warning("request.fenced_off", request_id=request_id)
@@ -404,19 +448,18 @@ class EngineLoop:
         for rid in list(self.engine.requests):
             if self.engine.abort_request(rid) is not None and self.observer:
                 self.observer.removed(rid, "abort")
-            self.assignments.pop(rid, None)
-            self._records.pop(rid, None)
+            self.held.pop(rid, None)
         log.warning("worker.fenced_off", num_requests=len(self.engine.requests))
 
     def fail(self, request_id: str, error: str) -> None:
         """A write for ``request_id`` failed for good: end it with an error, visibly."""
         d = self.engine.abort_request(request_id)
         if d is None:
-            self.assignments.pop(request_id, None)
+            self.held.pop(request_id, None)
             return  # gone already (its error message was this write, or it finished)
         if self.observer:
             self.observer.removed(request_id, "error", d.index, error)
-        self.emit(finals_write([self._final(request_id, OutEntry(d.index, [], "", "error", error))]))
+        self.emit(finals_write([self._final(request_id, OutEntry(d.index, [], "", "error", error), d.text)]))
 
     def preempt(self, request_id: str, mode: int) -> cluster_pb2.PreemptResponse:
         e = self.engine
