@@ -329,16 +329,21 @@ class Engine:
         if lps is not None:
             lps.append(logprobs)
         detok = req.detokenizer
-        if token in req.finish_token_ids and not req.params.include_stop_str_in_output:
+        stop_token = token in req.finish_token_ids
+        if stop_token and not req.params.include_stop_str_in_output:
             text = ""  # a stop token's own text is not sent (as vLLM does)
         else:
             text = detok.push(token)  # None: a stop string appeared
-        status = RequestStatus.FINISHED_STOPPED if text is None else req.check_stop_token(token)
-        if status is None:
+        # Request.check_stop_token, inline (every running request, every step).
+        if text is None or stop_token:
+            status = RequestStatus.FINISHED_STOPPED
+        elif len(out_ids) >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        else:
             index = req.num_emitted_tokens
-            req.num_emitted_tokens = len(out_ids)
-            return TokenDelta(req.request_id, out_ids[index:], text, index,
-                              logprobs=None if lps is None else lps[len(lps) - len(out_ids) + index:])
+            req.num_emitted_tokens = n = len(out_ids)
+            return TokenDelta(req.request_id, [token] if index == n - 1 else out_ids[index:], text, index,
+                              None, None if lps is None else lps[len(lps) - n + index:])
         # Ended by a stop string: what is held back is cut off; by length or a stop token: an
         # incomplete last character still goes out (as U+FFFD, as decode gives it).
         text = (text or "") + detok.finish(flush=text is not None)
