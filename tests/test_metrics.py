@@ -73,6 +73,14 @@ def test_worker_metrics_follow_the_engine():
     # cumulative engine counters never make a Prometheus counter go down
     m.observe_stats(stats(num_preemptions_total=1))
     assert get("pagefleet:num_preemptions_total") == 2
+    # the output writes are the writer's own count, read when scraped
+    assert get("pagefleet:worker_output_writes_total") == 0
+    writes = [0]
+    m.output_writes.count(lambda: writes[0])
+    writes[0] = 7
+    assert get("pagefleet:worker_output_writes_total") == 7
+    from prometheus_client import generate_latest
+    assert b"# TYPE pagefleet:worker_output_writes_total counter" in generate_latest(m.registry)
 
 
 def test_every_component_serves_its_own_metrics_only():

@@ -180,7 +180,7 @@ class OutputWriter:
         finally:
             with self._cond:
                 self._backlog -= batch.num_messages
-                if self._backlog < self.max_backlog:
+                if self._backlog < self.max_backlog and not self.has_room.is_set():
                     self.has_room.set()
                 self._busy = False
         return True

@@ -249,9 +249,9 @@ class Worker:
             on_refused=lambda rid: self.loop.call(lambda: self.loop.drop(rid)),
             on_fenced=lambda discard: asyncio.wrap_future(self.loop.call(lambda: (self.loop.drop_all(), discard()))),
             on_failed=lambda rid, error: self.loop.call(lambda: self.loop.fail(rid, error)),
-            on_written=self.metrics.output_writes.inc,
             live=lambda: self.loop.snapshot.request_ids,
         )
+        self.metrics.output_writes.count(lambda: self.writer.num_round_trips)
         self.aio = asyncio.get_running_loop()
         self.changed = asyncio.Event()
         self.loop = EngineLoop(

@@ -304,9 +304,11 @@ class Fencing:
 
 def _error(reply):
     """A lane's reply with an error reply as redis-py's ``ResponseError`` (a value, not raised)."""
+    if not isinstance(reply, hiredis.ReplyError):
+        return reply
     import redis.exceptions as rx
 
-    return rx.ResponseError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
+    return rx.ResponseError(str(reply))
 
 
 def _noscript(reply) -> bool:
