@@ -6,7 +6,8 @@ logprobs) when a final or a handover needs it. These tests write real steps of a
 engine through ``EngineLoop`` and hold every record against the messages the loop wrote for
 that request: finished by length and by a stop string (text held back, then cut), resumed
 after tokens made elsewhere, with logprobs, cancelled, failed after a hold-back (the error
-carries no text, the record none either), and mid-run for a handover.
+carries no text, the record none either), mid-run for a handover, after a step that failed
+half-way (its tokens never written), and assigned again after an end that was never written.
 """
 
 from __future__ import annotations
@@ -127,3 +128,40 @@ def test_a_request_driven_without_an_assignment_still_records_all_it_wrote():
     assert written.messages["plain"][0].text  # its first message's text is the detokenizer's last piece then
     for rid in ("direct", "plain", "one"):
         assert as_tuple(written.records[rid]) == joined(written.messages[rid]), rid
+
+
+def test_a_step_that_failed_half_way_records_only_what_was_written():
+    """A step made tokens and text that were never written (it raised before its messages were
+    encoded): the error finals' records end at the last message written, and a request that the
+    step finished (gone from the engine, its final never written) is run afresh when assigned
+    again, its record its own."""
+    loop, written = new_loop()
+    params = SamplingParams(max_tokens=40, seed=9, ignore_eos=True)
+    assign(loop, "running", params)
+    assign(loop, "short", SamplingParams(max_tokens=6, seed=8, ignore_eos=True))
+    run(loop, written, until=lambda: len(written.messages.get("short", ())) == 5)
+    lost = loop.engine.step()  # the step that fails: its deltas never reach the writer
+    assert {d.request_id for d in lost} == {"running", "short"} and any(d.finish_reason for d in lost)
+    loop._fail_all("engine step failed")
+    assert as_tuple(written.records["running"]) == joined(written.messages["running"])
+    assert written.records["running"].error == "engine step failed"
+    assert "short" not in written.records and loop.held == {}
+
+    first_run = len(written.messages["short"])
+    assign(loop, "short", SamplingParams(max_tokens=6, seed=8, ignore_eos=True), output_token_ids=[70, 71], epoch=2)
+    run(loop, written)
+    again = written.messages["short"][first_run:]
+    assert as_tuple(written.records["short"]) == joined(again) and written.records["short"].index == 2
+
+
+def test_an_assignment_after_an_unwritten_end_starts_a_new_record():
+    loop, written = new_loop()
+    assign(loop, "x", SamplingParams(max_tokens=4, seed=5, ignore_eos=True))
+    run(loop, written, until=lambda: len(written.messages.get("x", ())) == 3)
+    loop.engine.step()  # x's last token: its final is never written, nor failed (no _fail_all)
+    assert "x" not in loop.engine.requests and "x" in loop.held
+    first_run = len(written.messages["x"])
+    assign(loop, "x", SamplingParams(max_tokens=4, seed=5, ignore_eos=True), output_token_ids=[65, 66, 67], epoch=2)
+    run(loop, written)
+    again = written.messages["x"][first_run:]
+    assert as_tuple(written.records["x"]) == joined(again) == (3, [again[0].token_ids[0]], again[0].text, [])

@@ -43,10 +43,11 @@ class IncrementalDetokenizer:
         """Pieces of text handed out so far (a mark for ``text_since``)."""
         return len(self._done)
 
-    def text_since(self, num_pieces: int) -> str:
-        """The text handed out after the first ``num_pieces`` pieces: everything ``push`` and
-        ``finish`` returned since ``num_pieces`` was read, in one string."""
-        return "".join(self._done[num_pieces:])
+    def text_since(self, num_pieces: int, count: int | None = None) -> str:
+        """The text handed out after the first ``num_pieces`` pieces (``count`` of them, or all):
+        what ``push`` and ``finish`` returned since ``num_pieces`` was read, in one string (each
+        non-empty return is one piece)."""
+        return "".join(self._done[num_pieces:None if count is None else num_pieces + count])
 
     def push(self, token_id: int) -> str | None:
         """Append one token; the text to hand out now, or None if a stop string appeared.

@@ -67,37 +67,47 @@ class Held:
 
     What its final write keeps for a retry's replay (``record``: everything written here since
     its assignment) is read back from the request itself when it is needed: its output token
-    ids from ``index`` on, its detokenizer's text from the mark ``num_pieces`` on, its logprobs;
-    nothing is copied a token."""
+    ids from ``index`` to ``end``, its detokenizer's ``num_written_pieces`` pieces of text from
+    the mark ``num_pieces`` on (a message that finishes nothing carries one piece, or none when
+    its text is empty), its logprobs; nothing is copied a token. The marks follow what was
+    written, not what the engine made: a step that failed half-way made tokens never written."""
 
-    __slots__ = ("entry_id", "epoch", "field", "index", "num_messages", "num_pieces", "request")
+    __slots__ = ("end", "entry_id", "epoch", "field", "index", "num_messages", "num_pieces",
+                 "num_written_pieces", "request")
 
     def __init__(self, entry_id: str, epoch: int, field: str, request=None) -> None:
         self.entry_id, self.epoch, self.field = entry_id, epoch, field
         self.request = request  # the engine's Request (None: not known, the record is the final message alone)
         self.index = -1  # the index of its first message written here (-1: none yet)
+        self.end = 0  # the index after its last message written here
         self.num_messages = 0
         self.num_pieces = request.detokenizer.num_pieces if request is not None else 0
+        self.num_written_pieces = 0
 
     @property
     def assignment(self) -> tuple[str, int, str]:
         return self.entry_id, self.epoch, self.field
 
-    def record(self, finish_reason: str = "", error: str = "", unsent: str = "") -> OutEntry | None:
-        """Everything written here so far as one message (None if nothing was); ``unsent``: text
-        the detokenizer handed out last that no message carried (an error's cut)."""
+    def record(self, last: OutEntry | None = None) -> OutEntry | None:
+        """Everything written here, ``last`` (the final message, not written yet) included, as one
+        message (None if there is nothing)."""
         req = self.request
-        if req is None or self.index < 0:
-            return None
-        end = req.num_emitted_tokens
-        text = req.detokenizer.text_since(self.num_pieces)
-        if unsent and text.endswith(unsent):
-            text = text[:len(text) - len(unsent)]
+        index = self.index if self.index >= 0 else last.index if last is not None else -1
+        if req is None or index < 0:
+            return last
+        end = self.end if self.index >= 0 else index
+        text = req.detokenizer.text_since(self.num_pieces, self.num_written_pieces)
+        finish_reason = error = ""
+        if last is not None:
+            if last.token_ids:
+                end = last.index + len(last.token_ids)
+            text += last.text
+            finish_reason, error = last.finish_reason, last.error
         lps = req.output_logprobs
         if lps:
             base = len(req.output_token_ids) - len(lps)  # the output index of lps[0]
-            lps = lps[max(0, self.index - base):end - base] or None
-        return OutEntry(self.index, req.output_token_ids[self.index:end], text, finish_reason, error, lps or None)
+            lps = lps[max(0, index - base):end - base] or None
+        return OutEntry(index, req.output_token_ids[index:end], text, finish_reason, error, lps or None)
 
 
 class EngineLoop:
@@ -220,8 +230,8 @@ class EngineLoop:
         self._refresh()
 
     def _encode(self, deltas) -> StepWrite | None:
-        """The step's messages as one write (None if it has none); each request's record grows
-        by its message (what its final write keeps for a retry's replay)."""
+        """The step's messages as one write (None if it has none); each request's marks (``Held``)
+        move past its message (what its final write keeps for a retry's replay is read back to there)."""
         enc = StepEncoder()
         held = self.held
         for d in deltas:
@@ -239,6 +249,9 @@ class EngineLoop:
             if h.index < 0:
                 h.index = d.index
                 enc.first.append(rid)
+            h.end = d.index + len(token_ids)
+            if text:
+                h.num_written_pieces += 1
             h.num_messages += 1
             if h.num_messages % TTL_REFRESH_MESSAGES == 0:
                 enc.refresh.append(rid)
@@ -253,16 +266,13 @@ class EngineLoop:
             h.num_pieces -= 1  # the message's text is the detokenizer's last piece
         return h
 
-    def _final(self, rid: str, entry: OutEntry, unsent: str = "") -> Final:
+    def _final(self, rid: str, entry: OutEntry) -> Final:
         """``rid``'s last message, with the record of everything written for it here (it is
-        forgotten on this worker from here on). ``unsent``: text its detokenizer handed out
-        last that ``entry`` does not carry (an error after an abort)."""
+        forgotten on this worker from here on)."""
         h = self.held.pop(rid, None)
         if h is None:
             h = Held(*_UNASSIGNED)
-        if h.index < 0:
-            h.index = entry.index
-        record = h.record(entry.finish_reason, entry.error, unsent) if h.request is not None else entry
+        record = h.record(entry)
         self._finished(rid)
         return Final(rid, h.epoch, h.entry_id, entry.finish_reason, h.field, step_piece(rid, entry),
                      step_piece(rid, record))
@@ -276,9 +286,10 @@ class EngineLoop:
         for rid in list(self.engine.requests):
             d = self.engine.abort_request(rid)
             index = d.index if d is not None else 0
-            batch.append(self._final(rid, OutEntry(index, [], "", "error", error), d.text if d is not None else ""))
+            batch.append(self._final(rid, OutEntry(index, [], "", "error", error)))
             if self.observer:
                 self.observer.removed(rid, "error", index, error)
+        self.held.clear()  # a request the failed step finished left the engine unwritten: resumed elsewhere
         if batch:
             self.emit(finals_write(batch))
         self._refresh()
@@ -343,10 +354,12 @@ class EngineLoop:
         h.epoch = epoch
 
     def hold(self, request_id: str, entry_id: str, epoch: int, field: str) -> None:
-        """Write for ``request_id`` (in the engine now) under this assignment from its next message on."""
+        """Write for ``request_id`` (in the engine now) under this assignment from its next message
+        on; what was held for an earlier run of the same id (one that ended unwritten) is dropped."""
         h = self.held.get(request_id)
-        if h is None:
-            self.held[request_id] = Held(entry_id, epoch, field, self.engine.requests.get(request_id))
+        req = self.engine.requests.get(request_id)
+        if h is None or h.request is not req:
+            self.held[request_id] = Held(entry_id, epoch, field, req)
         else:
             h.entry_id, h.epoch, h.field = entry_id, epoch, field
 
@@ -459,7 +472,7 @@ class EngineLoop:
             return  # gone already (its error message was this write, or it finished)
         if self.observer:
             self.observer.removed(request_id, "error", d.index, error)
-        self.emit(finals_write([self._final(request_id, OutEntry(d.index, [], "", "error", error), d.text)]))
+        self.emit(finals_write([self._final(request_id, OutEntry(d.index, [], "", "error", error))]))
 
     def preempt(self, request_id: str, mode: int) -> cluster_pb2.PreemptResponse:
         e = self.engine

@@ -208,7 +208,7 @@ class WorkerMetrics:
         )
         self.prompt_tokens = Counter("pagefleet:prompt_tokens", "Prompt tokens received.", registry=r)
         self.generation_tokens = Counter("pagefleet:generation_tokens", "Tokens generated.", registry=r)
-        # Read from the writer's own count when scraped (``count_output_writes``): nothing a write.
+        # Read from the writer's own count when scraped (``output_writes.count``): nothing a write.
         self.output_writes = _CountOf("pagefleet:worker_output_writes",
                                       "Round trips that wrote steps' output to Redis.", registry=r)
         self.request_success = Counter(
