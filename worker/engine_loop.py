@@ -63,7 +63,7 @@ _UNASSIGNED = ("", 0, "o")
 class Held:
     """A request this loop writes for: its assignment (the entry in the Redis requests stream,
     acknowledged with its last write; the epoch its writes are fenced with; the steps entry
-    field of its gateway) and where what it wrote here begins.
+    field of its gateway) and the marks of what it wrote here.
 
     What its final write keeps for a retry's replay (``record``: everything written here since
     its assignment) is read back from the request itself when it is needed: its output token
@@ -119,7 +119,7 @@ class EngineLoop:
         self.emit = emit
         self.notify = notify
         self.room = room
-        # request id -> its assignment and where what it wrote here begins
+        # request id -> its assignment and the marks of what it wrote here
         self.held: dict[str, Held] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()

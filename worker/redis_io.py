@@ -60,7 +60,6 @@ class OutputWriter:
         on_fenced: Callable[[Callable[[], None]], Awaitable[None]] | None = None,
         on_failed: Callable[[str, str], None] = lambda rid, error: None,
         max_backlog: int = MAX_BACKLOG,
-        on_written: Callable[[], None] = lambda: None,
         live: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         """Callbacks run on the writer's thread, ``on_refused``/``on_failed`` must be safe there (the
@@ -75,7 +74,6 @@ class OutputWriter:
         self.on_fenced = on_fenced or _discard  # drops what the engine holds; done when it has
         self.on_failed = on_failed
         self.max_backlog = max_backlog
-        self.on_written = on_written  # told of every round trip (a metric)
         self.live = live  # the requests the engine holds (the steps stream keeps their entries)
         self._pending: collections.deque[StepWrite] = collections.deque()
         self._cond = threading.Condition(threading.Lock())
@@ -175,8 +173,7 @@ class OutputWriter:
                     log.exception("outputs.write_failed", num_messages=batch.num_messages)
                     for rid in batch.request_ids():
                         self.on_failed(rid, "the worker could not write this request's output")
-                self.num_round_trips += 1
-                self.on_written()
+                self.num_round_trips += 1  # the worker's pagefleet:worker_output_writes_total, when scraped
         finally:
             with self._cond:
                 self._backlog -= batch.num_messages
