@@ -152,3 +152,66 @@ def test_gateway_metrics_by_model_count_each_models_calls_apart():
     assert g[("pagefleet:gateway_shed_requests_total", (("model", "b"),))] == 1
     assert g[("pagefleet:gateway_requests_in_flight", (("model", "a"),))] == 1
     assert g[("pagefleet:gateway_time_to_first_token_seconds_count", (("model", "a"),))] == 1
+
+
+def test_the_steps_latencies_are_each_requests_own():
+    """The latencies ``observe_step`` observes (gaps grouped by value, observed once per value)
+    are those of a per-request reference (the last token's time of each request), over random
+    steps where requests start, pause, make several tokens at once, finish and are removed."""
+    import random
+
+    class Reference:
+        def __init__(self):
+            self.arrival, self.last = {}, {}
+            self.ttft, self.itl, self.e2e = [], [], []
+
+        def step(self, deltas, now):
+            for d in deltas:
+                n = len(d.token_ids)
+                if n:
+                    last = self.last.get(d.request_id)
+                    if last is None:
+                        if d.request_id in self.arrival:
+                            self.ttft.append(now - self.arrival[d.request_id])
+                    else:
+                        self.itl += [(now - last) / n] * n
+                    self.last[d.request_id] = now
+                if d.finish_reason is not None:
+                    self.last.pop(d.request_id, None)
+                    if d.request_id in self.arrival:
+                        self.e2e.append(now - self.arrival.pop(d.request_id))
+
+    rng = random.Random(7)
+    m, ref = WorkerMetrics(), Reference()
+    live: list[str] = []
+    now = 100.0
+    for step in range(400):
+        now += rng.choice([0.008, 0.0125, 0.03])
+        if rng.random() < 0.3:
+            rid = f"r{step}"
+            live.append(rid)
+            m.request_added(rid, 4, arrival_time=now)
+            ref.arrival[rid] = now
+        deltas = []
+        for rid in list(live):
+            r = rng.random()
+            if r < 0.15:
+                continue  # paused this step (preempted, or waiting for blocks)
+            n = 2 if r < 0.2 else 0 if r < 0.22 else 1
+            finish = "length" if rng.random() < 0.05 else None
+            deltas.append(delta(rid, n, finish))
+            if finish:
+                live.remove(rid)
+        m.observe_step(deltas, None, now=now)
+        ref.step(deltas, now)
+        if live and rng.random() < 0.03:  # a cancel
+            rid = live.pop(rng.randrange(len(live)))
+            m.request_removed(rid)
+            ref.arrival.pop(rid, None)
+            ref.last.pop(rid, None)
+    get = m.registry.get_sample_value
+    for name, values in (("time_to_first_token", ref.ttft), ("inter_token_latency", ref.itl),
+                         ("e2e_request_latency", ref.e2e)):
+        assert get(f"pagefleet:{name}_seconds_count") == len(values) > 10, name
+        assert abs(get(f"pagefleet:{name}_seconds_sum") - sum(values)) < 1e-6, name
+    assert not m._last_token.keys() - set(live)  # nothing kept of the requests gone
