@@ -124,10 +124,9 @@ class StepWrite:
         for name, raw in self.fields.items():
             for o in messages(cluster_pb2.StepOutputs.FromString(raw)):
                 w = out.setdefault(o.request_id, StepWrite())
-                piece = (cluster_pb2.StepOutputs(outputs=[o]) if not isinstance(o, Row) else
-                         cluster_pb2.StepOutputs(outputs=[cluster_pb2.StepOutput(
-                             request_id=o.request_id, index=o.index, token_ids=o.token_ids, text=o.text)]))
-                w.fields[name] = w.fields.get(name, b"") + piece.SerializeToString()
+                one = (piece(o.request_id, o.index, o.token_ids, o.text) if isinstance(o, Row) else
+                       cluster_pb2.StepOutputs(outputs=[o]).SerializeToString())
+                w.fields[name] = w.fields.get(name, b"") + one
                 w.num_messages += 1
         for f in self.finals:
             w = out.setdefault(f.request_id, StepWrite())
