@@ -13,8 +13,8 @@ from pagefleet.worker.step_inputs import DeviceBlockTables, StepUploader
 def _apply(t: DeviceBlockTables, rids, tables, live):
     rows, dr, dc, dv = t.diffs(rids, tables, live)
     width = max((len(x) for x in tables), default=1)
-    return t.apply(torch.from_numpy(rows), torch.from_numpy(dr), torch.from_numpy(dc), torch.from_numpy(dv),
-                   width), len(dv)
+    return t.apply(torch.tensor(rows, dtype=torch.int64), torch.tensor(dr, dtype=torch.int64),
+                   torch.tensor(dc, dtype=torch.int64), torch.tensor(dv, dtype=torch.int32), width), len(dv)
 
 
 def test_only_new_blocks_travel_and_replaced_tables_are_sent_whole():
@@ -44,6 +44,18 @@ def test_one_upload_carries_every_array_with_its_dtype():
     assert [o.dtype for o in out] == [torch.int64, torch.int32, torch.int64]
     assert up.num_copies == 1
 
+
+def test_uploads_of_one_layout_reuse_its_views_and_carry_each_steps_values():
+    up = StepUploader(torch.device("cpu"), initial_bytes=64)
+    rng = np.random.default_rng(0)
+    for step in range(40):  # layouts come back (a decode step's), change, and outgrow the buffer
+        n, d = (3, 0) if step % 3 else (1 + step % 7, step)
+        arrays = [rng.integers(0, 1000, n, dtype=np.int64), rng.integers(0, 1000, n + 1, dtype=np.int32),
+                  rng.integers(0, 1000, d, dtype=np.int64), rng.integers(0, 1000, d, dtype=np.int32)]
+        out = up.upload(arrays)
+        assert [o.tolist() for o in out] == [a.tolist() for a in arrays], step
+        assert [o.dtype for o in out] == [torch.int64, torch.int32, torch.int64, torch.int32]
+    assert up.num_copies == 40
 
 def test_decoding_sends_each_block_id_once_and_one_copy_per_step():
     prompts = [[1 + i] * (20 + 7 * i) for i in range(8)]

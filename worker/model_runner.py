@@ -28,6 +28,9 @@ from .step_inputs import DeviceBlockTables, StepUploader
 from .structured import start_grammar_masks
 
 _EMPTY: list[int] = []
+# The staged inputs' dtypes, in ``upload``'s order: input ids, positions, slots, logits rows,
+# table rows, diff rows, diff columns (int64); sequence lengths, query starts, diff block ids (int32).
+_STAGED_DTYPES = (np.int64,) * 7 + (np.int32,) * 3
 
 
 def _block_table(rows: list[list[int]], lens: list[int], width: int) -> np.ndarray:
@@ -99,12 +102,14 @@ class ModelRunner:
         tables = self.kv.block_tables
         starts = [r.num_computed_tokens for r in reqs]
         rows = [tables.get(r.request_id, _EMPTY) for r in reqs]
+        decode = pads is None and counts.count(1) == n  # one token per request: mostly decoding
+        if decode and self.stage_inputs:
+            return self._prepare_staged_decode(reqs, starts, rows)
         lens = [len(t) for t in rows]
         width = max(max(lens), 1)
         c = np.array(counts, dtype=np.int64)
         s = np.array(starts, dtype=np.int64)
-        decode = pads is None and counts.count(1) == n  # one token per request: mostly decoding
-        block_tables = None if decode and self.stage_inputs else _block_table(rows, lens, width)
+        block_tables = _block_table(rows, lens, width)
         if decode:
             q, qsl = c, np.arange(n + 1, dtype=np.int64)
             positions = s
@@ -160,13 +165,11 @@ class ModelRunner:
             )
             return (torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
                     torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)), sampled, keep, decode)
-        table_rows, d_rows, d_cols, d_vals = self.device_tables.diffs(
-            [r.request_id for r in reqs], rows, tables)
-        (input_ids_t, positions_t, slots_t, logits_t, seq_lens_t, qsl_t,
-         table_rows_t, d_rows_t, d_cols_t, d_vals_t) = self.uploader.upload([
-            input_ids, positions.astype(np.int64, copy=False), slots, np.asarray(logits_rows, dtype=np.int64),
-            (s + q).astype(np.int32), qsl.astype(np.int32), table_rows, d_rows, d_cols, d_vals,
-        ])
+        table_rows, d_rows, d_cols, d_vals = self.device_tables.diffs([r.request_id for r in reqs], rows, tables)
+        (input_ids_t, positions_t, slots_t, logits_t, table_rows_t, d_rows_t, d_cols_t, seq_lens_t, qsl_t,
+         d_vals_t) = self.uploader.upload(
+            [input_ids, positions, slots, np.asarray(logits_rows), table_rows, d_rows, d_cols,
+             s + q, qsl, d_vals], _STAGED_DTYPES)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             block_tables=self.device_tables.apply(table_rows_t, d_rows_t, d_cols_t, d_vals_t, width),
@@ -174,6 +177,34 @@ class ModelRunner:
             query_start_loc=qsl_t,
         )
         return input_ids_t, positions_t, meta, logits_t, sampled, keep, decode
+
+    def _prepare_staged_decode(self, reqs: list[Request], starts: list[int], rows: list[list[int]]):
+        """``prepare`` for a step of one token a request, inputs staged (a GPU's decode step):
+        each input as a list built in one pass over the requests, converted once for all in
+        ``upload``; no numpy or torch call of its own (each costs microseconds when the
+        forward pass between two steps has left its code cold)."""
+        bs = self.block_size
+        done = RequestStatus.FINISHED_STOPPED
+        input_ids = [r.all_token_ids[st] for r, st in zip(reqs, starts, strict=True)]
+        slots = [t[st // bs] * bs + st % bs for t, st in zip(rows, starts, strict=True)]  # in its last block
+        # A request samples when this step computes its last missing token (its row's logits).
+        logits_rows = [i for i, (r, st) in enumerate(zip(reqs, starts, strict=True))
+                       if st + 1 == len(r.all_token_ids) and r.status < done]
+        sampled = [reqs[i] for i in logits_rows]
+        table_rows, d_rows, d_cols, d_vals = self.device_tables.diffs([r.request_id for r in reqs], rows,
+                                                                      self.kv.block_tables)
+        (input_ids_t, positions_t, slots_t, logits_t, table_rows_t, d_rows_t, d_cols_t, seq_lens_t, qsl_t,
+         d_vals_t) = self.uploader.upload(
+            [input_ids, starts, slots, logits_rows, table_rows, d_rows, d_cols,
+             [st + 1 for st in starts], list(range(len(reqs) + 1)), d_vals], _STAGED_DTYPES)
+        meta = AttentionMetadata(
+            slot_mapping=slots_t,
+            block_tables=self.device_tables.apply(table_rows_t, d_rows_t, d_cols_t, d_vals_t,
+                                                  max(max(map(len, rows)), 1)),
+            seq_lens=seq_lens_t,
+            query_start_loc=qsl_t,
+        )
+        return input_ids_t, positions_t, meta, logits_t, sampled, None, True
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
         """Run the step; the requests that sampled a token, and their tokens (with logprobs

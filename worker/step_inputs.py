@@ -28,6 +28,7 @@ class StepUploader:
         self.device = device
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
+        self._layouts: dict[tuple, _Layout] = {}  # see ``upload``
         self._reserve(initial_bytes)
         self._copied = None  # CUDA event recorded after the last copy
         self.num_copies = 0  # host-to-device copies issued (one per step)
@@ -42,32 +43,83 @@ class StepUploader:
             host = host.pin_memory()
             self._dev = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._host = host
+        self._layouts = {}  # their views are of the old buffers
 
-    def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """Each array as a tensor on the device (1-D arrays only; dtypes kept)."""
-        offsets, end = [], 0
-        for a in arrays:
-            offsets.append(end)
-            end += -(-a.nbytes // _ALIGN) * _ALIGN
+    def upload(self, arrays: Sequence, dtypes: Sequence | None = None) -> list[torch.Tensor]:
+        """Each array as a tensor on the device, dtypes kept: 1-D numpy arrays, or lists of
+        ints with their numpy ``dtypes`` given (one for each array; None: each array's own).
+
+        The arrays of one dtype go into one region of the buffer in one call (lists as one
+        list, converted once). The tensors handed back are views of the buffer made once for
+        each layout (the arrays' dtypes and lengths: a decode step's is the last one's,
+        unless a request came, went, or gained a block) and kept: a step costs no torch call
+        but the copy."""
+        if dtypes is None:
+            dtypes = [a.dtype for a in arrays]
+        key = (*dtypes, *map(len, arrays))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layout(arrays, [np.dtype(d) for d in dtypes], key)
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has read the host buffer
-        self._reserve(end)
-        host = self._host.numpy()
-        for a, off in zip(arrays, offsets, strict=True):
-            host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        if self.device.type == "cuda":
-            self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        for dst, idx in layout.fills:
+            if len(idx) == 1:
+                dst[:] = arrays[idx[0]]
+            elif all(type(arrays[i]) is list for i in idx):
+                dst[:] = [x for i in idx for x in arrays[i]]
+            else:
+                np.concatenate([arrays[i] for i in idx], out=dst, casting="unsafe")
+        if layout.copy is not None:
+            dev, host = layout.copy
+            dev.copy_(host, non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
-            base = self._dev
-        else:  # the host buffer is the device's: nothing to copy
-            base = self._host
         self.num_copies += 1
-        self.num_bytes += end
-        return [base[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype.type]) for a, off in zip(arrays, offsets, strict=True)]
+        self.num_bytes += layout.nbytes
+        return list(layout.views)
+
+    def _layout(self, arrays: Sequence, dtypes: list[np.dtype], key: tuple) -> _Layout:
+        groups: dict = {}
+        for i, dtype in enumerate(dtypes):
+            groups.setdefault(dtype, []).append(i)
+        regions, end = [], 0  # (dtype, indices, byte offset, element count)
+        for dtype, idx in groups.items():
+            count = sum(len(arrays[i]) for i in idx)
+            regions.append((dtype, idx, end, count))
+            end += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
+        self._reserve(end)
+        host_np = self._host.numpy()
+        base = self._dev if self.device.type == "cuda" else self._host  # on a CPU the host buffer is the device's
+        fills, views = [], [None] * len(arrays)
+        for dtype, idx, off, count in regions:
+            nbytes = count * dtype.itemsize
+            if count:
+                fills.append((host_np[off:off + nbytes].view(dtype), idx))
+            split = base[off:off + nbytes].view(_TORCH_DTYPES[dtype.type]).split([len(arrays[i]) for i in idx])
+            for i, v in zip(idx, split, strict=True):
+                views[i] = v
+        copy = (self._dev[:end], self._host[:end]) if self.device.type == "cuda" else None
+        if len(self._layouts) >= _MAX_LAYOUTS:
+            self._layouts.clear()
+        layout = self._layouts[key] = _Layout(fills, views, copy, end)
+        return layout
 
 
+class _Layout:
+    """Where one layout of a step's arrays goes in the buffers, and the views handed back."""
+
+    __slots__ = ("fills", "views", "copy", "nbytes")
+
+    def __init__(self, fills: list, views: list, copy, nbytes: int) -> None:
+        self.fills = fills  # (the host buffer's region of one dtype as an array, the indices of its arrays)
+        self.views = views  # each array's tensor on the device, in order
+        self.copy = copy  # (device, host) regions of the one copy (None on a CPU)
+        self.nbytes = nbytes
+
+
+# Layouts kept (a batch size and a number of block-table entries sent make one).
+_MAX_LAYOUTS = 256
 _TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
 
 
@@ -84,10 +136,11 @@ class DeviceBlockTables:
         self.num_entries_sent = 0  # cumulative: block ids sent to the device
 
     def diffs(self, request_ids: Sequence[str], tables: Sequence[list[int]], live: dict[str, list[int]]
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+              ) -> tuple[list[int], list[int], list[int], list[int]]:
         """For this step's requests (their ids and block tables, in step order): their rows,
-        and the (row, column, block id) entries to write first. ``live``: every request that
-        holds a table now (rows of the others are reused)."""
+        and the (row, column, block id) entries to write first, as lists of ints (rows and
+        columns int64 on the device, block ids int32). ``live``: every request that holds a
+        table now (rows of the others are reused)."""
         rows: list[int] = []
         d_rows: list[int] = []
         d_cols: list[int] = []
@@ -110,8 +163,7 @@ class DeviceBlockTables:
                 d_vals.extend(table[n:])
                 sent[rid] = (table, m)
         self.num_entries_sent += len(d_vals)
-        return (np.array(rows, dtype=np.int64), np.array(d_rows, dtype=np.int64), np.array(d_cols, dtype=np.int64),
-                np.array(d_vals, dtype=np.int32))
+        return rows, d_rows, d_cols, d_vals
 
     def apply(self, rows: torch.Tensor, d_rows: torch.Tensor, d_cols: torch.Tensor, d_vals: torch.Tensor,
               width: int) -> torch.Tensor:
