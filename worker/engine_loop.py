@@ -212,6 +212,8 @@ class EngineLoop:
                 time.sleep(0.001)  # nothing schedulable this step (e.g. waiting for swap-in room)
 
     def _run_commands(self, block: bool) -> None:
+        if not block and self._commands.empty():  # most steps: nothing queued (no exception raised for it)
+            return
         try:
             item = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
         except queue.Empty:

@@ -129,6 +129,7 @@ class DeviceBlockTables:
     def __init__(self, num_rows: int, num_cols: int, device: torch.device) -> None:
         self.device = device
         self.table = torch.zeros((max(num_rows, 1), max(num_cols, 1)), dtype=torch.int32, device=device)
+        self._narrow: tuple = (None, 0, None)  # see ``apply``
         self._row: dict[str, int] = {}
         # request id -> (the table list the row was filled from, how many of its blocks were sent)
         self._sent: dict[str, tuple[list[int], int]] = {}
@@ -168,9 +169,14 @@ class DeviceBlockTables:
     def apply(self, rows: torch.Tensor, d_rows: torch.Tensor, d_cols: torch.Tensor, d_vals: torch.Tensor,
               width: int) -> torch.Tensor:
         """Write the diffs, then gather the step's ``[len(rows), width]`` block tables."""
-        if d_vals.numel():
-            self.table[d_rows, d_cols] = d_vals
-        return self.table[:, :max(width, 1)].index_select(0, rows)
+        table = self.table
+        if d_vals.shape[0]:
+            table[d_rows, d_cols] = d_vals
+        width = max(width, 1)
+        narrow = self._narrow  # the table's first ``width`` columns, a view kept while they are the same
+        if narrow[0] is not table or narrow[1] != width:
+            narrow = self._narrow = (table, width, table[:, :width])
+        return narrow[2].index_select(0, rows)
 
     def _take_row(self, rid: str, live: dict[str, list[int]]) -> int:
         if not self._free_rows:  # rows of requests that no longer hold a table come back
