@@ -38,6 +38,9 @@ FINISH_REASONS = {
 }
 
 
+_NONE: frozenset[int] = frozenset()
+
+
 class Request:
     __slots__ = (
         "request_id",
@@ -92,10 +95,12 @@ class Request:
         self.num_emitted_tokens = len(self.output_token_ids)
         self.num_preemptions = 0
         self.resumed_at_step = -1
-        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
-        self.stop_token_ids = frozenset(params.stop_token_ids or ())
-        # Checked for every token: the union, and the budget, as plain attributes.
-        self.finish_token_ids = self.eos_token_ids | self.stop_token_ids
+        self.eos_token_ids = _NONE if params.ignore_eos else frozenset(eos_token_ids)  # a frozenset: itself
+        self.stop_token_ids = frozenset(params.stop_token_ids) if params.stop_token_ids else _NONE
+        # Checked for every token: the union, and the budget, as plain attributes. Without stop
+        # tokens it is the engine's own set, shared by its requests (one object, not one each).
+        self.finish_token_ids = (self.eos_token_ids | self.stop_token_ids if self.stop_token_ids
+                                 else self.eos_token_ids)
         self.max_tokens = params.max_tokens
         # Keys of its full blocks (prefix caching), extended as blocks fill: see kv_cache_manager.
         self.block_hashes: list[bytes] = []
