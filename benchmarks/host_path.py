@@ -13,7 +13,7 @@ computed are timed, and it prints CPU µs per token they made (``time.thread_tim
 thread that runs it all) in all and by part.
 
 ``--engine model`` runs the real engine on the CPU (``--model``, ``tiny`` by default; torch on
-this one thread; step inputs staged as on a GPU; ``--device cuda`` on a GPU) with the forward
+this one thread; its step inputs staged, as on every device; ``--device cuda`` on a GPU) with the forward
 pass and the sampler excluded: the step's thread CPU less the model's
 (``ModelRunner.last_model_cpu_seconds``) and the sampler's (``last_sample_cpu_seconds``: its
 tensor ops and its one read of the ids). What is left is the host path the engine adds on any
@@ -61,7 +61,6 @@ def _engine(kind: str, model: str, batch: int, num_blocks: int, device: str = "c
     engine = Engine(model, device=device, max_num_seqs=batch, num_blocks=num_blocks, block_size=16)
     runner = engine.executor.runner
     runner.profile = True
-    runner.stage_inputs = True  # the inputs as a GPU's are built: one packed upload, block tables by diffs
 
     def take() -> float:  # read once: a step that runs no model leaves nothing to subtract
         seconds = runner.last_model_cpu_seconds + runner.last_sample_cpu_seconds

@@ -66,10 +66,11 @@ class ModelRunner:
         self.last_model_seconds = 0.0
         self.last_model_cpu_seconds = 0.0
         self.last_sample_cpu_seconds = 0.0  # the sampler's (its tensor ops and its one read of the ids)
-        # On a GPU a step's inputs go over in one packed copy with block tables as diffs
-        # (``step_inputs``). On a CPU the numpy arrays are the device's already: wrapping them
-        # costs nothing, staging would only add work (tests turn it on to check it there).
-        self.stage_inputs = device.type == "cuda"
+        # A step's inputs go into one packed buffer (on a GPU, one copy), the block tables kept
+        # there and sent as diffs (``step_inputs``). On a CPU too: the buffer is the device's (no
+        # copy), and a decode step's inputs built as lists into it cost less than the numpy
+        # arrays and the whole ``[requests, blocks]`` table of the unstaged path (False: that path).
+        self.stage_inputs = True
         self.uploader = StepUploader(device)
         max_blocks = -(-max_model_len // kv.block_size)
         self.device_tables = DeviceBlockTables(256, max_blocks, device)
