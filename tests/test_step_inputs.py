@@ -57,6 +57,7 @@ def test_uploads_of_one_layout_reuse_its_views_and_carry_each_steps_values():
         assert [o.dtype for o in out] == [torch.int64, torch.int32, torch.int64, torch.int32]
     assert up.num_copies == 40
 
+
 def test_decoding_sends_each_block_id_once_and_one_copy_per_step():
     prompts = [[1 + i] * (20 + 7 * i) for i in range(8)]
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)

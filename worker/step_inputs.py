@@ -53,7 +53,8 @@ class StepUploader:
         list, converted once). The tensors handed back are views of the buffer made once for
         each layout (the arrays' dtypes and lengths: a decode step's is the last one's,
         unless a request came, went, or gained a block) and kept: a step costs no torch call
-        but the copy."""
+        but the copy. They hold this step's values until the next ``upload`` writes the buffer
+        again (a step's inputs are read by its forward pass alone)."""
         if dtypes is None:
             dtypes = [a.dtype for a in arrays]
         key = (*dtypes, *map(len, arrays))
