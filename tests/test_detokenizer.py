@@ -110,6 +110,32 @@ def test_a_cut_character_flushes_as_decode_gives(tmp_path):
             assert text == d.text == hf.decode(out, skip_special_tokens=skip), (cut, skip)
 
 
+def test_a_long_output_streams_as_decode_gives(tmp_path):
+    """Hundreds of tokens (the stream keeps only the last ones it may need), multi-byte
+    characters and special tokens among them, cut anywhere: the text sent equals ``decode``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pagefleet.common.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["plain ascii words only"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path / "tokenizer.json", eos_token_ids=(1,), bos_token_id=0)
+    ids = hf.encode("words only " * 300 + "東京🚀 plain" * 8, add_special_tokens=False)
+    ids[200:200] = [0, 0, 1]  # special tokens mid-stream: no text when skipped
+    assert len(ids) > 600
+    for cut in list(range(len(ids) - 40, len(ids) + 1)) + [203, 257, 300]:
+        for skip in (True, False):
+            out = ids[:cut]
+            d = IncrementalDetokenizer(hf, hf.encode("words"), (), skip_special_tokens=skip)
+            text = "".join(d.push(t) for t in out) + d.finish(flush=True)
+            assert text == d.text == hf.decode(out, skip_special_tokens=skip), (cut, skip)
+
+
 def test_include_stop_sends_the_stop_string_and_nothing_after():
     d = IncrementalDetokenizer(TOK, [TOK.BOS], ("STOP",), include_stop=True)
     pieces = [d.push(b) for b in b"go STOP more"]

@@ -89,36 +89,44 @@ class _HFStream:
 
     ``flush`` gives what ``decode`` gives for the tokens still pending at the end (an
     incomplete character decodes to U+FFFD), so the text handed out in all equals
-    ``decode`` of all the tokens.
+    ``decode`` of all the tokens. A step appends its token and counts the ones whose text is
+    not out yet (no list made a token); ``flush`` reads the last ones back.
     """
 
-    __slots__ = ("_tok", "_stream", "_skip", "_context", "_pending")
+    __slots__ = ("_tok", "_stream", "_skip", "_ids", "_num_pending")
     _CONTEXT = 5
+    _KEEP = 256  # ids kept before the oldest are dropped (down to the last _CONTEXT and the pending)
 
     def __init__(self, tok, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._tok = tok
         self._skip = skip_special_tokens
-        self._context = list(prompt_token_ids[-self._CONTEXT:])  # tokens whose text is out
-        self._pending: list[int] = []  # tokens whose text is not out yet
-        self._stream = DecodeStream(ids=list(self._context), skip_special_tokens=skip_special_tokens)
+        self._ids = list(prompt_token_ids[-self._CONTEXT:])  # the context, then the tokens stepped
+        self._num_pending = 0  # the last ones of ``_ids`` whose text is not out yet
+        self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         text = self._stream.step(self._tok, token_id)
-        self._pending.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         if not text:
+            self._num_pending += 1
             return ""
-        self._context = (self._context + self._pending)[-self._CONTEXT:]
-        self._pending = []
+        self._num_pending = 0
+        if len(ids) > self._KEEP:
+            del ids[:-self._CONTEXT]
         return text
 
     def flush(self) -> str:
-        if not self._pending:
+        n = self._num_pending
+        if not n:
             return ""
-        before = self._tok.decode(self._context, skip_special_tokens=self._skip)
-        after = self._tok.decode(self._context + self._pending, skip_special_tokens=self._skip)
-        self._context, self._pending = (self._context + self._pending)[-self._CONTEXT:], []
+        ids = self._ids
+        context, pending = ids[max(0, len(ids) - n - self._CONTEXT):len(ids) - n], ids[len(ids) - n:]
+        before = self._tok.decode(context, skip_special_tokens=self._skip)
+        after = self._tok.decode(context + pending, skip_special_tokens=self._skip)
+        self._num_pending = 0
         return after[len(before):] if after.startswith(before) else after
 
 
