@@ -57,12 +57,12 @@ class StepUploader:
         again (a step's inputs are read by its forward pass alone)."""
         if dtypes is None:
             dtypes = [a.dtype for a in arrays]
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the host buffer (before it is written or replaced)
         key = (*dtypes, *map(len, arrays))
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(arrays, [np.dtype(d) for d in dtypes], key)
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy has read the host buffer
         for dst, idx in layout.fills:
             if len(idx) == 1:
                 dst[:] = arrays[idx[0]]
