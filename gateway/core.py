@@ -280,6 +280,12 @@ class GatewayCore:
 class Relays:
     """``(i, message)`` for every ``queued[i]``, as the messages come, until all have finished.
 
+    Messages are pulled from the requests' relays as the caller asks for them, never ahead:
+    at most one message a request waits here (a relay's own bound, ``MAX_BUFFERED``, then keeps
+    a client that does not read from costing the gateway memory: its backlog stays in Redis).
+    One request's relay is read straight; several are read by a pull each, whichever answers
+    first.
+
     Whoever holds it must ``aclose()`` it: that cancels every request still running, whether
     or not a message was read (a caller can be gone before the first one). Idempotent.
     """
@@ -287,40 +293,46 @@ class Relays:
     def __init__(self, core: GatewayCore, queued: Sequence[Queued]) -> None:
         self._core = core
         self._queued = list(queued)
-        self._inbox: asyncio.Queue = asyncio.Queue()
-        self._tasks: list[asyncio.Future] | None = None  # None until the first read
-        self._remaining = len(self._queued)
+        self._relays: list[AsyncIterator[pb.GenerateResponse]] | None = None  # None until the first read
+        self._pulls: dict[asyncio.Future, int] = {}  # several requests: the pull in flight of each
 
     def __aiter__(self) -> Relays:
         return self
 
     async def __anext__(self) -> tuple[int, pb.GenerateResponse]:
-        if self._tasks is None:
-            self._tasks = [asyncio.ensure_future(self._pump(i, q)) for i, q in enumerate(self._queued)]
-        while self._remaining:
-            i, item = await self._inbox.get()
-            if item is None:
-                self._remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                return i, item
+        relays = self._relays
+        if relays is None:
+            relays = self._relays = [self._core.relay(q) for q in self._queued]
+            if len(relays) > 1:
+                self._pulls = {asyncio.ensure_future(r.__anext__()): i for i, r in enumerate(relays)}
+        if len(relays) == 1:  # the common case: no task, no queue
+            return 0, await relays[0].__anext__()
+        pulls = self._pulls
+        while pulls:
+            done = [f for f in pulls if f.done()]
+            if not done:
+                done, _ = await asyncio.wait(pulls, return_when=asyncio.FIRST_COMPLETED)
+            f = min(done, key=pulls.__getitem__)  # the lowest choice first among those ready
+            i = pulls.pop(f)
+            try:
+                msg = f.result()
+            except StopAsyncIteration:  # that request is through
+                continue
+            if msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED:  # its next message, pulled once this one is taken
+                pulls[asyncio.ensure_future(relays[i].__anext__())] = i
+            return i, msg
         raise StopAsyncIteration
 
-    async def _pump(self, i: int, q: Queued) -> None:
-        try:
-            async for msg in self._core.relay(q):  # its own cleanup cancels q if it stops early
-                self._inbox.put_nowait((i, msg))
-        except Exception as e:  # handed to the reader, which raises it
-            self._inbox.put_nowait((i, e))
-        self._inbox.put_nowait((i, None))
-
     async def aclose(self) -> None:
-        if self._tasks is None:  # never read: nothing relays them, so nothing else cancels them
-            self._tasks = []
+        if self._relays is None:  # never read: nothing relays them, so nothing else cancels them
+            self._relays = []
             for q in self._queued:
                 log.info("request.client_gone", request_id=q.request_id)
                 self._core.cancel_soon(q.request_id)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        pulls, self._pulls = list(self._pulls), {}
+        for f in pulls:
+            f.cancel()
+        await asyncio.gather(*pulls, return_exceptions=True)
+        for r in self._relays:  # a relay that did not finish queues its request's cancel as it closes
+            with contextlib.suppress(Exception):
+                await r.aclose()

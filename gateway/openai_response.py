@@ -209,7 +209,8 @@ class Choices:
         return message
 
     def _logprobs(self, c: _Choice, msg: pb.GenerateResponse) -> list[Any]:
-        """This message's entries (also kept on the choice for the whole body)."""
+        """This message's entries (also kept on the choice for the whole body; a stream's go
+        out in its chunks and are not kept: what a stream holds does not grow with its output)."""
         entries = []
         offset = c.text_len
         for token_id, lp in zip(msg.token_ids, msg.logprobs, strict=False):
@@ -223,7 +224,8 @@ class Choices:
                 top.setdefault(text, _finite(lp.logprob))
                 entries.append((text, _finite(lp.logprob), top, min(offset, c.text_len + len(msg.text))))
                 offset += len(text)
-        c.logprobs.extend(entries)
+        if not self.req.stream:
+            c.logprobs.extend(entries)
         return entries
 
 

@@ -7,7 +7,8 @@ the steps streams of every worker with **one** blocking ``XREAD`` (``StepReader`
 each message to the relay of its request, if this process holds one; so the Redis
 connections and commands of the reads do not grow with the requests relayed.
 
-Bounds: a relay buffers at most ``MAX_BUFFERED`` messages its client has not taken (gathered
+Bounds: a relay buffers at most ``MAX_BUFFERED`` messages its client has not taken, and at most
+``MAX_BUFFERED_LOGPROBS`` log-probabilities in them (gathered
 as they come into one pending message: ``StepRelay``). Past that (a client that does not
 read) it is detached: the reader stops feeding it, and it
 goes on from the request's own output stream at its client's pace, so the backlog stays in
@@ -52,8 +53,14 @@ FINISH = {
 BLOCK_MS = 5000
 # Messages a relay holds for its client before it reads from Redis at the client's pace.
 MAX_BUFFERED = 1024
+# ... and log-probabilities (each token's counts one and one for each of its top alternatives):
+# a stream of top-20 logprobs holds ~200 tokens' worth, not 1,024 (each is a protobuf of 21 entries).
+MAX_BUFFERED_LOGPROBS = 4096
 # A relay that gets nothing for this long looks at its request's own output stream.
 SILENCE_S = 5.0
+# Entries a read takes from each steps stream at most: a reader that fell behind catches up
+# in reads of this many, so what one read brings (and decodes at once) stays small.
+READ_COUNT = 128
 # How often the reader looks for workers (new steps streams), and how far back it reads a new one.
 REFRESH_S = 1.0
 LOOKBACK_MS = 10_000
@@ -159,11 +166,12 @@ class StepRelay:
     is ready into one pending message (its tokens, text pieces and logprobs); its relay's
     ``take`` hands that over as one ``GenerateResponse``. So a token costs a list extend here,
     not an object of its own, and a message is built once, whatever number of steps it holds.
-    Bound: ``MAX_BUFFERED`` messages fed and not taken, then detached (see the module doc).
+    Bound: ``MAX_BUFFERED`` messages (``MAX_BUFFERED_LOGPROBS`` log-probabilities) fed and not
+    taken, then detached (see the module doc).
     """
 
     __slots__ = ("request_id", "order", "detached", "wake_after", "num_buffered", "_start", "_token_ids",
-                 "_texts", "_logprobs", "_last", "_wake", "_loop", "_waiting", "wait_until")
+                 "_texts", "_logprobs", "_last", "_wake", "_loop", "_waiting", "wait_until", "num_logprobs")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None,
                  waiting: set[StepRelay] | None = None) -> None:
@@ -178,6 +186,7 @@ class StepRelay:
         self.detached = False  # past MAX_BUFFERED: read from the request's output stream instead
         self.wake_after = 1  # tokens fed before its reader is woken (``--stream-interval``)
         self.num_buffered = 0  # messages fed since the last take
+        self.num_logprobs = 0  # their log-probabilities (``MAX_BUFFERED_LOGPROBS``)
         self._start = 0
         self._token_ids: list[int] = []
         self._texts: list[str] = []
@@ -216,12 +225,14 @@ class StepRelay:
                     self._token_ids.extend(ids)
                     order.next_index += len(ids)
                     if lp:
-                        self._logprobs.extend(lp)
+                        self._add_logprobs(lp)
                 self._texts.append(text)
             else:
                 for e in order.add(o if o is not None else OutEntry(index, list(ids), text)):
                     self._add(e)
-            if len(self._token_ids) < self.wake_after and self._last is None:
+            if self.num_logprobs > MAX_BUFFERED_LOGPROBS:
+                self.detach()
+            elif len(self._token_ids) < self.wake_after and self._last is None:
                 return  # its reader would only hold these back: no wake-up per token
         w = self._wake
         if w is not None and not w.done():
@@ -231,9 +242,13 @@ class StepRelay:
         self._token_ids.extend(e.token_ids)
         self._texts.append(e.text)
         if e.logprobs:
-            self._logprobs.extend(e.logprobs)
+            self._add_logprobs(e.logprobs)
         if e.finish_reason:
             self._last = e
+
+    def _add_logprobs(self, lp) -> None:
+        self._logprobs.extend(lp)
+        self.num_logprobs += sum(1 + len(x.top_logprobs) for x in lp)
 
     def detach(self) -> None:
         """Stop taking messages from the reader: what was fed and not taken is dropped (its
@@ -245,6 +260,7 @@ class StepRelay:
 
     def _clear(self) -> None:
         self.num_buffered = 0
+        self.num_logprobs = 0
         self._token_ids = []
         self._texts = []
         self._logprobs = []
@@ -382,7 +398,7 @@ class StepReader:
         while True:
             try:
                 await self._refresh()
-                resp = await retry(lambda: self._read(self._cursors, 1024, int(REFRESH_S * 1000)), what="xread_steps")
+                resp = await retry(lambda: self._read(self._cursors, READ_COUNT, int(REFRESH_S * 1000)), what="xread_steps")
                 self.num_reads += 1
                 for key, entries in resp:
                     for entry_id, fields in entries:

@@ -265,6 +265,73 @@ def test_closing_relays_cancels_what_has_not_finished():
     asyncio.run(main())
 
 
+def test_a_streams_choices_keep_no_logprobs_once_sent():
+    """A stream's log-probabilities go out in its chunks and are not kept (what a stream holds
+    does not grow with its output); a whole response keeps them for its body, the same entries."""
+    from pagefleet.common.tokenizer import ByteTokenizer
+    from pagefleet.gateway.openai_request import parse_chat
+    from pagefleet.gateway.openai_response import Choices, TokenPieces
+    from pagefleet.protos import generation_pb2 as pb
+
+    def msg(k):
+        return pb.GenerateResponse(index=k, token_ids=[65 + k % 26], text=chr(65 + k % 26), logprobs=[
+            pb.TokenLogprobs(logprob=-0.5, top_logprobs=[pb.TopLogprob(token_id=t, logprob=-1.0) for t in range(20)])])
+
+    sent = {}
+    for stream in (True, False):
+        req = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+                          "logprobs": True, "top_logprobs": 20, "max_tokens": 300})
+        req.prompts = ["<the rendered chat>"]  # as the door sets it
+        choices = Choices(req, "chatcmpl-1", "tiny", TokenPieces(ByteTokenizer()))
+        chunks = [chunk for k in range(300) for chunk in choices.add(0, msg(k))]
+        sent[stream] = [e for c in chunks for e in c["choices"][0]["logprobs"]["content"]]
+        assert len(sent[stream]) == 300
+        if stream:
+            assert choices._choices[0].logprobs == []
+        else:
+            assert choices.body()["choices"][0]["logprobs"]["content"] == sent[stream]
+    assert sent[True] == sent[False]
+
+
+def test_relays_pull_a_message_only_when_it_is_asked_for():
+    """A caller that stops reading leaves the messages in the relays (whose own bound then keeps
+    the backlog in Redis), never in a queue here: at most one message a request waits."""
+    import asyncio
+
+    from pagefleet.gateway.core import Queued, Relays
+    from pagefleet.protos import generation_pb2 as pb
+
+    class FakeCore:
+        def __init__(self):
+            self.pulled: dict[str, int] = {}
+
+        def cancel_soon(self, request_id):
+            pass
+
+        async def relay(self, q):
+            for k in range(1000):  # a request that always has a message ready
+                self.pulled[q.request_id] = k + 1
+                yield pb.GenerateResponse(request_id=q.request_id, index=k, token_ids=[k])
+                await asyncio.sleep(0)
+
+    async def main():
+        for n in (1, 3):
+            core = FakeCore()
+            relays = Relays(core, [Queued(f"r{j}", 1, True) for j in range(n)])
+            seen = [await relays.__anext__() for _ in range(5)]
+            for _ in range(50):  # the caller reads nothing more while the loop runs on
+                await asyncio.sleep(0)
+            assert all(v <= 5 + 1 for v in core.pulled.values()), (n, core.pulled)
+            assert sum(core.pulled.values()) <= 5 + n, (n, core.pulled)
+            by_request = {}
+            for i, m in seen:  # each request's messages in order
+                by_request.setdefault(i, []).append(m.index)
+            assert all(v == list(range(len(v))) for v in by_request.values())
+            await relays.aclose()
+
+    asyncio.run(main())
+
+
 # -- a cluster ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def receiver():

@@ -209,6 +209,35 @@ def test_a_step_relay_gathers_messages_in_order_and_a_detach_goes_back_to_what_w
     asyncio.run(go())
 
 
+def test_a_step_relay_holding_logprobs_is_bounded_by_them_too():
+    """Top-20 logprobs make a token 21 protobuf entries: a relay whose client does not read
+    detaches after ``MAX_BUFFERED_LOGPROBS`` of them, long before ``MAX_BUFFERED`` messages;
+    one whose client takes each message never does."""
+    from pagefleet.gateway.relay import MAX_BUFFERED, MAX_BUFFERED_LOGPROBS, StepRelay
+
+    def lp(k):
+        return [pb.TokenLogprobs(logprob=-0.5, top_logprobs=[pb.TopLogprob(token_id=t, logprob=-1.0)
+                                                              for t in range(k)])]
+
+    async def go():
+        unread, read = StepRelay("a", asyncio.get_running_loop()), StepRelay("b", asyncio.get_running_loop())
+        fed = 0
+        while not unread.detached:
+            unread.feed(OutEntry(fed, [fed], "x", logprobs=lp(20)))
+            read.feed(OutEntry(fed, [fed], "x", logprobs=lp(20)))
+            assert read.take() is not None
+            fed += 1
+        assert fed == MAX_BUFFERED_LOGPROBS // 21 + 1 < MAX_BUFFERED
+        assert unread.num_tokens == 0 and unread.order.next_index == 0  # goes on from Redis, from the start
+        assert not read.detached and read.num_logprobs == 0
+        plain = StepRelay("c", asyncio.get_running_loop())
+        for i in range(MAX_BUFFERED):  # no logprobs: only the message bound holds
+            plain.feed(OutEntry(i, [i], "x"))
+        assert not plain.detached
+
+    asyncio.run(go())
+
+
 def test_a_steps_entry_the_reader_cannot_decode_is_skipped_and_what_follows_is_relayed(redis_url):
     async def go():
         r, keys, reader, f, relay, epoch = await _one_request(redis_url, "r9")
