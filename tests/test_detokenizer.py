@@ -8,6 +8,23 @@ from pagefleet.worker.detokenizer import IncrementalDetokenizer
 TOK = ByteTokenizer()
 
 
+def _byte_level_bpe(tmp_path, corpus: list[str], vocab_size: int):
+    """A byte-level BPE ``tokenizer.json`` (as Llama-3 and Qwen2 ship) trained on ``corpus``,
+    read as a checkpoint's tokenizer is (``<s>`` is 0, ``</s>`` 1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pagefleet.common.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return HFTokenizer(tmp_path / "tokenizer.json", eos_token_ids=(1,), bos_token_id=0)
+
+
 def stream(text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], bool, str]:
     d = IncrementalDetokenizer(TOK, TOK.encode("prompt"), stop)
     pieces, stopped = [], False
@@ -58,18 +75,7 @@ def test_an_invalid_byte_sequence_ends_as_replacement_character():
 
 def test_tokenizer_json_streams_whole_characters(tmp_path):
     """A byte-level BPE `tokenizer.json`, as Llama-3 and Qwen2 ship, streamed token by token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from pagefleet.common.tokenizer import HFTokenizer
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world naïve 東京 🚀 the quick brown fox"] * 20, trainer)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    hf = HFTokenizer(tmp_path / "tokenizer.json", eos_token_ids=(1,), bos_token_id=0)
+    hf = _byte_level_bpe(tmp_path, ["hello world naïve 東京 🚀 the quick brown fox"], 400)
     text = "naïve 東京 🚀 brown STOP fox"
     ids = hf.encode(text)
     d = IncrementalDetokenizer(hf, hf.encode("the quick"), ("STOP",))
@@ -89,18 +95,7 @@ def test_tokenizer_json_streams_whole_characters(tmp_path):
 def test_a_cut_character_flushes_as_decode_gives(tmp_path):
     """Ended by length (or a stop token) inside a multi-byte character: the text sent equals
     ``decode`` of all the tokens, U+FFFD included, with or without special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from pagefleet.common.tokenizer import HFTokenizer
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["plain ascii words only"] * 20, trainer)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    hf = HFTokenizer(tmp_path / "tokenizer.json", eos_token_ids=(1,), bos_token_id=0)
+    hf = _byte_level_bpe(tmp_path, ["plain ascii words only"], 300)
     ids = hf.encode("a 東京🚀", add_special_tokens=False)  # one token per byte of the CJK and emoji
     for cut in range(1, len(ids) + 1):
         for skip in (True, False):
@@ -113,18 +108,7 @@ def test_a_cut_character_flushes_as_decode_gives(tmp_path):
 def test_a_long_output_streams_as_decode_gives(tmp_path):
     """Hundreds of tokens (the stream keeps only the last ones it may need), multi-byte
     characters and special tokens among them, cut anywhere: the text sent equals ``decode``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from pagefleet.common.tokenizer import HFTokenizer
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["plain ascii words only"] * 20, trainer)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    hf = HFTokenizer(tmp_path / "tokenizer.json", eos_token_ids=(1,), bos_token_id=0)
+    hf = _byte_level_bpe(tmp_path, ["plain ascii words only"], 300)
     ids = hf.encode("words only " * 300 + "東京🚀 plain" * 8, add_special_tokens=False)
     ids[200:200] = [0, 0, 1]  # special tokens mid-stream: no text when skipped
     assert len(ids) > 600
