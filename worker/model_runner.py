@@ -166,18 +166,8 @@ class ModelRunner:
             )
             return (torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
                     torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)), sampled, keep, decode)
-        table_rows, d_rows, d_cols, d_vals = self.device_tables.diffs([r.request_id for r in reqs], rows, tables)
-        (input_ids_t, positions_t, slots_t, logits_t, table_rows_t, d_rows_t, d_cols_t, seq_lens_t, qsl_t,
-         d_vals_t) = self.uploader.upload(
-            [input_ids, positions, slots, np.asarray(logits_rows), table_rows, d_rows, d_cols,
-             s + q, qsl, d_vals], _STAGED_DTYPES)
-        meta = AttentionMetadata(
-            slot_mapping=slots_t,
-            block_tables=self.device_tables.apply(table_rows_t, d_rows_t, d_cols_t, d_vals_t, width),
-            seq_lens=seq_lens_t,
-            query_start_loc=qsl_t,
-        )
-        return input_ids_t, positions_t, meta, logits_t, sampled, keep, decode
+        return (*self._stage(reqs, rows, width, input_ids, positions, slots, np.asarray(logits_rows), s + q, qsl),
+                sampled, keep, decode)
 
     def _prepare_staged_decode(self, reqs: list[Request], starts: list[int], rows: list[list[int]]):
         """``prepare`` for a step of one token a request, inputs staged (a GPU's decode step):
@@ -192,20 +182,27 @@ class ModelRunner:
         logits_rows = [i for i, (r, st) in enumerate(zip(reqs, starts, strict=True))
                        if st + 1 == len(r.all_token_ids) and r.status < done]
         sampled = [reqs[i] for i in logits_rows]
+        return (*self._stage(reqs, rows, max(max(map(len, rows)), 1), input_ids, starts, slots, logits_rows,
+                             [st + 1 for st in starts], list(range(len(reqs) + 1))),
+                sampled, None, True)
+
+    def _stage(self, reqs: list[Request], rows: list[list[int]], width: int, input_ids, positions, slots,
+               logits_rows, seq_lens, query_start_loc):
+        """The step's inputs (numpy arrays or lists of ints) in one upload with the block tables'
+        diffs: the input ids, positions, the attention metadata and the logits rows, on the device."""
         table_rows, d_rows, d_cols, d_vals = self.device_tables.diffs([r.request_id for r in reqs], rows,
                                                                       self.kv.block_tables)
         (input_ids_t, positions_t, slots_t, logits_t, table_rows_t, d_rows_t, d_cols_t, seq_lens_t, qsl_t,
          d_vals_t) = self.uploader.upload(
-            [input_ids, starts, slots, logits_rows, table_rows, d_rows, d_cols,
-             [st + 1 for st in starts], list(range(len(reqs) + 1)), d_vals], _STAGED_DTYPES)
+            [input_ids, positions, slots, logits_rows, table_rows, d_rows, d_cols, seq_lens, query_start_loc,
+             d_vals], _STAGED_DTYPES)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
-            block_tables=self.device_tables.apply(table_rows_t, d_rows_t, d_cols_t, d_vals_t,
-                                                  max(max(map(len, rows)), 1)),
+            block_tables=self.device_tables.apply(table_rows_t, d_rows_t, d_cols_t, d_vals_t, width),
             seq_lens=seq_lens_t,
             query_start_loc=qsl_t,
         )
-        return input_ids_t, positions_t, meta, logits_t, sampled, None, True
+        return input_ids_t, positions_t, meta, logits_t
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
         """Run the step; the requests that sampled a token, and their tokens (with logprobs
