@@ -127,6 +127,7 @@ class GatewayCore:
     async def stop(self) -> None:
         for r in self.readers.values():
             await r.stop()
+        await self._admit_and_queue.aclose()
 
     def check(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids; ``BadField`` naming what is wrong."""

@@ -45,6 +45,7 @@ import structlog
 from pagefleet.common.fencing import Fencing, Write, is_fenced, steps_field, take_over
 from pagefleet.common.metrics import SchedulerMetrics
 from pagefleet.common.redis import GROUP, Keys, OutEntry, retry
+from pagefleet.common.redis_mux import mux_for, stream_entries
 from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
@@ -129,7 +130,12 @@ class ClusterScheduler:
         self.lease_ok = lease_ok
         self._steps: dict[str, str] = {}  # worker id -> the steps stream its row names
         self._fenced: set[str] = set()  # steps streams found fenced: their workers are not placed on
-        self.fencing = Fencing(redis, keys, stream_of=lambda wid: self._steps.get(wid, ""))
+        # Its own connections (standalone Redis): the round's assignments on one shared by the
+        # calls that do not block, each blocking read on one of its own (``RedisMux``).
+        self.mux = mux_for(redis)
+        self._intake_read = mux_for(redis)
+        self._done_read = mux_for(redis)
+        self.fencing = Fencing(redis, keys, stream_of=lambda wid: self._steps.get(wid, ""), mux=self.mux)
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
         # Adopting until the takeover has re-read the pending entries (``_adopt``).
         self.ledger = Ledger(config.ledger_config(), adopting=True,
@@ -174,6 +180,9 @@ class ClusterScheduler:
         for w in self.ledger.workers.values():
             if w.channel is not None:
                 await w.channel.close()
+        for mux in (self.mux, self._intake_read, self._done_read):
+            if mux is not None:
+                await mux.aclose()
 
     async def _ensure_group(self) -> None:
         import redis.exceptions as rx
@@ -207,9 +216,7 @@ class ClusterScheduler:
     async def _intake(self) -> None:
         errors = []
         while True:
-            resp = await retry(lambda: self.redis.xreadgroup(
-                GROUP, CONSUMER, {self.keys.requests: ">"}, count=256, block=1000), what="xreadgroup",
-                on_error=errors.append)
+            resp = await retry(self._read_new, what="xreadgroup", on_error=errors.append)
             for _, entries in resp or ():
                 for entry_id, fields in entries:
                     await self._on_entry(entry_id, fields, None)
@@ -217,6 +224,20 @@ class ClusterScheduler:
                 errors.clear()
                 await self._reread_pending()
             self._wake.set()
+
+    async def _read_new(self) -> list:
+        """The requests stream's entries not delivered to us yet (blocks up to a second)."""
+        if self._intake_read is None:
+            return await self.redis.xreadgroup(GROUP, CONSUMER, {self.keys.requests: ">"}, count=256, block=1000)
+        return stream_entries(await self._intake_read.call(
+            "XREADGROUP", "GROUP", GROUP, CONSUMER, "COUNT", 256, "BLOCK", 1000, "STREAMS", self.keys.requests, ">"))
+
+    async def _read_done(self) -> list:
+        """The done stream's entries after our cursor (blocks up to a second)."""
+        if self._done_read is None:
+            return await self.redis.xread({self.keys.done: self._done_cursor}, count=512, block=1000)
+        return stream_entries(await self._done_read.call(
+            "XREAD", "COUNT", 512, "BLOCK", 1000, "STREAMS", self.keys.done, self._done_cursor))
 
     async def _pending_entries(self):
         """Our pending entries (delivered to us, not acknowledged), oldest first."""
@@ -434,8 +455,7 @@ class ClusterScheduler:
         """Forget each request whose final write landed (the done stream, written in the same
         atomic step as the write); wake placement, since its worker has room again."""
         while True:
-            resp = await retry(lambda: self.redis.xread({self.keys.done: self._done_cursor}, count=512,
-                                                        block=1000), what="xread_done")
+            resp = await retry(self._read_done, what="xread_done")
             for _, entries in resp or ():
                 for entry_id, fields in entries:
                     self._done_cursor = entry_id

@@ -90,7 +90,7 @@ def test_steps_read_returns_every_entry_after_the_cursors_and_blocks_until_one_c
         assert _plain(await asyncio.wait_for(later, 5)) == [("s1", [(third, [b"o", b"d"])])]
         blocked = asyncio.ensure_future(read({"s1": third.decode()}, 10, 5000))
         await asyncio.sleep(0.05)
-        blocked.cancel()  # cut mid-read: the connection is dropped, the next read has a fresh one
+        blocked.cancel()  # cut mid-read: its reply (when it comes) is dropped, the next read gets its own
         await asyncio.gather(blocked, return_exceptions=True)
         fourth = await r.xadd("s1", {"o": b"e"})
         assert _plain(await read({"s1": third.decode()}, 10, 100)) == [("s1", [(fourth, [b"o", b"e"])])]
@@ -122,14 +122,16 @@ def test_on_a_redis_cluster_both_go_through_the_cluster_client():
         asyncio.run(go(c.url))
 
 
-def test_a_call_alone_in_its_turn_is_a_plain_call_and_loads_a_lost_script(redis_url):
+def test_a_call_alone_in_its_turn_loads_a_lost_script_and_runs_once(redis_url):
     async def go():
         r = connect(redis_url)
         admit = Admissions(r, r.register_script(ADMIT_AND_QUEUE))
         await r.script_flush()
-        assert (await _call(admit, "a4", 0))[0] == 1
-        assert (await _call(admit, "a4", 0)) == [0]
-        assert admit.num_rounds == 2 and await r.xlen("a4:requests") == 1
+        assert (await _call(admit, "a4", 0))[0] == 1  # refused (NOSCRIPT), loaded, run again
+        assert (await _call(admit, "a4", 0)) == [0]  # one round
+        assert admit.num_rounds == 3 and await r.xlen("a4:requests") == 1
+        assert admit.mux is not None and admit.mux.num_connects == 1  # every round on one connection
+        await admit.aclose()
         await r.aclose()
 
     asyncio.run(go())

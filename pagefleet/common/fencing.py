@@ -138,10 +138,12 @@ class Fencing:
     messages), registered once per Redis client (EVALSHA, falling back to EVAL after a restart)."""
 
     def __init__(self, redis, keys: Keys, writer_id: str = SCHEDULER_STEPS,
-                 stream_of: Callable[[str], str] = lambda worker_id: "") -> None:
+                 stream_of: Callable[[str], str] = lambda worker_id: "", mux=None) -> None:
         """``stream_of``: a worker's steps stream, as its row names it (recorded with each
-        assignment: the stream a resume reads the request back from)."""
+        assignment: the stream a resume reads the request back from). ``mux``: a ``RedisMux``
+        the assignments go through (default: the client)."""
         self.redis = redis
+        self.mux = mux
         self.keys = keys
         self.writer_id = writer_id
         self.stream_of = stream_of
@@ -178,6 +180,8 @@ class Fencing:
         for request_id, worker_id in owners:
             keys.append(self.keys.owner(request_id))
             args += [worker_id, self.stream_of(worker_id) if worker_id else ""]
+        if self.mux is not None:
+            return [int(e) for e in await self.mux.script(self._assign, keys, args)]
         return [int(e) for e in await self._assign(keys=keys, args=args)]
 
     def _steps_ttl(self) -> int:

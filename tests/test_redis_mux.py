@@ -1,0 +1,157 @@
+"""Many callers' commands on one pipelined connection (``redis_mux.RedisMux``) against a real
+redis-server: replies to their callers in order whatever the interleaving, error replies as
+redis-py raises them, a cancelled caller's reply dropped without shifting the others', AUTH as
+the client is configured, a broken or silent connection failing its waiting calls as a
+connection error and the next call reconnecting."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import redis.exceptions as rx
+
+from pagefleet.common.redis import RedisServer, connect
+from pagefleet.common.redis_mux import mux_for
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+def test_concurrent_callers_each_get_their_own_replies(redis_url):
+    async def go():
+        r = connect(redis_url)
+        mux = mux_for(r)
+
+        async def caller(i: int) -> list:
+            got = []
+            for j in range(50):
+                got.append(await mux.call("INCR", f"mx:{i}"))
+                if j % 7 == 0:
+                    got.append(await mux.pipeline([("INCRBY", f"mx:{i}", 10), ("GET", f"mx:{i}")]))
+            return got
+
+        results = await asyncio.gather(*(caller(i) for i in range(20)))
+        for got in results:
+            n, expect = 0, []
+            for j in range(50):
+                n += 1
+                expect.append(n)
+                if j % 7 == 0:
+                    n += 10
+                    expect.append([n, str(n).encode()])
+            assert got == expect
+        assert mux.num_connects == 1
+        big = b"z" * 300_000
+        assert await mux.pipeline([("SET", "mx:big", big), ("GET", "mx:big")]) == [b"OK", big]
+        await mux.aclose()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_error_replies_are_raised_by_call_and_returned_by_pipeline(redis_url):
+    async def go():
+        r = connect(redis_url)
+        mux = mux_for(r)
+        await mux.call("SET", "mx:s", "v")
+        with pytest.raises(rx.ResponseError, match="WRONGTYPE"):
+            await mux.call("HGET", "mx:s", "f")
+        with pytest.raises(rx.NoScriptError):
+            await mux.call("EVALSHA", "0" * 40, 0)
+        replies = await mux.pipeline([("GET", "mx:s"), ("LPUSH", "mx:s", 1), ("GET", "mx:s")])
+        assert replies[0] == b"v" and replies[2] == b"v"
+        assert isinstance(replies[1], rx.ResponseError) and "WRONGTYPE" in str(replies[1])
+        assert await mux.call("PING") == b"PONG"  # still in step
+        await mux.aclose()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_cancelled_caller_leaves_the_others_replies_in_place(redis_url):
+    async def go():
+        r = connect(redis_url)
+        mux = mux_for(r)
+        await mux.call("DEL", "mx:list")
+        # BLPOP with a timeout holds the connection's replies behind it: cancel its caller.
+        blocked = asyncio.create_task(mux.call("BLPOP", "mx:list", 0.3))
+        await asyncio.sleep(0.05)
+        after = asyncio.create_task(mux.call("ECHO", "after"))
+        await asyncio.sleep(0.05)
+        blocked.cancel()
+        assert await after == b"after"  # its own reply, not BLPOP's nil
+        assert await mux.call("ECHO", "again") == b"again"
+        await mux.aclose()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_broken_connection_fails_its_calls_and_the_next_call_reconnects(redis_url):
+    async def go():
+        r = connect(redis_url)
+        mux = mux_for(r)
+        client_id = await mux.call("CLIENT", "ID")
+        waiting = asyncio.create_task(mux.call("BLPOP", "mx:never", 5))
+        await asyncio.sleep(0.05)
+        await r.execute_command("CLIENT", "KILL", "ID", client_id)
+        with pytest.raises(rx.ConnectionError):
+            await waiting
+        assert await mux.call("PING") == b"PONG"
+        assert mux.num_connects == 2
+        await mux.aclose()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_mux_authenticates_as_its_client_does():
+    async def go(url: str):
+        r = connect(url)
+        mux = mux_for(r)
+        try:
+            return await mux.call("PING")
+        finally:
+            await mux.aclose()
+            await r.aclose()
+
+    with RedisServer(password="s3cret") as server:
+        with pytest.raises(rx.AuthenticationError):
+            asyncio.run(go(server.url))
+        assert asyncio.run(go(server.url.replace("redis://", "redis://:s3cret@"))) == b"PONG"
+
+
+def test_a_mux_gives_up_on_a_server_that_stops_answering():
+    """A server that stops answering (SIGSTOP) fails the waiting calls within the timeout, as
+    a connection error; once it answers again, a new connection serves the next call."""
+    async def go(server):
+        r = connect(server.url)
+        mux = mux_for(r)
+        mux.timeout_s = 0.3
+        assert await mux.call("PING") == b"PONG"
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(rx.ConnectionError, match="no reply"):
+                await mux.call("ECHO", "while-stopped")
+            assert time.monotonic() - started < 5
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert await mux.call("ECHO", "after") == b"after"
+        assert mux.num_connects == 2
+        await mux.aclose()
+        await r.aclose()
+
+    with RedisServer() as server:
+        asyncio.run(go(server))
+
+
+def test_only_a_standalone_client_has_a_mux():
+    assert mux_for(object()) is None
