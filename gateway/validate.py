@@ -52,8 +52,8 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         name = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), "sampling")
         raise BadField(f"sampling.{name}" if name != "sampling" else name, msg) from None
     for name, ids in (("logit_bias", req.sampling.logit_bias), ("allowed_token_ids", req.sampling.allowed_token_ids)):
-        bad = next((t for t in ids if t >= model.vocab_size), None)
-        if bad is not None:
+        if ids and max(ids) >= model.vocab_size:  # most requests have neither: no generator a request
+            bad = next(t for t in ids if t >= model.vocab_size)
             raise BadField(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
     if params.structured_outputs is not None and (error := _grammar_error(params.structured_outputs)):
         raise BadField(f"sampling.structured_outputs.{error.field}", error.reason)
@@ -73,8 +73,8 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         ids = list(req.prompt_token_ids.ids)
         if not ids:
             raise BadField("prompt_token_ids", "must not be empty")
-        bad = next((t for t in ids if t >= model.vocab_size), None)
-        if bad is not None:
+        if max(ids) >= model.vocab_size:  # the one at fault looked for only when there is one
+            bad = next(t for t in ids if t >= model.vocab_size)
             raise BadField("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
     total = len(ids) + params.max_tokens
     if total > max_model_len:

@@ -1,5 +1,6 @@
 """The gateway's admission scripts of one event-loop turn in one pipeline, and the steps
-reader's XREAD on a connection of its own, against a real Redis."""
+reader's XREAD on a connection of its own, against a real Redis; and the check of a request's
+token ids before it is admitted."""
 
 from __future__ import annotations
 
@@ -135,3 +136,31 @@ def test_a_call_alone_in_its_turn_loads_a_lost_script_and_runs_once(redis_url):
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_first():
+    from pagefleet.common.model_config import load_model_spec
+    from pagefleet.gateway.validate import BadField, check
+    from pagefleet.protos import generation_pb2 as pb
+
+    spec = load_model_spec("tiny")
+    vocab = spec.vocab_size
+
+    def req(**sampling) -> pb.GenerateRequest:
+        r = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3]))
+        r.sampling.max_tokens = 4
+        for name, value in sampling.items():
+            getattr(r.sampling, name).update(value) if name == "logit_bias" else getattr(r.sampling, name).extend(value)
+        return r
+
+    assert check(req(), spec, 4096) == [1, 2, 3]
+    assert check(req(logit_bias={vocab - 1: 1.0}, allowed_token_ids=[0, vocab - 1]), spec, 4096) == [1, 2, 3]
+    bad = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, vocab + 5, vocab, 2]))
+    bad.sampling.max_tokens = 4
+    with pytest.raises(BadField, match=f"token id {vocab + 5} is outside") as e:
+        check(bad, spec, 4096)
+    assert e.value.field == "prompt_token_ids"
+    for name, value in (("logit_bias", {3: 1.0, vocab: -1.0}), ("allowed_token_ids", [3, vocab + 1])):
+        with pytest.raises(BadField, match="is outside the vocabulary") as e:
+            check(req(**{name: value}), spec, 4096)
+        assert e.value.field == f"sampling.{name}"
