@@ -38,7 +38,7 @@ from .core import GatewayCore, Queued, QueueUnavailable, Relays, Shed, tracepare
 from .limits import Limits, TooLarge
 from .observe import CallObserver, http_call
 from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
-from .openai_response import Choices, TokenPieces
+from .openai_response import Choices, TokenPieces, sse
 from .responses_api import ResponseOutput
 from .tool_parsers import tool_parser
 from .validate import BadField
@@ -260,7 +260,7 @@ class OpenAIDoor:
                 chunks = choices.add(i, msg)
                 if msg.finish_reason == pb.FINISH_REASON_ERROR:
                     status = 500
-                    yield _sse(ApiError(500, choices.error or "generation failed", "server_error").body())
+                    yield sse(ApiError(500, choices.error or "generation failed", "server_error").body())
                     if choices.done_marker:
                         yield b"data: [DONE]\n\n"
                     return
@@ -339,8 +339,6 @@ class EventStream(StreamingResponse):
             raise stream.exception()
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _end(call: CallObserver, status: int, streamed: bool = False) -> None:

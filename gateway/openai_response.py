@@ -28,6 +28,18 @@ FINISH_REASONS = {
 }
 # JSON has no -inf: a log-probability below this is sent as this (as vLLM does).
 MIN_LOGPROB = -9999.0
+# One encoder for every chunk: ``json.dumps`` with arguments builds an encoder a call (~40 % of a chunk's encoding).
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def compact_json(obj: Any) -> str:
+    """``obj`` as JSON without spaces, non-ASCII as it is (what a stream's chunks carry)."""
+    return _COMPACT.encode(obj)
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + _COMPACT.encode(obj).encode() + b"\n\n"
 
 
 class TokenPieces:
@@ -154,9 +166,7 @@ class Choices:
         """The stream's last chunks: the usage chunk, when asked for."""
         return [self.usage_chunk()] if self.req.include_usage else []
 
-    @staticmethod
-    def sse(obj: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    sse = staticmethod(sse)
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         """Chat streams open each choice with the assistant's role."""

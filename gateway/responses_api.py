@@ -25,6 +25,7 @@ from typing import Any
 from pagefleet.protos import generation_pb2 as pb
 
 from .openai_request import ApiRequest, BadParam, parse_chat
+from .openai_response import compact_json
 
 RESPONSES_PARAMS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                               "stream", "tools", "tool_choice", "parallel_tool_calls", "text", "store", "metadata",
@@ -231,7 +232,7 @@ class ResponseOutput:
         return self._response(status)
 
     def sse(self, event: dict[str, Any]) -> bytes:
-        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        data = compact_json(event)
         return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
     # -- items ---------------------------------------------------------------------------------------

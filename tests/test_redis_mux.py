@@ -155,3 +155,27 @@ def test_a_mux_gives_up_on_a_server_that_stops_answering():
 
 def test_only_a_standalone_client_has_a_mux():
     assert mux_for(object()) is None
+
+
+def test_stream_reads_come_back_as_the_clients_do(redis_url):
+    """``stream_entries``: the entries of an XREADGROUP read through a mux are what redis-py's
+    client gives (fields as a dict), and an entry deleted after delivery reads as ``{}``."""
+    from pagefleet.common.redis_mux import stream_entries
+
+    async def go():
+        r = connect(redis_url)
+        mux = mux_for(r)
+        await r.xgroup_create("mx:req", "g", id="0", mkstream=True)
+        a = await r.xadd("mx:req", {"kind": "generate", "rid": "a"})
+        b = await r.xadd("mx:req", {"kind": "cancel", "rid": "b"})
+        got = stream_entries(await mux.call("XREADGROUP", "GROUP", "g", "c", "COUNT", 10, "STREAMS", "mx:req", ">"))
+        assert got == [("mx:req", [(a, {b"kind": b"generate", b"rid": b"a"}), (b, {b"kind": b"cancel", b"rid": b"b"})])]
+        assert got[0][1] == (await r.xreadgroup("g", "c", {"mx:req": "0"}))[0][1]
+        await r.xdel("mx:req", a)
+        pending = stream_entries(await mux.call("XREADGROUP", "GROUP", "g", "c", "STREAMS", "mx:req", "0"))
+        assert pending == [("mx:req", [(a, {}), (b, {b"kind": b"cancel", b"rid": b"b"})])]
+        assert stream_entries(await mux.call("XREAD", "BLOCK", 10, "STREAMS", "mx:req", "$")) == []
+        await mux.aclose()
+        await r.aclose()
+
+    asyncio.run(go())

@@ -197,10 +197,11 @@ def _error(reply: hiredis.ReplyError):
 
 
 def stream_entries(reply) -> list[tuple[str, list[tuple[bytes, dict]]]]:
-    """An ``XREAD``/``XREADGROUP`` reply as redis-py's client gives it: ``[(stream, [(entry id,
-    {field: value}), ...]), ...]`` (an entry deleted since it was delivered: ``{}``)."""
+    """An ``XREAD``/``XREADGROUP`` reply as ``[(stream, [(entry id, {field: value}), ...]), ...]``:
+    each entry as redis-py's client gives it (an entry deleted since it was delivered: ``{}``),
+    the stream's name as ``str``."""
     return [(key.decode() if isinstance(key, bytes) else key,
-             [(eid, dict(zip(flat[::2], flat[1::2])) if flat else {}) for eid, flat in entries])
+             [(eid, dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}) for eid, flat in entries])
             for key, entries in reply or ()]
 
 
