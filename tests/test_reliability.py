@@ -169,18 +169,20 @@ def test_a_client_id_is_claimed_only_with_its_entry(redis_server):
         r = connect(redis_server.url)
         core = _gateway(r)
         keys = core.keys
-        real, calls = r.execute_command, []
+        mux = core._admit_and_queue.mux  # the admissions' own connection (a standalone Redis)
+        real, sent = mux._send, []
 
-        async def first_then_away(*args, **kwargs):
-            calls.append(args[0])
-            if len(calls) > 1:
+        async def first_then_away(commands):
+            sent.extend(commands)  # the first: the script, refused (not loaded yet); then Redis is gone
+            if len(sent) > 1:
                 raise rx.ConnectionError("Redis went away")
-            return await real(*args, **kwargs)
+            return await real(commands)
 
-        r.execute_command = first_then_away
+        mux._send = first_then_away
         with pytest.raises(rx.ConnectionError):
             await core._enqueue_one(_request("a"), [5, 6], "", client_id=True)
-        r.execute_command = real
+        mux._send = real
+        assert sent[0][0] == "EVALSHA" and len(sent) > 1
         state = (await r.exists(keys.idempotency("a")), await r.exists(keys.requests))
         first = await core._enqueue_one(_request("b"), [5, 6], "", client_id=True)
         again = await core._enqueue_one(_request("b"), [5, 6], "", client_id=True)
