@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
-import secrets
 import time
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -82,7 +82,9 @@ def traceparent_or_new(value: str | None) -> str:
     """``value`` if it is a W3C ``traceparent``, else a new root one."""
     if value and _TRACEPARENT.match(value):
         return value
-    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+    # ``random``'s own generator (reseeded in a forked child), as OpenTelemetry's ids are: a
+    # trace id is not a secret, and ``secrets`` costs two ``getrandom`` calls a request.
+    return f"00-{random.getrandbits(128) or 1:032x}-{random.getrandbits(64) or 1:016x}-01"
 
 
 class GatewayCore:
@@ -166,7 +168,7 @@ class GatewayCore:
         if not sampling.HasField("seed"):
             # Every request gets a seed here, so one resumed elsewhere or recomputed after a
             # preemption continues its random draws instead of rolling new ones.
-            sampling.seed = secrets.randbits(63)
+            sampling.seed = random.getrandbits(63)
         msg = cluster_pb2.AssignRequest(
             request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
             priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
