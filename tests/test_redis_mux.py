@@ -24,10 +24,22 @@ def redis_url():
         yield server.url
 
 
-def test_concurrent_callers_each_get_their_own_replies(redis_url):
+def _with_mux(url: str, body):
+    """``await body(client, mux)`` on a fresh client of ``url`` and its mux, both closed after."""
     async def go():
-        r = connect(redis_url)
+        r = connect(url)
         mux = mux_for(r)
+        try:
+            return await body(r, mux)
+        finally:
+            await mux.aclose()
+            await r.aclose()
+
+    return asyncio.run(go())
+
+
+def test_concurrent_callers_each_get_their_own_replies(redis_url):
+    async def body(r, mux):
 
         async def caller(i: int) -> list:
             got = []
@@ -50,16 +62,12 @@ def test_concurrent_callers_each_get_their_own_replies(redis_url):
         assert mux.num_connects == 1
         big = b"z" * 300_000
         assert await mux.pipeline([("SET", "mx:big", big), ("GET", "mx:big")]) == [b"OK", big]
-        await mux.aclose()
-        await r.aclose()
 
-    asyncio.run(go())
+    _with_mux(redis_url, body)
 
 
 def test_error_replies_are_raised_by_call_and_returned_by_pipeline(redis_url):
-    async def go():
-        r = connect(redis_url)
-        mux = mux_for(r)
+    async def body(r, mux):
         await mux.call("SET", "mx:s", "v")
         with pytest.raises(rx.ResponseError, match="WRONGTYPE"):
             await mux.call("HGET", "mx:s", "f")
@@ -69,16 +77,12 @@ def test_error_replies_are_raised_by_call_and_returned_by_pipeline(redis_url):
         assert replies[0] == b"v" and replies[2] == b"v"
         assert isinstance(replies[1], rx.ResponseError) and "WRONGTYPE" in str(replies[1])
         assert await mux.call("PING") == b"PONG"  # still in step
-        await mux.aclose()
-        await r.aclose()
 
-    asyncio.run(go())
+    _with_mux(redis_url, body)
 
 
 def test_a_cancelled_caller_leaves_the_others_replies_in_place(redis_url):
-    async def go():
-        r = connect(redis_url)
-        mux = mux_for(r)
+    async def body(r, mux):
         await mux.call("DEL", "mx:list")
         # BLPOP with a timeout holds the connection's replies behind it: cancel its caller.
         blocked = asyncio.create_task(mux.call("BLPOP", "mx:list", 0.3))
@@ -88,16 +92,12 @@ def test_a_cancelled_caller_leaves_the_others_replies_in_place(redis_url):
         blocked.cancel()
         assert await after == b"after"  # its own reply, not BLPOP's nil
         assert await mux.call("ECHO", "again") == b"again"
-        await mux.aclose()
-        await r.aclose()
 
-    asyncio.run(go())
+    _with_mux(redis_url, body)
 
 
 def test_a_broken_connection_fails_its_calls_and_the_next_call_reconnects(redis_url):
-    async def go():
-        r = connect(redis_url)
-        mux = mux_for(r)
+    async def body(r, mux):
         client_id = await mux.call("CLIENT", "ID")
         waiting = asyncio.create_task(mux.call("BLPOP", "mx:never", 5))
         await asyncio.sleep(0.05)
@@ -106,34 +106,24 @@ def test_a_broken_connection_fails_its_calls_and_the_next_call_reconnects(redis_
             await waiting
         assert await mux.call("PING") == b"PONG"
         assert mux.num_connects == 2
-        await mux.aclose()
-        await r.aclose()
 
-    asyncio.run(go())
+    _with_mux(redis_url, body)
 
 
 def test_a_mux_authenticates_as_its_client_does():
-    async def go(url: str):
-        r = connect(url)
-        mux = mux_for(r)
-        try:
-            return await mux.call("PING")
-        finally:
-            await mux.aclose()
-            await r.aclose()
+    async def ping(r, mux):
+        return await mux.call("PING")
 
     with RedisServer(password="s3cret") as server:
         with pytest.raises(rx.AuthenticationError):
-            asyncio.run(go(server.url))
-        assert asyncio.run(go(server.url.replace("redis://", "redis://:s3cret@"))) == b"PONG"
+            _with_mux(server.url, ping)
+        assert _with_mux(server.url.replace("redis://", "redis://:s3cret@"), ping) == b"PONG"
 
 
 def test_a_mux_gives_up_on_a_server_that_stops_answering():
     """A server that stops answering (SIGSTOP) fails the waiting calls within the timeout, as
     a connection error; once it answers again, a new connection serves the next call."""
-    async def go(server):
-        r = connect(server.url)
-        mux = mux_for(r)
+    async def body(r, mux):
         mux.timeout_s = 0.3
         assert await mux.call("PING") == b"PONG"
         os.kill(server.proc.pid, signal.SIGSTOP)
@@ -146,11 +136,9 @@ def test_a_mux_gives_up_on_a_server_that_stops_answering():
             os.kill(server.proc.pid, signal.SIGCONT)
         assert await mux.call("ECHO", "after") == b"after"
         assert mux.num_connects == 2
-        await mux.aclose()
-        await r.aclose()
 
     with RedisServer() as server:
-        asyncio.run(go(server))
+        _with_mux(server.url, body)
 
 
 def test_only_a_standalone_client_has_a_mux():
@@ -162,9 +150,7 @@ def test_stream_reads_come_back_as_the_clients_do(redis_url):
     client gives (fields as a dict), and an entry deleted after delivery reads as ``{}``."""
     from pagefleet.common.redis_mux import stream_entries
 
-    async def go():
-        r = connect(redis_url)
-        mux = mux_for(r)
+    async def body(r, mux):
         await r.xgroup_create("mx:req", "g", id="0", mkstream=True)
         a = await r.xadd("mx:req", {"kind": "generate", "rid": "a"})
         b = await r.xadd("mx:req", {"kind": "cancel", "rid": "b"})
@@ -175,7 +161,5 @@ def test_stream_reads_come_back_as_the_clients_do(redis_url):
         pending = stream_entries(await mux.call("XREADGROUP", "GROUP", "g", "c", "STREAMS", "mx:req", "0"))
         assert pending == [("mx:req", [(a, {}), (b, {b"kind": b"cancel", b"rid": b"b"})])]
         assert stream_entries(await mux.call("XREAD", "BLOCK", 10, "STREAMS", "mx:req", "$")) == []
-        await mux.aclose()
-        await r.aclose()
 
-    asyncio.run(go())
+    _with_mux(redis_url, body)
