@@ -163,3 +163,38 @@ def test_stream_reads_come_back_as_the_clients_do(redis_url):
         assert stream_entries(await mux.call("XREAD", "BLOCK", 10, "STREAMS", "mx:req", "$")) == []
 
     _with_mux(redis_url, body)
+
+
+def test_a_command_that_cannot_be_sent_fails_alone(redis_url):
+    """A call whose arguments do not pack (or with no command at all) fails its caller alone:
+    no reply is owed for it, so every later caller still gets its own."""
+    async def body(r, mux):
+        with pytest.raises(TypeError):
+            await mux.pipeline([("ECHO", "sent"), ("SET", "mx:k", None)])
+        with pytest.raises(ValueError):
+            await mux.call()
+        for i in range(3):
+            got = await asyncio.wait_for(asyncio.gather(*(mux.call("ECHO", f"c{i}-{j}") for j in range(3))), 5)
+            assert got == [f"c{i}-{j}".encode() for j in range(3)]
+
+    _with_mux(redis_url, body)
+
+
+def test_a_closed_mux_leaves_no_connection_open_and_opens_one_when_called_again(redis_url):
+    async def body(r, mux):
+        assert await mux.call("PING") == b"PONG"
+        conn = mux._link.conn
+        await mux.aclose()
+        assert conn._writer is None and mux._link is None
+        assert await mux.call("ECHO", "again") == b"again" and mux.num_connects == 2
+        # A connect under way when the mux is closed does not outlive the close.
+        await mux.aclose()
+        connecting = asyncio.create_task(mux.call("ECHO", "late"))
+        await asyncio.sleep(0)
+        assert mux._connecting.locked()  # opening its connection
+        await mux.aclose()
+        with pytest.raises(rx.ConnectionError, match="closed"):
+            await connecting
+        assert mux._link is None and mux.num_connects == 2
+
+    _with_mux(redis_url, body)

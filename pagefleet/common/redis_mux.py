@@ -63,6 +63,7 @@ class RedisMux:
         self._readers: set[asyncio.Task] = set()
         self._connecting: asyncio.Lock | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._closing = object()  # a new one each ``aclose``: a connect that spans one is dropped
         self.num_connects = 0
 
     async def call(self, *args):
@@ -90,13 +91,19 @@ class RedisMux:
         return [_error(r) if isinstance(r, hiredis.ReplyError) else r for r in await self._send(commands)]
 
     async def _send(self, commands: list[tuple]) -> list:
+        # Packed before anything is owed: a command that cannot be sent (an argument that is
+        # not bytes, str or a number; no command at all, which Redis never answers) fails its
+        # caller alone and leaves no reply owed that would shift every later caller's.
+        if not all(commands):
+            raise ValueError("a Redis command needs at least its name")
+        data = b"".join([hiredis.pack_command(c) for c in commands])
         link = self._link
         if link is None or not link.open:
             link = await self._connect()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        link.pending.append([fut, len(commands), [], time.monotonic()])
-        link.writer.write(b"".join([hiredis.pack_command(c) for c in commands]))
+        link.pending.append([fut, len(commands), [], time.monotonic()])  # and written, with no await between
+        link.writer.write(data)
         if self._watchdog is None:
             self._watchdog = loop.call_later(self.timeout_s, self._watch)
         if link.writer.transport.get_write_buffer_size() > MAX_UNSENT:
@@ -113,10 +120,13 @@ class RedisMux:
                 return self._link
             pool = self.client.connection_pool
             conn = pool.connection_class(**{**pool.connection_kwargs, "protocol": 2})
+            closing = self._closing
             try:
                 await conn.connect()
                 if conn._reader is None or conn._writer is None:
                     raise rx.ConnectionError(f"{type(conn).__name__} exposes no stream")
+                if self._closing is not closing:  # ``aclose`` ran meanwhile: nothing may outlive it
+                    raise rx.ConnectionError("the connection was closed")
             except BaseException:
                 await conn.disconnect()
                 raise
@@ -157,6 +167,7 @@ class RedisMux:
             if self._link is link:
                 self._link = None
             link.writer.close()
+            link.conn._reader = link.conn._writer = None  # closed: as redis-py's own close leaves it
             for fut, *_ in pending:
                 if not fut.done():
                     fut.set_exception(error)
@@ -177,6 +188,9 @@ class RedisMux:
         self._watchdog = asyncio.get_running_loop().call_later(late, self._watch)
 
     async def aclose(self) -> None:
+        """Close the connection (its waiting calls fail with a connection error). A later call
+        opens a new one; a connection being opened as this runs is closed once open."""
+        self._closing = object()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -184,9 +198,6 @@ class RedisMux:
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
-        link, self._link = self._link, None
-        if link is not None:
-            await link.conn.disconnect()
 
 
 def _error(reply: hiredis.ReplyError):
