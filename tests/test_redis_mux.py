@@ -198,3 +198,20 @@ def test_a_closed_mux_leaves_no_connection_open_and_opens_one_when_called_again(
         assert mux._link is None and mux.num_connects == 2
 
     _with_mux(redis_url, body)
+
+
+def test_a_unix_socket_url_serves_the_client_its_mux_and_its_lane(tmp_path):
+    """``connect("unix:///...")``: the client, its mux and a writer's blocking lane all reach a
+    Redis that listens on a unix socket (TCP's keepalive option is not passed to it)."""
+    from pagefleet.common.redis_lane import blocking_lane_for
+
+    path = str(tmp_path / "redis.sock")
+    with RedisServer(extra_args=["--unixsocket", path, "--unixsocketperm", "700"]):
+        async def body(r, mux):
+            assert await r.ping() is True
+            assert await mux.call("ECHO", "mux") == b"mux"
+            lane = blocking_lane_for(r)
+            assert lane.call([("ECHO", "lane")]) == [b"lane"]
+            lane.close()
+
+        _with_mux(f"unix://{path}", body)

@@ -109,7 +109,8 @@ def connect(url: str, password_file: str | None = None, cluster: bool = False):
     """An asyncio client; connection errors surface to ``retry`` (no hidden retries).
 
     ``url`` may carry a user and password (``redis://user:password@host:6379/0``) and be
-    ``rediss://`` for TLS (``?ssl_ca_certs=/path/ca.pem`` to trust a private CA);
+    ``rediss://`` for TLS (``?ssl_ca_certs=/path/ca.pem`` to trust a private CA) or
+    ``unix:///path/to/redis.sock`` for a unix socket;
     ``password_file``: the password read from this file instead (a mounted secret), used when
     the URL has none. ``cluster``: ``url`` names any one node of a Redis Cluster
     (``RedisCluster.from_url`` finds the others, and follows slots as they move); every
@@ -127,12 +128,13 @@ def connect(url: str, password_file: str | None = None, cluster: bool = False):
         )
         read_stream_keys_here(client.commands_parser)
         return client
+    if not url.startswith("unix:"):  # TCP's own option: a unix socket's connection refuses it
+        extra["socket_keepalive"] = True
     return aioredis.Redis.from_url(
         url,
         **extra,
         max_connections=10_000,
         health_check_interval=30,
-        socket_keepalive=True,
         socket_connect_timeout=5,
         # Longer than any blocking read here (XREAD/XREADGROUP block at most 5 s); redis-py's
         # default of 5 s would cut those reads off.
