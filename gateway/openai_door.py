@@ -339,8 +339,6 @@ class EventStream(StreamingResponse):
             raise stream.exception()
 
 
-
-
 def _end(call: CallObserver, status: int, streamed: bool = False) -> None:
     attrs = {"http.response.status_code": 200 if streamed else status}
     call.end(CODE_OF_STATUS.get(status, grpc.StatusCode.UNKNOWN), attrs)
