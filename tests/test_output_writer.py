@@ -109,3 +109,165 @@ def test_a_fenced_writer_drops_what_was_made_before_the_drop_and_writes_what_cam
         await r.aclose()
 
     asyncio.run(go())
+
+
+# -- steps the engine thread sends itself ----------------------------------------------------
+async def _open_writer(url: str, ns: str, **kwargs):
+    """A running writer whose lane is open (its first write went by its thread), so later
+    ``put``s send on the calling thread; ``refused`` collects ``on_refused``."""
+    r = connect(url)
+    refused: list[str] = []
+    w = OutputWriter(r, Keys(ns), writer_id="w1", on_refused=refused.append, **kwargs)
+    await w.fencing.publish_stream()
+    task = asyncio.create_task(w.run())
+    w.put(_step("warm", 0, 64))
+    await w.flush()
+    assert w.num_direct == 0 and w.lane.direct
+    return r, w, refused, task
+
+
+def _written(entries) -> list[tuple[str, int]]:
+    return [(o.request_id, o.index) for _, f in entries for o in outputs_of(f)]
+
+
+def test_steps_are_sent_by_the_putting_thread_and_their_replies_read_at_its_next_put(redis_url):
+    async def go():
+        r, w, _, task = await _open_writer(redis_url, "ow-direct")
+        for i in range(5):
+            w.put(_step("a", i, 65 + i))
+            await asyncio.sleep(0.005)  # Redis answers meanwhile: the next put reads the reply
+        assert w.num_direct == 5 and w.num_round_trips >= 1 + 4  # the first four settled by the puts after them
+        await w.flush()
+        assert w.num_round_trips == 6 and w.backlog == 0 and not w._in_flight
+        entries = await r.xrange(w.fencing.steps_key)
+        assert _written(entries) == [("warm", 0), *(("a", i) for i in range(5))]  # one entry a step, in order
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_replies_owed_when_the_engine_goes_idle_are_read_by_the_writers_thread(redis_url):
+    async def go():
+        r, w, _, task = await _open_writer(redis_url, "ow-idle")
+        w.put(_step("a", 0, 65))
+        assert w.num_direct == 1 and len(w._in_flight) == 1
+        w.idle()  # the engine has nothing to step: the writer's thread reads the reply, soon
+        for _ in range(200):
+            if not w._in_flight:
+                break
+            await asyncio.sleep(0.005)
+        assert not w._in_flight and w.backlog == 0 and w.num_round_trips == 2
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_refused_final_sent_directly_is_handed_back(redis_url):
+    from pagefleet.common.fencing import Write, encode
+    from pagefleet.common.redis import GROUP, OutEntry
+    from pagefleet.common.scripts import FINISH
+
+    async def go():
+        r, w, refused, task = await _open_writer(redis_url, "ow-refused")
+        keys = Keys("ow-refused")
+        await r.set(keys.scheduler_epoch, 3)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        epoch = await w.fencing.assign("a", 3, "w1")
+        await r.script_load(FINISH)  # as after the worker's first finish
+        w.put(encode([Write("a", epoch, OutEntry(0, [1], "x", "stop"))]))
+        w.put(encode([Write("a", epoch, OutEntry(0, [1], "x", "stop"))]))  # again: done already
+        await w.flush()
+        assert w.num_direct == 2 and refused == ["a"]
+        assert await r.hget(keys.owner("a"), "done") == b"1"
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_step_sent_directly_to_a_fenced_stream_is_dropped_and_the_writer_goes_on(redis_url):
+    async def go():
+        r, w, _, task = await _open_writer(redis_url, "ow-dfence")
+        fenced: list[bool] = []
+
+        async def on_fenced(discard) -> None:
+            fenced.append(True)
+            discard()
+
+        w.on_fenced = on_fenced
+        first = w.fencing.steps_key
+        await fence_stream(r, first)
+        w.put(_step("b", 0, 66))  # sent directly; its reply is the fence's error
+        await w.flush()
+        assert w.num_direct == 1 and fenced == [True] and w.fencing.steps_key != first
+        assert _written(await r.xrange(first)) == [("warm", 0)]
+        w.put(_step("c", 0, 67))
+        await w.flush()
+        assert _written(await r.xrange(w.fencing.steps_key)) == [("c", 0)] and w.backlog == 0
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_steps_in_flight_when_the_connection_breaks_are_written_again(redis_url):
+    import redis
+
+    async def go():
+        r, w, _, task = await _open_writer(redis_url, "ow-broken")
+        client_id = w.lane.call([("CLIENT", "ID")])[0]
+        w.put(_step("a", 0, 65))
+        redis.Redis.from_url(redis_url).execute_command("CLIENT", "KILL", "ID", client_id)
+        for i in range(1, 4):
+            w.put(_step("a", i, 65 + i))
+            await asyncio.sleep(0.005)
+        await w.flush()
+        written = _written(await r.xrange(w.fencing.steps_key))
+        assert sorted(set(written)) == [("a", i) for i in range(4)] + [("warm", 0)]  # nothing lost (twice is harmless)
+        assert w.backlog == 0
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_finish_sent_directly_where_redis_lost_the_script_is_written_by_the_writers_thread(redis_url):
+    from pagefleet.common.fencing import Write, encode
+    from pagefleet.common.redis import GROUP, OutEntry
+
+    async def go():
+        r, w, refused, task = await _open_writer(redis_url, "ow-noscript")
+        keys = Keys("ow-noscript")
+        await r.set(keys.scheduler_epoch, 3)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        epoch = await w.fencing.assign("a", 3, "w1")
+        await r.script_flush()
+        w.put(encode([Write("a", epoch, OutEntry(0, [1], "x", "stop"))]))
+        await w.flush()
+        assert w.num_direct == 1 and refused == []
+        assert await r.hget(keys.owner("a"), "done") == b"1"
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_step_the_socket_cannot_take_at_once_is_finished_by_the_writers_thread(redis_url):
+    async def go():
+        r, w, _, task = await _open_writer(redis_url, "ow-big")
+        enc = StepEncoder()
+        text = "y" * 8_000_000  # more than a socket's buffers hold
+        enc.add("o", "big", 0, [65], text)
+        w.put(enc.build())
+        w.put(_step("a", 0, 66))  # behind it: queued, written after
+        await w.flush()
+        assert w.num_direct == 1 and w.backlog == 0
+        entries = await r.xrange(w.fencing.steps_key)
+        assert _written(entries) == [("warm", 0), ("big", 0), ("a", 0)]
+        assert next(o for _, f in entries for o in outputs_of(f) if o.request_id == "big").text == text
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())

@@ -112,13 +112,17 @@ class Held:
 
 class EngineLoop:
     def __init__(self, engine, emit: Callable[[StepWrite], None], notify: Callable[[], None],
-                 observer=None, room: threading.Event | None = None) -> None:
-        """``room``: cleared while the output writer is full; no step runs until it is set again."""
+                 observer=None, room: threading.Event | None = None,
+                 idle: Callable[[], None] | None = None) -> None:
+        """``room``: cleared while the output writer is full; no step runs until it is set again.
+        ``idle``: called on this thread while it has no step to run (the writer then reads the
+        replies its last steps are owed)."""
         self.engine = engine
         self.observer = observer  # observe.WorkerObserver: metrics and spans
         self.emit = emit
         self.notify = notify
         self.room = room
+        self.idle = idle
         # request id -> its assignment and the marks of what it wrote here
         self.held: dict[str, Held] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -186,6 +190,8 @@ class EngineLoop:
         name_os_thread("engine")
         while not self._stop.is_set():
             busy = not self._paused and self.engine.has_unfinished_requests()
+            if not busy and self.idle is not None:
+                self.idle()
             self._run_commands(block=not busy and not self._migrations)
             if self._stop.is_set():
                 break

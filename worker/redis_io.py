@@ -15,6 +15,15 @@ write refused because the stream was fenced (this worker was declared dead) drop
 request the worker holds (``on_fenced``, run on the event loop) and goes on in a new stream.
 With a Redis Cluster client (no lane) the thread writes through the client, on the event loop.
 
+The engine thread sends a step itself when nothing waits before it (``put``): the step's
+commands go out in one non-blocking write on the lane, and the replies are read, without
+waiting, when it sends the next step; so on the common path no thread is woken for a write
+and the engine never waits on Redis. Replies still owed when the engine stops sending are read
+by the writer's thread (``SETTLE_AFTER_S`` later). A step whose replies hold an error, and
+every step in flight when the connection breaks, goes back to the front of the queue: the
+writer's thread writes it again by the path above (retries, the finish script reloaded, a
+fenced stream, errors request by request). A write sent twice is harmless, as above.
+
 Bounds: at most ``max_backlog`` messages wait; past it ``has_room`` is cleared and the
 engine thread waits before its next step (back-pressure while Redis is away: nothing is
 dropped, nothing grows without bound). Connection loss: the same batch is retried with
@@ -29,11 +38,14 @@ import asyncio
 import collections
 import contextvars
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
 
+import redis.exceptions as rx
 import structlog
 
-from pagefleet.common.fencing import Fenced, Fencing, is_fenced
+from pagefleet.common.fencing import Fenced, Fencing, is_fenced, lane_replies
 from pagefleet.common.redis import Keys, retry_blocking
 from pagefleet.common.redis_lane import LaneUnavailable, blocking_lane_for
 from pagefleet.common.service import name_os_thread
@@ -43,6 +55,22 @@ log = structlog.get_logger("worker.redis")
 
 # Messages that may wait for Redis before the engine stops stepping.
 MAX_BACKLOG = 50_000
+# Steps the engine thread may have sent whose replies are not read yet; past it, the next
+# step goes to the writer's thread (which reads them first).
+MAX_IN_FLIGHT = 16
+# Replies owed this long after the engine's last send are read by the writer's thread (at
+# once when the engine says it is idle: ``idle``).
+SETTLE_AFTER_S = 0.5
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A step the engine thread sent on the lane: how many replies it is owed, and which one
+    appends it (``Fencing.step_packed``)."""
+
+    step: StepWrite
+    num_replies: int
+    main: int
 
 
 async def _discard(discard: Callable[[], None]) -> None:
@@ -87,14 +115,32 @@ class OutputWriter:
         self.num_round_trips = 0
         self.num_refused = 0
         self.num_fenced = 0
+        # The lane's user: the engine thread (a step sent directly) or the writer's.
+        self._lane_lock = threading.Lock()
+        self._in_flight: collections.deque[_Sent] = collections.deque()  # sent, replies not all read
+        self._replies: list = []  # the oldest step in flight's, read so far
+        self._unsent = b""  # what the socket did not take of the last direct send
+        self._sent_at = 0.0  # of the last direct send (time.monotonic)
+        self.num_direct = 0  # steps the engine thread sent itself
+        self._idle = False  # the writer's thread waits on the queue alone, no replies owed
+        self._engine_idle = False  # the engine said it has no step to run (``idle``)
 
     @property
     def backlog(self) -> int:
         return self._backlog
 
     def put(self, step: StepWrite) -> None:
-        """Queue one step's messages (from any thread; the engine's, straight after its step)."""
+        """Send or queue one step's messages (from any thread; the engine's, straight after its
+        step): sent on the calling thread when nothing waits before it and the lane is free,
+        never waiting on Redis; queued for the writer's thread otherwise."""
         if step.num_messages:
+            lock = self._lane_lock
+            if self.lane is not None and lock.acquire(blocking=False):
+                try:
+                    if self._send_direct(step):
+                        return
+                finally:
+                    lock.release()
             with self._cond:
                 self._pending.append(step)
                 self._backlog += step.num_messages
@@ -119,8 +165,9 @@ class OutputWriter:
                 self.has_room.set()
 
     async def flush(self) -> None:
-        """Return once everything queued so far is in Redis."""
-        while self._pending or self._busy:
+        """Return once everything queued or sent so far is in Redis, its replies read."""
+        while self._pending or self._busy or self._in_flight or self._unsent:
+            self.idle()  # replies owed to the engine's sends: read now, not at its next step
             await asyncio.sleep(0.002)
 
     async def run(self) -> None:
@@ -152,17 +199,47 @@ class OutputWriter:
             if self.lane is not None:
                 self.lane.close()
 
+    def idle(self) -> None:
+        """The engine thread has no step to run: the writer's thread reads the replies its
+        sends are still owed (it would come back for them at its next step)."""
+        if self._in_flight and not self._engine_idle:
+            with self._cond:
+                self._engine_idle = True
+                self._cond.notify()
+
+    def _owed(self) -> bool:
+        """Replies the engine thread left owed: bytes it could not send, or replies it will not
+        come back for soon (it is idle, or has sent nothing for ``SETTLE_AFTER_S``)."""
+        return bool(self._unsent) or bool(self._in_flight) and (
+            self._engine_idle or time.monotonic() - self._sent_at >= SETTLE_AFTER_S)
+
     def _one(self) -> bool:
-        """Write what is pending (one batch); False once stopping."""
+        """Read the replies owed to steps the engine sent, then write what is pending (one
+        batch); False once stopping."""
         with self._cond:
-            while not self._pending and not self._stopping:
-                self._cond.wait()
+            while not self._pending and not self._stopping and not self._owed():
+                timed = bool(self._in_flight)
+                self._idle = not timed  # a direct send wakes it (see _send_direct)
+                self._cond.wait(SETTLE_AFTER_S if timed else None)
+            self._idle = False
             if self._stopping:
                 return False
-            self._busy = True  # before the queue empties: ``flush`` reads both without the lock
-            batch = self._pending.popleft()
-            while self._pending:
-                batch.extend(self._pending.popleft())
+        with self._lane_lock:
+            self._engine_idle = False
+            if self._in_flight or self._unsent:
+                self._settle(block=True)  # a step that must be written again goes to the queue's front
+            with self._cond:
+                if not self._pending:
+                    return True
+                self._busy = True  # before the queue empties: ``flush`` reads both without the lock
+                batch = self._pending.popleft()
+                while self._pending:
+                    batch.extend(self._pending.popleft())
+            self._write_held(batch)
+        return True
+
+    def _write_held(self, batch: StepWrite) -> None:
+        """Write ``batch`` (the lane held) and count it out of the backlog."""
         try:
             if not batch.num_messages:
                 self._probe()
@@ -180,7 +257,97 @@ class OutputWriter:
                 if self._backlog < self.max_backlog and not self.has_room.is_set():
                     self.has_room.set()
                 self._busy = False
+
+    # -- steps the engine thread sends (the lane held) ----------------------------------
+    def _send_direct(self, step: StepWrite) -> bool:
+        """Send ``step`` on the calling thread if nothing waits before it: first the replies
+        that have come are settled (``_settle``), then its commands go out in one write that
+        does not wait. False: nothing was sent (queue it for the writer's thread)."""
+        lane = self.lane
+        if (lane is None or self._unsent or self._busy or self._stopping or not lane.direct
+                or len(self._in_flight) >= MAX_IN_FLIGHT):
+            return False
+        if not self._settle(block=False) or self._pending or not lane.direct:
+            return False  # a step goes back to the writer's thread, or the connection broke: queue behind it
+        data, num_replies, main = self.fencing.step_packed(step, self.live)
+        self._sent_at = time.monotonic()
+        with self._cond:
+            self._backlog += step.num_messages
+            if self._backlog >= self.max_backlog:
+                self.has_room.clear()
+            self._in_flight.append(_Sent(step, num_replies, main))
+            if self._idle:  # waiting for nothing but the queue: it reads these replies if the engine does not
+                self._cond.notify()
+        self.num_direct += 1
+        try:
+            n = lane.send_nowait(data)
+        except rx.ConnectionError:
+            self._back([s.step for s in self._in_flight])
+            self._in_flight.clear()
+            return True
+        if n < len(data):  # the socket is full: the writer's thread sends the rest, then reads
+            with self._cond:
+                self._unsent = data[n:]
+                self._cond.notify()
         return True
+
+    def _settle(self, block: bool) -> bool:
+        """Read the replies owed to the steps in flight (``block``: all of them, waiting as long
+        as the lane does; else those that have come) and settle each step: its refused finals
+        to ``on_refused``, its messages out of the backlog. A step whose replies hold an error,
+        and every step in flight when the connection broke, goes back to the front of the queue.
+        Whether none went back."""
+        lane, in_flight, back = self.lane, self._in_flight, []
+        try:
+            if self._unsent:
+                lane.send_rest(self._unsent)
+                self._unsent = b""
+            while in_flight:
+                sent, replies = in_flight[0], self._replies
+                while len(replies) < sent.num_replies:
+                    r = lane.reply() if block else lane.reply_nowait()
+                    if r is False:
+                        return self._back(back)
+                    replies.append(r)
+                in_flight.popleft()
+                self._replies = []
+                replies = lane_replies(replies)
+                if any(isinstance(r, Exception) for r in replies):
+                    back.append(sent.step)  # fenced, the script lost, ...: the writer's path sorts it out
+                else:
+                    self._settled(sent, replies)
+        except rx.ConnectionError:
+            back += [s.step for s in in_flight]
+            in_flight.clear()
+            self._replies, self._unsent = [], b""
+        return self._back(back)
+
+    def _settled(self, sent: _Sent, replies: list) -> None:
+        step = sent.step
+        accepted = self.fencing.step_outcome(step, replies, sent.main)
+        self.num_round_trips += 1
+        with self._cond:
+            self._backlog -= step.num_messages
+            if self._backlog < self.max_backlog and not self.has_room.is_set():
+                self.has_room.set()
+        for f, ok in zip(step.finals, accepted, strict=True):
+            if not ok:
+                self._refused(f.request_id)
+
+    def _back(self, steps: list[StepWrite]) -> bool:
+        """Put ``steps`` (sent, in order) back at the front of the queue, for the writer's thread
+        to write again (still counted in the backlog); whether there were none."""
+        if not steps:
+            return True
+        with self._cond:
+            self._pending.extendleft(reversed(steps))
+            self._cond.notify()
+        return False
+
+    def _refused(self, rid: str) -> None:
+        self.num_refused += 1
+        log.warning("outputs.refused", request_id=rid)
+        self.on_refused(rid)
 
     def _on_loop(self, coro: Coroutine):
         """Run ``coro`` on the event loop and wait for its result (from the writer's thread)."""
@@ -208,9 +375,7 @@ class OutputWriter:
         else:
             refused = {f.request_id for f, ok in zip(batch.finals, accepted, strict=True) if not ok}
         for rid in refused:
-            self.num_refused += 1
-            log.warning("outputs.refused", request_id=rid)
-            self.on_refused(rid)
+            self._refused(rid)
 
     def _fenced(self) -> None:
         """Declared dead: every request here is being resumed elsewhere after what this

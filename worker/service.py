@@ -260,6 +260,7 @@ class Worker:
             notify=lambda: self.aio.call_soon_threadsafe(self.changed.set),
             observer=WorkerObserver(self.worker_id, self.metrics, args.model),
             room=self.writer.has_room,
+            idle=self.writer.idle,
         )
         self.metrics.observe_stats(self.loop.snapshot)  # the pool's size from the start, not from a first step
         self.scheduler_epoch = 0  # the newest scheduler epoch an Assign came with

@@ -248,6 +248,14 @@ class Fencing:
             replies = [_error(r) for r in lane.call(commands)]
         return self.step_outcome(step, replies, main)
 
+    def step_packed(self, step: StepWrite, live: Iterable[str] | Callable[[], Iterable[str]] | None = None,
+                    ) -> tuple[bytes, int, int]:
+        """``step_commands`` packed for a lane's ``send_nowait``: the bytes, how many replies
+        they are owed, and the index of the one that appends the step (read the replies with
+        ``lane_replies``, then ``step_outcome``)."""
+        commands, main = self.step_commands(step, live)
+        return b"".join(hiredis.pack_command(c) for c in commands), len(commands), main
+
     def step_commands(self, step: StepWrite,
                       live: Iterable[str] | Callable[[], Iterable[str]] | None = None) -> tuple[list[tuple], int]:
         """``step``'s commands (see ``write_step``) and the index of the one that appends it."""
@@ -313,6 +321,11 @@ def _error(reply):
     import redis.exceptions as rx
 
     return rx.ResponseError(str(reply))
+
+
+def lane_replies(replies: list) -> list:
+    """A lane's replies with its error replies as redis-py's ``ResponseError`` values."""
+    return [_error(r) for r in replies]
 
 
 def _noscript(reply) -> bool:

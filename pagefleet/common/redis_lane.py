@@ -17,12 +17,20 @@ broken, slow (``timeout_s``) or interrupted exchange closes the connection (its 
 be lost) and raises ``redis.exceptions.ConnectionError`` (callers back off and call again; the
 next call reconnects). Only a standalone client has one (``blocking_lane_for``); with a Redis
 Cluster client callers use the client, as they do after ``LaneUnavailable``.
+
+Without waiting: once open over a plain socket (TCP or unix, not TLS), ``send_nowait`` writes
+what the socket takes now and ``reply_nowait`` parses a reply if one has come, each one system
+call on the socket's non-blocking descriptor; ``reply`` waits for the next (as ``call`` does,
+up to ``timeout_s``) and ``send_rest`` sends what ``send_nowait`` left. Replies owed that way
+are the caller's to read before its next ``call``. A caller holds the lane alone (one lock).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import ssl
 
 import hiredis
 
@@ -59,6 +67,66 @@ class BlockingLane:
             raise LaneUnavailable(f"{type(conn).__name__} exposes no socket")
         sock.settimeout(self.timeout_s)
         self._conn, self._sock, self._parser = conn, sock, hiredis.Reader()
+
+    @property
+    def direct(self) -> bool:
+        """Whether ``send_nowait`` and ``reply_nowait`` can be used now: open, over a plain socket."""
+        sock = self._sock
+        return sock is not None and not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() is not None
+
+    def send_nowait(self, data: bytes) -> int:
+        """Write what the socket takes of ``data`` now (the lane is ``direct``); the bytes written.
+        A broken connection is closed and raised (``redis.exceptions.ConnectionError``)."""
+        try:
+            return os.write(self._sock.fileno(), data)  # the descriptor of a socket with a timeout is non-blocking
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            self._broken(e)
+
+    def send_rest(self, data: bytes) -> None:
+        """Send ``data`` whole, waiting up to ``timeout_s`` (what ``send_nowait`` left)."""
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            self._broken(e)
+
+    def reply_nowait(self):
+        """The next reply if it has come (at most one read of the socket), else ``False``."""
+        try:
+            r = self._parser.gets()
+            if r is not False:
+                return r
+            try:
+                data = os.read(self._sock.fileno(), 65536)
+            except BlockingIOError:
+                return False
+            if not data:
+                raise EOFError("Redis closed the connection")
+            self._parser.feed(data)
+            return self._parser.gets()
+        except (OSError, EOFError, hiredis.ProtocolError) as e:
+            self._broken(e)
+
+    def reply(self):
+        """The next reply, waiting up to ``timeout_s`` for it."""
+        import redis.exceptions as rx
+
+        try:
+            while (r := self._parser.gets()) is False:
+                data = self._sock.recv(65536)
+                if not data:
+                    raise EOFError("Redis closed the connection")
+                self._parser.feed(data)
+            return r
+        except (OSError, EOFError, hiredis.ProtocolError, rx.TimeoutError) as e:
+            self._broken(e)
+
+    def _broken(self, e: BaseException):
+        import redis.exceptions as rx
+
+        self.close()
+        raise rx.ConnectionError(f"steps connection: {e or type(e).__name__}") from e
 
     def close(self) -> None:
         conn, self._conn, self._sock = self._conn, None, None
