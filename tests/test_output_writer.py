@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis.exceptions as rx
 
 from pagefleet.common.fencing import entry_of, fence_stream, outputs_of
 from pagefleet.common.redis import Keys, RedisServer, connect
@@ -267,6 +268,58 @@ def test_a_step_the_socket_cannot_take_at_once_is_finished_by_the_writers_thread
         entries = await r.xrange(w.fencing.steps_key)
         assert _written(entries) == [("warm", 0), ("big", 0), ("a", 0)]
         assert next(o for _, f in entries for o in outputs_of(f) if o.request_id == "big").text == text
+        task.cancel()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_send_that_breaks_after_part_of_the_replies_were_read_leaves_none_behind(redis_url):
+    """The engine read one of a step's two replies, then its next send found the connection
+    broken: every step in flight goes again on a new connection, and no reply of the old one
+    is matched to a step sent on the new one (the replies read so far are forgotten)."""
+    from pagefleet.common.fencing import Write, encode
+    from pagefleet.common.redis import GROUP, OutEntry
+    from pagefleet.common.scripts import FINISH
+
+    async def go():
+        r, w, refused, task = await _open_writer(redis_url, "ow-partial")
+        keys = Keys("ow-partial")
+        await r.set(keys.scheduler_epoch, 3)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        epoch = await w.fencing.assign("b", 3, "w1")
+        await r.script_load(FINISH)
+        lane = w.lane
+        enc = StepEncoder()
+        enc.add("o", "a", 0, [65], "A")
+        enc.refresh.append("a")  # its owner record's EXPIRE, then the XADD: two replies
+        w.put(enc.build())
+        await asyncio.sleep(0.05)  # both replies have come
+        real_reply, real_send = lane.reply_nowait, lane.send_nowait
+        given = []
+
+        def one_reply():  # only the EXPIRE's reply has come
+            if given:
+                return False
+            given.append(real_reply())
+            return given[0]
+
+        def broken(data):
+            lane.close()
+            raise rx.ConnectionError("reset")
+
+        lane.reply_nowait, lane.send_nowait = one_reply, broken
+        w.put(_step("a", 1, 66))
+        lane.reply_nowait, lane.send_nowait = real_reply, real_send
+        assert given and w._replies == [] and not w._in_flight  # both steps go again, nothing read kept
+        await w.flush()
+        w.put(_step("x", 0, 88))  # sent directly on the new connection
+        await asyncio.sleep(0.05)
+        w.put(encode([Write("b", epoch, OutEntry(0, [1], "z", "stop"))]))
+        await w.flush()
+        assert refused == [] and await r.hget(keys.owner("b"), "done") == b"1" and w.backlog == 0
+        written = _written(await r.xrange(w.fencing.steps_key))
+        assert {("a", 0), ("a", 1), ("x", 0), ("b", 0)} <= set(written)
         task.cancel()
         await r.aclose()
 

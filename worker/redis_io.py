@@ -120,6 +120,7 @@ class OutputWriter:
         self._in_flight: collections.deque[_Sent] = collections.deque()  # sent, replies not all read
         self._replies: list = []  # the oldest step in flight's, read so far
         self._unsent = b""  # what the socket did not take of the last direct send
+        self._num_back = 0  # steps at the queue's front that were sent and go again (``_back``)
         self._sent_at = 0.0  # of the last direct send (time.monotonic)
         self.num_direct = 0  # steps the engine thread sent itself
         self._idle = False  # the writer's thread waits on the queue alone, no replies owed
@@ -139,6 +140,12 @@ class OutputWriter:
                 try:
                     if self._send_direct(step):
                         return
+                except Exception:  # a bug: the engine thread goes on, the writer's thread writes it all again
+                    log.exception("outputs.direct_send_failed")
+                    if any(s.step is step for s in self._in_flight):
+                        self._resend_in_flight()
+                        return
+                    self._resend_in_flight()
                 finally:
                     lock.release()
             with self._cond:
@@ -159,14 +166,16 @@ class OutputWriter:
     def discard_pending(self) -> None:
         """Drop the steps waiting (any thread; see ``on_fenced``)."""
         with self._cond:
+            self._num_back = 0
             while self._pending:
                 self._backlog -= self._pending.popleft().num_messages
             if self._backlog < self.max_backlog:
                 self.has_room.set()
 
     async def flush(self) -> None:
-        """Return once everything queued or sent so far is in Redis, its replies read."""
-        while self._pending or self._busy or self._in_flight or self._unsent:
+        """Return once everything queued or sent so far is in Redis, its replies read (or
+        dropped: a fenced stream's, a request failed visibly)."""
+        while self._backlog or self._pending or self._busy or self._in_flight or self._unsent:
             self.idle()  # replies owed to the engine's sends: read now, not at its next step
             await asyncio.sleep(0.002)
 
@@ -196,8 +205,9 @@ class OutputWriter:
                     with self._cond:
                         self._busy = False
         finally:
-            if self.lane is not None:
-                self.lane.close()
+            with self._lane_lock:
+                if self.lane is not None:
+                    self.lane.close()
 
     def idle(self) -> None:
         """The engine thread has no step to run: the writer's thread reads the replies its
@@ -209,9 +219,9 @@ class OutputWriter:
 
     def _owed(self) -> bool:
         """Replies the engine thread left owed: bytes it could not send, or replies it will not
-        come back for soon (it is idle, or has sent nothing for ``SETTLE_AFTER_S``)."""
+        come back for soon (it is idle, waits for room, or has sent nothing for ``SETTLE_AFTER_S``)."""
         return bool(self._unsent) or bool(self._in_flight) and (
-            self._engine_idle or time.monotonic() - self._sent_at >= SETTLE_AFTER_S)
+            self._engine_idle or not self.has_room.is_set() or time.monotonic() - self._sent_at >= SETTLE_AFTER_S)
 
     def _one(self) -> bool:
         """Read the replies owed to steps the engine sent, then write what is pending (one
@@ -232,6 +242,7 @@ class OutputWriter:
                 if not self._pending:
                     return True
                 self._busy = True  # before the queue empties: ``flush`` reads both without the lock
+                self._num_back = 0
                 batch = self._pending.popleft()
                 while self._pending:
                     batch.extend(self._pending.popleft())
@@ -272,18 +283,19 @@ class OutputWriter:
         data, num_replies, main = self.fencing.step_packed(step, self.live)
         self._sent_at = time.monotonic()
         with self._cond:
+            self._engine_idle = False
             self._backlog += step.num_messages
-            if self._backlog >= self.max_backlog:
-                self.has_room.clear()
             self._in_flight.append(_Sent(step, num_replies, main))
-            if self._idle:  # waiting for nothing but the queue: it reads these replies if the engine does not
+            if self._backlog >= self.max_backlog:  # the engine waits for room: the writer's thread reads
+                self.has_room.clear()
+                self._cond.notify()
+            elif self._idle:  # waiting for nothing but the queue: it reads these replies if the engine does not
                 self._cond.notify()
         self.num_direct += 1
         try:
             n = lane.send_nowait(data)
         except rx.ConnectionError:
-            self._back([s.step for s in self._in_flight])
-            self._in_flight.clear()
+            self._resend_in_flight()
             return True
         if n < len(data):  # the socket is full: the writer's thread sends the rest, then reads
             with self._cond:
@@ -295,8 +307,8 @@ class OutputWriter:
         """Read the replies owed to the steps in flight (``block``: all of them, waiting as long
         as the lane does; else those that have come) and settle each step: its refused finals
         to ``on_refused``, its messages out of the backlog. A step whose replies hold an error,
-        and every step in flight when the connection broke, goes back to the front of the queue.
-        Whether none went back."""
+        and every step in flight when the connection broke, goes back to the queue's front
+        (``_back``). Whether none went back."""
         lane, in_flight, back = self.lane, self._in_flight, []
         try:
             if self._unsent:
@@ -309,18 +321,28 @@ class OutputWriter:
                     if r is False:
                         return self._back(back)
                     replies.append(r)
-                in_flight.popleft()
-                self._replies = []
                 replies = lane_replies(replies)
                 if any(isinstance(r, Exception) for r in replies):
                     back.append(sent.step)  # fenced, the script lost, ...: the writer's path sorts it out
                 else:
                     self._settled(sent, replies)
+                in_flight.popleft()  # settled or going back: only now (an exception leaves it in flight)
+                self._replies = []
         except rx.ConnectionError:
-            back += [s.step for s in in_flight]
-            in_flight.clear()
-            self._replies, self._unsent = [], b""
+            self._back(back)
+            self._resend_in_flight()
+            return False
         return self._back(back)
+
+    def _resend_in_flight(self) -> None:
+        """The connection broke (or a bug struck): every step in flight goes back to the queue
+        for the writer's thread, the replies read of them and any unsent rest forgotten, the
+        lane closed (its next use opens a new connection)."""
+        self._back([s.step for s in self._in_flight])
+        self._in_flight.clear()
+        self._replies, self._unsent = [], b""
+        if self.lane is not None:
+            self.lane.close()
 
     def _settled(self, sent: _Sent, replies: list) -> None:
         step = sent.step
@@ -335,12 +357,15 @@ class OutputWriter:
                 self._refused(f.request_id)
 
     def _back(self, steps: list[StepWrite]) -> bool:
-        """Put ``steps`` (sent, in order) back at the front of the queue, for the writer's thread
-        to write again (still counted in the backlog); whether there were none."""
+        """Put ``steps`` (sent, in order) back in the queue for the writer's thread to write
+        again (still counted in the backlog): after those sent back before them, ahead of any
+        step queued since; whether there were none."""
         if not steps:
             return True
         with self._cond:
-            self._pending.extendleft(reversed(steps))
+            for step in steps:
+                self._pending.insert(self._num_back, step)
+                self._num_back += 1
             self._cond.notify()
         return False
 
