@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=cluster__pb2.AssignBatchRequest.SerializeToString,
                 response_deserializer=cluster__pb2.AssignBatchResponse.FromString,
                 _registered_method=True)
+        self.AssignStream = channel.stream_stream(
+                '/pagefleet.v1.Worker/AssignStream',
+                request_serializer=cluster__pb2.AssignBatchRequest.SerializeToString,
+                response_deserializer=cluster__pb2.AssignBatchResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/pagefleet.v1.Worker/Cancel',
                 request_serializer=cluster__pb2.WorkerCancelRequest.SerializeToString,
@@ -116,6 +121,15 @@ class WorkerServicer:
     def AssignBatch(self, request, context):
         """Several Assigns at once (a round of the scheduler's placements on this worker), each
         handled as its own Assign would be, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AssignStream(self, request_iterator, context):
+        """Assigns over one long-lived stream (the scheduler keeps one open to each worker): each
+        message handled as an AssignBatch would be, answered in order, one response a message. A
+        request's trace context travels in its own traceparent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -217,6 +231,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'AssignBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.AssignBatch,
+                    request_deserializer=cluster__pb2.AssignBatchRequest.FromString,
+                    response_serializer=cluster__pb2.AssignBatchResponse.SerializeToString,
+            ),
+            'AssignStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AssignStream,
                     request_deserializer=cluster__pb2.AssignBatchRequest.FromString,
                     response_serializer=cluster__pb2.AssignBatchResponse.SerializeToString,
             ),
@@ -329,6 +348,33 @@ class Worker:
             request,
             target,
             '/pagefleet.v1.Worker/AssignBatch',
+            cluster__pb2.AssignBatchRequest.SerializeToString,
+            cluster__pb2.AssignBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagefleet.v1.Worker/AssignStream',
             cluster__pb2.AssignBatchRequest.SerializeToString,
             cluster__pb2.AssignBatchResponse.FromString,
             options,

@@ -49,6 +49,7 @@ from pagefleet.common.redis_mux import mux_for, stream_entries
 from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
+from .assign_stream import AssignStream, NotServed
 from .ledger import Ledger, LedgerConfig
 from .moves import MoveConfig
 from .observe import assign_span
@@ -608,7 +609,7 @@ class ClusterScheduler:
         return taken
 
     async def _send_to(self, w: WorkerEntry, items: list[tuple[Pending, Placement]]) -> list[bool]:
-        """Send fenced, claimed requests to ``w`` (one Assign, or one AssignBatch for several);
+        """Send fenced, claimed requests to ``w`` (one message on its assign stream: ``_assign``);
         for each, False if it went back to the queue (worker draining or dead) or was
         forgotten while it was being fenced (cancelled, or its worker declared dead)."""
         live = [self.ledger.is_placed(p.request_id, w.worker_id) for p, _ in items]
@@ -616,18 +617,14 @@ class ClusterScheduler:
         if not send:
             return live
         try:
-            if len(send) == 1:
-                p = send[0][0]
-                with assign_span(p, w) as metadata:  # the trace goes on to the worker
-                    responses = [await w.stub.Assign(p.assign, timeout=self.cfg.rpc_timeout_s, metadata=metadata)]
-            else:
-                with contextlib.ExitStack() as spans:
-                    # Each request's assign span goes on to the worker in its copy's traceparent.
-                    batch = cluster_pb2.AssignBatchRequest(requests=[
-                        _carrying(p.assign, spans.enter_context(assign_span(p, w))) for p, _ in send])
-                    responses = (await w.stub.AssignBatch(batch, timeout=self.cfg.rpc_timeout_s)).responses
+            with contextlib.ExitStack() as spans:
+                # Each request's assign span goes on to the worker in its copy's traceparent.
+                batch = cluster_pb2.AssignBatchRequest(requests=[
+                    _carrying(p.assign, spans.enter_context(assign_span(p, w))) for p, _ in send])
+                responses = (await self._assign(w, batch)).responses
         except grpc.RpcError as e:
-            await self._worker_dead(w, f"Assign failed: {e.code().name}")
+            if w.alive:  # else declared dead meanwhile (its channel closed under the stream)
+                await self._worker_dead(w, f"Assign failed: {e.code().name}")
             return [False] * len(items)
         except asyncio.CancelledError:
             if w.alive:
@@ -636,6 +633,16 @@ class ClusterScheduler:
         settled = iter([self._settle(w, p, placement, resp) for (p, placement), resp
                         in zip(send, responses, strict=True)])
         return [next(settled) if ok else False for ok in live]
+
+    async def _assign(self, w: WorkerEntry, batch: cluster_pb2.AssignBatchRequest) -> cluster_pb2.AssignBatchResponse:
+        """``batch`` to ``w``, as a message on its assign stream (``assign_stream``), or as an
+        ``AssignBatch`` call to a worker that does not serve the stream."""
+        if w.assigns is None:
+            w.assigns = AssignStream(w.stub, self.cfg.rpc_timeout_s)
+        try:
+            return await w.assigns.send(batch)
+        except NotServed:
+            return await w.stub.AssignBatch(batch, timeout=self.cfg.rpc_timeout_s)
 
     def _settle(self, w: WorkerEntry, p: Pending, placement: Placement, resp) -> bool:
         """Take ``w``'s answer to ``p``'s Assign in: True if it took it."""

@@ -67,9 +67,9 @@ from .queue import GlobalQueue, Pending
 from .workers import Placed, WorkerEntry, pick_victims
 
 # A round decides at least ROUND placements, and ROUND_PER_WORKER a worker in a larger fleet,
-# so that a deep queue's round sends each worker a batch rather than one request (an
-# AssignBatch costs the scheduler ~0.1 ms of gRPC whatever it carries). A round only grows
-# when that many requests wait.
+# so that a deep queue's round sends each worker a batch rather than one request (a message
+# on its assign stream costs the scheduler ~0.1 ms of gRPC whatever it carries). A round only
+# grows when that many requests wait.
 ROUND = 256
 ROUND_PER_WORKER = 4
 # Requests whose final write was seen, remembered this long (at most this many): a worker's

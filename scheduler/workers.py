@@ -81,6 +81,7 @@ class WorkerEntry:
     alive: bool = True
     accepting: bool = True  # False once it refused an Assign (draining) before its report says so
     role: str = "both"  # one of ROLES, from its registration (see moves.py)
+    assigns: object = None  # its assign_stream.AssignStream, opened with the first Assign
     # Blocks owed to all the requests placed here (see the module docstring).
     num_owed_blocks_total: int = field(default=0, init=False)
     # From the latest report, read once per report rather than once per decision.

@@ -148,7 +148,15 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         return resp
 
     async def AssignBatch(self, request, context):
-        parent = telemetry.extract_grpc(context)
+        return self._assign_batch(request, telemetry.extract_grpc(context))
+
+    async def AssignStream(self, request_iterator, context):
+        """The scheduler's Assigns as messages on one call: each answered in order (each
+        request's trace context in its own traceparent)."""
+        async for batch in request_iterator:
+            yield self._assign_batch(batch, None)
+
+    def _assign_batch(self, request, parent) -> cluster_pb2.AssignBatchResponse:
         responses = [self._admit(r) for r in request.requests]
         taken = [r for r, resp in zip(request.requests, responses, strict=True) if resp.accepted]
         if taken:  # one command for the engine thread: the whole batch between two steps
