@@ -11,8 +11,9 @@ Failure is what a failed unary call was: the call breaking (the worker gone, its
 closed when it is declared dead), or a response not back within ``timeout_s``, fails every
 batch waiting on it with a ``grpc.RpcError`` (the caller declares the worker dead, as before),
 and the next ``send`` opens a new call. A worker that does not serve the stream (an older one:
-``UNIMPLEMENTED``) raises ``NotServed`` at once, before taking anything, and is not asked again.
-A request's trace context travels in its own ``traceparent`` (there is no call a request).
+``UNIMPLEMENTED``) raises ``NotServed`` at once, before taking anything, and is not asked again
+(nor is a stub without the method). A request's trace context travels in its own
+``traceparent`` (there is no call a request).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class AssignStream:
         """``stub``: the worker's ``WorkerStub``; ``timeout_s``: how long a batch may wait for its answer."""
         self.stub = stub
         self.timeout_s = timeout_s
-        self.served = True  # False once the worker said UNIMPLEMENTED
+        self.served = hasattr(stub, "AssignStream")  # False once the worker said UNIMPLEMENTED
         self._call = None
         self._reader: asyncio.Task | None = None
         self._waiting: collections.deque[asyncio.Future] = collections.deque()  # in the order written
