@@ -127,6 +127,16 @@ async def _open_writer(url: str, ns: str, **kwargs):
     return r, w, refused, task
 
 
+async def _assigned(r, w, ns: str, rid: str):
+    """``rid`` assigned to ``w`` (the requests stream and its group made): its keys and epoch."""
+    from pagefleet.common.redis import GROUP
+
+    keys = Keys(ns)
+    await r.set(keys.scheduler_epoch, 3)
+    await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+    return keys, await w.fencing.assign(rid, 3, "w1")
+
+
 def _written(entries) -> list[tuple[str, int]]:
     return [(o.request_id, o.index) for _, f in entries for o in outputs_of(f)]
 
@@ -167,15 +177,12 @@ def test_replies_owed_when_the_engine_goes_idle_are_read_by_the_writers_thread(r
 
 def test_a_refused_final_sent_directly_is_handed_back(redis_url):
     from pagefleet.common.fencing import Write, encode
-    from pagefleet.common.redis import GROUP, OutEntry
+    from pagefleet.common.redis import OutEntry
     from pagefleet.common.scripts import FINISH
 
     async def go():
         r, w, refused, task = await _open_writer(redis_url, "ow-refused")
-        keys = Keys("ow-refused")
-        await r.set(keys.scheduler_epoch, 3)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-        epoch = await w.fencing.assign("a", 3, "w1")
+        keys, epoch = await _assigned(r, w, "ow-refused", "a")
         await r.script_load(FINISH)  # as after the worker's first finish
         w.put(encode([Write("a", epoch, OutEntry(0, [1], "x", "stop"))]))
         w.put(encode([Write("a", epoch, OutEntry(0, [1], "x", "stop"))]))  # again: done already
@@ -236,14 +243,11 @@ def test_steps_in_flight_when_the_connection_breaks_are_written_again(redis_url)
 
 def test_a_finish_sent_directly_where_redis_lost_the_script_is_written_by_the_writers_thread(redis_url):
     from pagefleet.common.fencing import Write, encode
-    from pagefleet.common.redis import GROUP, OutEntry
+    from pagefleet.common.redis import OutEntry
 
     async def go():
         r, w, refused, task = await _open_writer(redis_url, "ow-noscript")
-        keys = Keys("ow-noscript")
-        await r.set(keys.scheduler_epoch, 3)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-        epoch = await w.fencing.assign("a", 3, "w1")
+        keys, epoch = await _assigned(r, w, "ow-noscript", "a")
         await r.script_flush()
         w.put(encode([Write("a", epoch, OutEntry(0, [1], "x", "stop"))]))
         await w.flush()
@@ -279,15 +283,12 @@ def test_a_send_that_breaks_after_part_of_the_replies_were_read_leaves_none_behi
     broken: every step in flight goes again on a new connection, and no reply of the old one
     is matched to a step sent on the new one (the replies read so far are forgotten)."""
     from pagefleet.common.fencing import Write, encode
-    from pagefleet.common.redis import GROUP, OutEntry
+    from pagefleet.common.redis import OutEntry
     from pagefleet.common.scripts import FINISH
 
     async def go():
         r, w, refused, task = await _open_writer(redis_url, "ow-partial")
-        keys = Keys("ow-partial")
-        await r.set(keys.scheduler_epoch, 3)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-        epoch = await w.fencing.assign("b", 3, "w1")
+        keys, epoch = await _assigned(r, w, "ow-partial", "b")
         await r.script_load(FINISH)
         lane = w.lane
         enc = StepEncoder()
