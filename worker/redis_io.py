@@ -18,11 +18,12 @@ With a Redis Cluster client (no lane) the thread writes through the client, on t
 The engine thread sends a step itself when nothing waits before it (``put``): the step's
 commands go out in one non-blocking write on the lane, and the replies are read, without
 waiting, when it sends the next step; so on the common path no thread is woken for a write
-and the engine never waits on Redis. Replies still owed when the engine stops sending are read
-by the writer's thread (``SETTLE_AFTER_S`` later). A step whose replies hold an error, and
-every step in flight when the connection breaks, goes back to the front of the queue: the
-writer's thread writes it again by the path above (retries, the finish script reloaded, a
-fenced stream, errors request by request). A write sent twice is harmless, as above.
+and the engine never waits on Redis. Replies still owed when the engine goes idle (``idle``),
+or ``SETTLE_AFTER_S`` after its last send, are read by the writer's thread. A step whose
+replies hold an error, and every step in flight when the connection breaks, goes back to the
+front of the queue: the writer's thread writes it again by the path above (retries, the
+finish script reloaded, a fenced stream, errors request by request). A write sent twice is
+harmless, as above.
 
 Bounds: at most ``max_backlog`` messages wait; past it ``has_room`` is cleared and the
 engine thread waits before its next step (back-pressure while Redis is away: nothing is
@@ -142,10 +143,10 @@ class OutputWriter:
                         return
                 except Exception:  # a bug: the engine thread goes on, the writer's thread writes it all again
                     log.exception("outputs.direct_send_failed")
-                    if any(s.step is step for s in self._in_flight):
-                        self._resend_in_flight()
-                        return
+                    sent = any(s.step is step for s in self._in_flight)
                     self._resend_in_flight()
+                    if sent:
+                        return
                 finally:
                     lock.release()
             with self._cond:
