@@ -59,6 +59,12 @@ class AssignStream:
             except (grpc.RpcError, asyncio.InvalidStateError) as e:  # broken: the reader fails the rest
                 self._broken(call, e if isinstance(e, grpc.RpcError) else
                              _error(grpc.StatusCode.UNAVAILABLE, f"assign stream: {e}"))
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # this sender is cancelled
+                # The call was cancelled under the write (broken by another batch or the reader):
+                # this batch fails as the call's others do, not as a cancelled sender.
+                self._broken(call, _error(grpc.StatusCode.CANCELLED, "assign stream closed"))
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
         except TimeoutError:
