@@ -55,7 +55,7 @@ import hiredis
 from pagefleet.protos import cluster_pb2
 
 from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, execute_pipeline, retry
-from .redis_lane import BlockingLane
+from .redis_lane import BlockingLane, pack
 from .scripts import ASSIGN, FINISH
 from .step_write import Final, StepEncoder, StepWrite, messages, piece, set_output
 
@@ -254,7 +254,7 @@ class Fencing:
         they are owed, and the index of the one that appends the step (read the replies with
         ``lane_replies``, then ``step_outcome``)."""
         commands, main = self.step_commands(step, live)
-        return b"".join(hiredis.pack_command(c) for c in commands), len(commands), main
+        return pack(commands), len(commands), main
 
     def step_commands(self, step: StepWrite,
                       live: Iterable[str] | Callable[[], Iterable[str]] | None = None) -> tuple[list[tuple], int]:

@@ -38,6 +38,11 @@ import hiredis
 TIMEOUT_S = 30.0
 
 
+def pack(commands: list[tuple]) -> bytes:
+    """``commands`` in Redis's protocol, one pipeline (hiredis packs each)."""
+    return b"".join([hiredis.pack_command(c) for c in commands])
+
+
 class LaneUnavailable(Exception):
     """This client's connections expose no socket to use directly: use the client."""
 
@@ -141,7 +146,7 @@ class BlockingLane:
         try:
             if self._sock is None:
                 self._open()
-            self._sock.sendall(b"".join(hiredis.pack_command(c) for c in commands))
+            self._sock.sendall(pack(commands))
             parser, sock, out = self._parser, self._sock, []
             while len(out) < len(commands):
                 r = parser.gets()

@@ -32,7 +32,7 @@ import time
 
 import hiredis
 
-from .redis_lane import TIMEOUT_S
+from .redis_lane import TIMEOUT_S, pack
 
 # Bytes waiting to be written past which a call waits for the socket to drain.
 MAX_UNSENT = 1 << 20
@@ -96,7 +96,7 @@ class RedisMux:
         # caller alone and leaves no reply owed that would shift every later caller's.
         if not all(commands):
             raise ValueError("a Redis command needs at least its name")
-        data = b"".join([hiredis.pack_command(c) for c in commands])
+        data = pack(commands)
         link = self._link
         if link is None or not link.open:
             link = await self._connect()
