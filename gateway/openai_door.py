@@ -257,15 +257,15 @@ class OpenAIDoor:
                 yield choices.sse(chunk)
             async for i, msg in relays:
                 call.message(msg)
-                chunks = choices.add(i, msg)
                 if msg.finish_reason == pb.FINISH_REASON_ERROR:
+                    choices.add(i, msg)
                     status = 500
                     yield sse(ApiError(500, choices.error or "generation failed", "server_error").body())
                     if choices.done_marker:
                         yield b"data: [DONE]\n\n"
                     return
-                for chunk in chunks:
-                    yield choices.sse(chunk)
+                for event in choices.events(i, msg):
+                    yield event
             for chunk in choices.closing():
                 yield choices.sse(chunk)
             if choices.done_marker:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring as _json_str
 from typing import Any
 
 from pagefleet.common.tokenizer import ByteTokenizer
@@ -28,6 +29,7 @@ FINISH_REASONS = {
 }
 # JSON has no -inf: a log-probability below this is sent as this (as vLLM does).
 MIN_LOGPROB = -9999.0
+# ``_json_str``: a str as JSON with non-ASCII kept, as ``_COMPACT`` writes one (C when built).
 # One encoder for every chunk: ``json.dumps`` with arguments builds an encoder a call (~40 % of a chunk's encoding).
 _COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
@@ -96,6 +98,12 @@ class Choices:
             c.echo = echo
         for c, output in zip(self._choices, outputs or (), strict=False):  # chat_output.ChatOutput
             c.output = output
+        # ``events``' template: every chunk's JSON but the choice's own fields, written once.
+        self._plain = req.logprobs is None and not req.continuous_usage
+        kind = "chat.completion.chunk" if req.chat else "text_completion"
+        self._head = (f'data: {{"id":{_json_str(self.id)},"object":"{kind}","created":{self.created},'
+                      f'"model":{_json_str(self.model)},"choices":[{{"index":')
+        self._tail = ',"usage":null}\n\n' if req.include_usage else '}\n\n'
 
     def set_prompt_tokens(self, index: int, num_prompt_tokens: int) -> None:
         self._choices[index].num_prompt_tokens = num_prompt_tokens
@@ -135,6 +143,28 @@ class Choices:
             choice["logprobs"] = None if logprobs is None else _completion_logprobs(logprobs)
         choice["finish_reason"] = c.finish_reason
         return [*chunks, self._chunk([choice])]
+
+    def events(self, index: int, msg: pb.GenerateResponse) -> list[bytes]:
+        """``add``, as the stream's server-sent events: the bytes ``sse`` gives of each chunk.
+        The common message (no log-probabilities, no echo, no reasoning or tool-call parsing,
+        no usage in every chunk) is written from a template, without building its chunk."""
+        c = self._choices[index]
+        if not self._plain or c.echo or c.output is not None:
+            return [sse(chunk) for chunk in self.add(index, msg)]
+        text = msg.text
+        c.text.append(text)
+        c.num_tokens += len(msg.token_ids)
+        if msg.finish_reason:
+            c.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
+            c.error = msg.error
+        c.text_len += len(text)
+        if self.req.chat:
+            c.content.append(text)
+            fields = f',"delta":{{"content":{_json_str(text)}}}' if text else ',"delta":{}'
+        else:
+            fields = f',"text":{_json_str(text)}'
+        reason = "null" if c.finish_reason is None else _json_str(c.finish_reason)
+        return [f'{self._head}{index}{fields},"logprobs":null,"finish_reason":{reason}}}]{self._tail}'.encode()]
 
     def _chat_delta(self, c: _Choice, text: str, last: bool) -> tuple[dict[str, Any], list[Any]]:
         """A chat message's delta (content and reasoning) and, with the last, its tool calls."""

@@ -231,6 +231,10 @@ class ResponseOutput:
         status = "completed" if self.finish_reason != "length" else "incomplete"
         return self._response(status)
 
+    def events(self, index: int, msg: pb.GenerateResponse) -> list[bytes]:
+        """``add``, as the stream's server-sent events."""
+        return [self.sse(event) for event in self.add(index, msg)]
+
     def sse(self, event: dict[str, Any]) -> bytes:
         data = compact_json(event)
         return f"event: {event['type']}\ndata: {data}\n\n".encode()

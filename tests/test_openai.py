@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 from urllib.parse import urlsplit
 
 import openai
@@ -23,6 +24,8 @@ import pytest
 import redis as sync_redis
 from cluster_fixtures import start_cluster, wait_for, worker_reports
 from conftest import make_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_metrics import scrape
 from test_tracing import serving_receiver
 
@@ -291,6 +294,44 @@ def test_a_streams_choices_keep_no_logprobs_once_sent():
         else:
             assert choices.body()["choices"][0]["logprobs"]["content"] == sent[stream]
     assert sent[True] == sent[False]
+
+
+@settings(max_examples=60, deadline=None)
+@given(chat=st.booleans(), usage=st.sampled_from([None, False, True]), n=st.integers(1, 3),
+       texts=st.lists(st.text(max_size=6), min_size=1, max_size=8),
+       reason=st.sampled_from([0, 1, 2, 3]), model=st.text(min_size=1, max_size=8))
+def test_a_streams_events_are_its_chunks_as_sse(chat, usage, n, texts, reason, model):
+    """``Choices.events`` writes the common message from a template: byte for byte the
+    ``sse`` of ``add``'s chunks (text with quotes, backslashes, control and non-ASCII
+    characters; chat and completions; with and without usage), and the same record kept."""
+    from pagefleet.common.tokenizer import ByteTokenizer
+    from pagefleet.gateway import openai_response
+    from pagefleet.gateway.openai_request import parse_chat, parse_completion
+    from pagefleet.gateway.openai_response import Choices, TokenPieces, sse
+    from pagefleet.protos import generation_pb2 as pb
+
+    body = {"model": "tiny", "stream": True, "max_tokens": 300, "n": n}
+    if usage is not None:
+        body["stream_options"] = {"include_usage": usage}
+    if chat:
+        req = parse_chat({**body, "messages": [{"role": "user", "content": "hi"}]})
+        req.prompts = ["<the rendered chat>"]
+    else:
+        req = parse_completion({**body, "prompt": "hi"})
+    with mock.patch.object(openai_response.time, "time", lambda: 1700000000.5):  # both created the same second
+        twins = [Choices(req, 'cmpl-"1\\', model, TokenPieces(ByteTokenizer())) for _ in range(2)]
+    finish = [pb.FINISH_REASON_UNSPECIFIED, pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ABORT]
+    for k, text in enumerate(texts):
+        last = k == len(texts) - 1
+        msg = pb.GenerateResponse(index=k, token_ids=[65] * len(text), text=text,
+                                  finish_reason=finish[reason] if last else pb.FINISH_REASON_UNSPECIFIED)
+        index = k % n
+        expected = [sse(chunk) for chunk in twins[0].add(index, msg)]
+        assert twins[1].events(index, msg) == expected
+        for e in expected:
+            json.loads(e.removeprefix(b"data: "))
+    assert twins[1].body() == twins[0].body()
+    assert [sse(c) for c in twins[1].closing()] == [sse(c) for c in twins[0].closing()]
 
 
 def test_relays_pull_a_message_only_when_it_is_asked_for():
