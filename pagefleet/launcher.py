@@ -90,6 +90,10 @@ class ClusterConfig:
     # Every component on a Redis Cluster (``--redis-cluster``): ``redis_url`` names a node of
     # it, or (None) a cluster of 3 primaries with a replica each is started here.
     redis_cluster: bool = False
+    # The Redis started here is reached over its unix socket (every process is on this host:
+    # a command costs Redis and its caller less CPU than over loopback TCP); False: over TCP,
+    # as components on other hosts reach theirs. An external ``redis_url`` is used as given.
+    redis_socket: bool = True
     # Several models (``[NAME=]PATH`` each; None: ``model`` alone): ``num_workers`` workers
     # and ``shards_per_model`` shards, each with its scheduler, for each model.
     models: list[str] | None = None
@@ -125,7 +129,8 @@ class LocalCluster:
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
         self.redis: RedisServer | None = None
-        self.redis_url = cfg.redis_url or ""
+        self.redis_url = cfg.redis_url or ""  # what it shows, and what a client on another host would use
+        self.component_redis_url = self.redis_url  # what its processes use (``redis_socket``)
         self.scheduler_port = free_port()
         self.gateway_port = cfg.port or free_port()
         self.http_port = cfg.http_port
@@ -233,7 +238,7 @@ class LocalCluster:
             out = open(Path(self.cfg.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         else:
             out = None
-        common = ["--redis-url", redis_url or self.redis_url, "--namespace", self.cfg.namespace,
+        common = ["--redis-url", redis_url or self.component_redis_url, "--namespace", self.cfg.namespace,
                   *self._secure_flags(args[0]), *(["--redis-cluster"] if self.cfg.redis_cluster else [])]
         if metrics_port is not None:
             common += ["--metrics-port", str(metrics_port)]
@@ -254,6 +259,9 @@ class LocalCluster:
             password = self.cfg.material.redis_password if self.cfg.material else None
             self.redis = RedisServer(password=password).start()
             self.redis_url = self.redis.url
+        self.component_redis_url = self.redis_url
+        if isinstance(self.redis, RedisServer) and self.cfg.redis_socket and self.redis.socket_url:
+            self.component_redis_url = self.redis.socket_url
         for i, (shard, _, _) in enumerate(self.shards):
             name = "scheduler" if i == 0 else f"scheduler-{shard}"
             self.start_scheduler(name, redis_url=self.cfg.scheduler_redis_url if i == 0 else None, shard=shard)
@@ -458,6 +466,9 @@ def build_parser() -> EnvArgumentParser:
                         "throwaway cluster of 3 primaries with a replica each is started here")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
     p.add_argument("--redis-url", default=None, help="an external Redis (default: start one in a temp dir)")
+    p.add_argument("--redis-tcp", action="store_true",
+                   help="the processes reach the Redis started here over TCP, as processes on other hosts "
+                        "would (default: over its unix socket, which costs Redis and them less CPU a command)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: fit memory)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, run every worker step eagerly (no CUDA graphs for decode steps)")
@@ -569,7 +580,7 @@ def main(argv: list[str]) -> int:
                         gateway_args=gateway_args, workers_per_process=per_process,
                         scheduler_args=["--policy", args.policy, "--placement", args.placement],
                         log_level="warning" if quiet else args.log_level, metrics_port=args.metrics_port,
-                        material=material)
+                        material=material, redis_socket=not args.redis_tcp)
     try:
         cluster = LocalCluster(cfg)
     except ValueError as e:

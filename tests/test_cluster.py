@@ -51,6 +51,20 @@ def test_16_concurrent_greedy_requests_match_the_engine(cluster):
     assert len(served) == 2 and all(n > 0 for n in served.values()), served
 
 
+def test_the_processes_reach_the_redis_started_here_over_its_unix_socket(cluster):
+    """``up``'s own Redis is shown by its TCP URL; its processes use its unix socket."""
+    import redis as sync_redis
+
+    assert cluster.redis_url.startswith("redis://127.0.0.1:")
+    assert cluster.component_redis_url == cluster.redis.socket_url
+    for name, proc in cluster.procs.items():
+        args = list(proc.args)
+        assert args[args.index("--redis-url") + 1] == cluster.redis.socket_url, name
+    clients = sync_redis.Redis.from_url(cluster.redis_url).client_list()
+    over_socket = [c for c in clients if c["addr"].startswith(cluster.redis.socket_path)]
+    assert len(over_socket) >= 4, clients  # the gateway, the scheduler, two workers: each holds some
+
+
 def _violations(err: grpc.RpcError) -> dict[str, str]:
     status = rpc_status.from_call(err)
     assert status is not None, "no google.rpc.Status details"

@@ -15,10 +15,11 @@ from pagefleet.common.step_write import StepEncoder
 from pagefleet.worker.redis_io import OutputWriter
 
 
-@pytest.fixture(scope="module")
-def redis_url():
+@pytest.fixture(scope="module", params=["tcp", "unix"])
+def redis_url(request):
+    """Every test over TCP and over the unix socket (``up``'s processes use its Redis's)."""
     with RedisServer() as server:
-        yield server.url
+        yield server.url if request.param == "tcp" else server.socket_url
 
 
 def _step(rid: str, index: int, token: int):

@@ -385,6 +385,10 @@ def redis_cli_binary() -> str:
     return str(beside) if beside.exists() else (shutil.which("redis-cli") or "redis-cli")
 
 
+# A unix socket's path must fit ``sockaddr_un.sun_path`` (104 bytes on macOS and the BSDs, 108 on Linux).
+_MAX_SOCKET_PATH = 104
+
+
 class RedisServer:
     """A throwaway ``redis-server`` on loopback in a temp dir (``with RedisServer() as r: r.url``).
 
@@ -393,6 +397,10 @@ class RedisServer:
     brings back everything a client was told was written, on the same port.
 
     ``password``: clients must AUTH with it (``--requirepass``); ``url`` does not carry it.
+
+    It also listens on a unix socket in its directory (``socket_url``; None where the path is
+    too long for one): processes on the same host reach it there for less CPU a command, on
+    both sides, than over loopback TCP.
     """
 
     def __init__(self, port: int | None = None, binary: str | None = None, *, appendonly: bool = False,
@@ -405,16 +413,27 @@ class RedisServer:
         self.password = password
         self.extra_args = list(extra_args or ())  # e.g. a Redis Cluster node's (redis_cluster.py)
         self.dir = tempfile.mkdtemp(prefix="pagefleet-redis-")
+        path = str(Path(self.dir) / "redis.sock")
+        self.socket_path = path if len(path.encode()) < _MAX_SOCKET_PATH else None
+        if "--unixsocket" in self.extra_args:  # one named by the caller
+            self.socket_path = self.extra_args[self.extra_args.index("--unixsocket") + 1]
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def socket_url(self) -> str | None:
+        """The unix socket's URL (the same server and database as ``url``), or None."""
+        return None if self.socket_path is None else f"unix://{self.socket_path}?db=0"
+
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--save", "", *self._persistence(), "--daemonize", "no", "--protected-mode", "no",
                 "--loglevel", "warning", "--logfile", str(Path(self.dir) / "redis.log"), *self.extra_args]
+        if self.socket_path is not None and "--unixsocket" not in self.extra_args:
+            args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
