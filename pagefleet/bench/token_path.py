@@ -231,7 +231,9 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
     max_tokens = args.max_tokens if mode == "stream" else 1
     cluster = start_cluster(args, tmp)
     try:
-        r = redis_lib.Redis.from_url(cluster.redis_url)
+        # The way the cluster's processes reach Redis: a poll over loopback TCP would have Redis's
+        # sends deliver other processes' loopback packets in its time (the kernel's softirq).
+        r = redis_lib.Redis.from_url(cluster.component_redis_url)
         keys = Keys(cluster.cfg.namespace)
         target = cluster.http_url if args.backend == "openai" else cluster.gateway_target
         base = {"backend": args.backend, "target": target, "connections": args.connections,
