@@ -257,7 +257,7 @@ class LocalCluster:
             self.redis_url = self.redis.url
         elif not self.redis_url:
             password = self.cfg.material.redis_password if self.cfg.material else None
-            self.redis = RedisServer(password=password).start()
+            self.redis = RedisServer(password=password, unix_socket=self.cfg.redis_socket).start()
             self.redis_url = self.redis.url
         self.component_redis_url = self.redis_url
         if isinstance(self.redis, RedisServer) and self.cfg.redis_socket and self.redis.socket_url:

@@ -18,7 +18,7 @@ from pagefleet.worker.redis_io import OutputWriter
 @pytest.fixture(scope="module", params=["tcp", "unix"])
 def redis_url(request):
     """Every test over TCP and over the unix socket (``up``'s processes use its Redis's)."""
-    with RedisServer() as server:
+    with RedisServer(unix_socket=True) as server:
         yield server.url if request.param == "tcp" else server.socket_url
 
 

@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import time
+from unittest import mock
 
 import pytest
 import redis.exceptions as rx
@@ -215,3 +216,36 @@ def test_a_unix_socket_url_serves_the_client_its_mux_and_its_lane(tmp_path):
             lane.close()
 
         _with_mux(f"unix://{path}", body)
+
+
+def test_a_redis_servers_socket_url_names_its_path_whatever_its_characters():
+    """``socket_url`` percent-encodes the path (a temp dir may hold ``#``, ``%`` or ``?``)."""
+    import shutil
+    import tempfile
+
+    import redis
+
+    parent = tempfile.mkdtemp(prefix="pf#%41?", dir="/tmp")
+    try:
+        with mock.patch.object(tempfile, "tempdir", parent):
+            server = RedisServer(unix_socket=True)
+        with server:
+            assert server.socket_path.startswith(parent)
+            redis.Redis.from_url(server.socket_url).set("k", "v")
+            assert redis.Redis.from_url(server.url).get("k") == b"v"
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_a_redis_server_whose_directory_cannot_hold_its_socket_starts_on_tcp_alone():
+    """Redis exits when it cannot make its unix socket: it is started again without one."""
+    import os
+
+    import redis
+
+    server = RedisServer(unix_socket=True)
+    os.mkdir(server.socket_path)  # a directory where the socket would go: the bind fails
+    with server:
+        assert server.socket_url is None
+        assert redis.Redis.from_url(server.url).ping() is True
+    assert not RedisServer().socket_url  # and without asking for one, none

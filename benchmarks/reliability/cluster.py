@@ -79,7 +79,7 @@ class ReliabilityCluster:
         """``scheduler_redis_url``: Redis URL -> the URL each scheduler uses (e.g. through a proxy)."""
         self.log_dir = settings.log_dir / name
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(appendonly=True)
+        self.redis = RedisServer(appendonly=True, unix_socket=True)
         self.num_workers = num_workers
         self.standby = standby
         self._scheduler_url = scheduler_redis_url

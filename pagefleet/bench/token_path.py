@@ -384,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=None, help="interpreter of the cluster's processes (default: this one)")
     p.add_argument("--redis-tcp", action="store_true",
                    help="the processes reach the Redis started for the run over TCP (`up --redis-tcp`; "
-                        "default: its unix socket, as `up` does)")
+                        "default: its unix socket, as `up` does; a --python tree older than 6335cee needs it: "
+                        "its client refused a unix URL)")
     p.add_argument("--label", default="", help="a name for this tree in the results (e.g. before, after)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may take")
     p.add_argument("--json", default="bench-results/token-path.json", help="where to write the results")

@@ -96,8 +96,14 @@ def start_redis(args):
     else:
         from pagefleet.common.redis import RedisServer
 
-        server = RedisServer().start()
+        server = RedisServer(unix_socket=not getattr(args, "redis_tcp", False)).start()
     return server, server.url
+
+
+def process_url(server, url: str) -> str:
+    """The URL the cluster's processes get: the socket of a standalone Redis started here (as
+    ``up`` does; ``--redis-tcp``: TCP), else ``url``. Redis's own counters are read over ``url``."""
+    return getattr(server, "socket_url", None) or url
 
 
 class NodeCounters:
@@ -154,7 +160,8 @@ def measure_shards(args, tmp: Path, mode: str) -> dict:
         primaries = primaries_of(url, args.redis_cluster)
         n = args.shards or 1
         names = spread_shard_names(n, primaries) if args.redis_cluster else [f"s{i}" for i in range(n)]
-        cluster = start_cluster(args, tmp, redis_url=url, redis_cluster=args.redis_cluster, shards_per_model=n,
+        cluster = start_cluster(args, tmp, redis_url=process_url(server, url), redis_cluster=args.redis_cluster,
+                                shards_per_model=n,
                                 shard_names=names)
         counters = NodeCounters(primaries)
         try:

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -398,13 +399,14 @@ class RedisServer:
 
     ``password``: clients must AUTH with it (``--requirepass``); ``url`` does not carry it.
 
-    It also listens on a unix socket in its directory (``socket_url``; None where the path is
-    too long for one): processes on the same host reach it there for less CPU a command, on
-    both sides, than over loopback TCP.
+    ``unix_socket``: it also listens on a unix socket in its directory (``socket_url``):
+    processes on the same host reach it there for less CPU a command, on both sides, than over
+    loopback TCP. None (TCP alone) where the path is too long for one, or where the socket cannot
+    be made there (the server is then started again without it).
     """
 
     def __init__(self, port: int | None = None, binary: str | None = None, *, appendonly: bool = False,
-                 password: str | None = None, extra_args: list[str] | None = None) -> None:
+                 password: str | None = None, extra_args: list[str] | None = None, unix_socket: bool = False) -> None:
         from pagefleet.common.service import free_port
 
         self.port = port or free_port()
@@ -414,7 +416,7 @@ class RedisServer:
         self.extra_args = list(extra_args or ())  # e.g. a Redis Cluster node's (redis_cluster.py)
         self.dir = tempfile.mkdtemp(prefix="pagefleet-redis-")
         path = str(Path(self.dir) / "redis.sock")
-        self.socket_path = path if len(path.encode()) < _MAX_SOCKET_PATH else None
+        self.socket_path = path if unix_socket and len(path.encode()) < _MAX_SOCKET_PATH else None
         if "--unixsocket" in self.extra_args:  # one named by the caller
             self.socket_path = self.extra_args[self.extra_args.index("--unixsocket") + 1]
         self.proc: subprocess.Popen | None = None
@@ -426,9 +428,20 @@ class RedisServer:
     @property
     def socket_url(self) -> str | None:
         """The unix socket's URL (the same server and database as ``url``), or None."""
-        return None if self.socket_path is None else f"unix://{self.socket_path}?db=0"
+        return None if self.socket_path is None else f"unix://{urllib.parse.quote(self.socket_path)}?db=0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
+        try:
+            return self._start(timeout_s)
+        except RuntimeError:
+            own = self.socket_path is not None and "--unixsocket" not in self.extra_args
+            log = Path(self.dir) / "redis.log"
+            if not (own and log.exists() and "unix socket" in log.read_text(errors="replace").lower()):
+                raise
+            self.socket_path = None  # this directory cannot hold one (e.g. some network mounts): TCP alone
+            return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--save", "", *self._persistence(), "--daemonize", "no", "--protected-mode", "no",
                 "--loglevel", "warning", "--logfile", str(Path(self.dir) / "redis.log"), *self.extra_args]
