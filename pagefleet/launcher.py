@@ -91,9 +91,10 @@ class ClusterConfig:
     # it, or (None) a cluster of 3 primaries with a replica each is started here.
     redis_cluster: bool = False
     # The Redis started here is reached over its unix socket (every process is on this host:
-    # a command costs Redis and its caller less CPU than over loopback TCP); False: over TCP,
-    # as components on other hosts reach theirs. An external ``redis_url`` is used as given.
-    redis_socket: bool = True
+    # a command costs Redis and its caller less CPU than over loopback TCP, but on two shared
+    # cores the cluster as a whole spent more a streamed token: docs/BENCHMARKS.md); False: over
+    # TCP, as components on other hosts reach theirs. An external ``redis_url`` is used as given.
+    redis_socket: bool = False
     # Several models (``[NAME=]PATH`` each; None: ``model`` alone): ``num_workers`` workers
     # and ``shards_per_model`` shards, each with its scheduler, for each model.
     models: list[str] | None = None
@@ -466,9 +467,10 @@ def build_parser() -> EnvArgumentParser:
                         "throwaway cluster of 3 primaries with a replica each is started here")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
     p.add_argument("--redis-url", default=None, help="an external Redis (default: start one in a temp dir)")
-    p.add_argument("--redis-tcp", action="store_true",
-                   help="the processes reach the Redis started here over TCP, as processes on other hosts "
-                        "would (default: over its unix socket, which costs Redis and them less CPU a command)")
+    p.add_argument("--redis-socket", action="store_true",
+                   help="the processes reach the Redis started here over its unix socket (they share this host): "
+                        "less of Redis's CPU a command than over loopback TCP (default: TCP, as processes on "
+                        "other hosts reach theirs)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: fit memory)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, run every worker step eagerly (no CUDA graphs for decode steps)")
@@ -580,7 +582,7 @@ def main(argv: list[str]) -> int:
                         gateway_args=gateway_args, workers_per_process=per_process,
                         scheduler_args=["--policy", args.policy, "--placement", args.placement],
                         log_level="warning" if quiet else args.log_level, metrics_port=args.metrics_port,
-                        material=material, redis_socket=not args.redis_tcp)
+                        material=material, redis_socket=args.redis_socket)
     try:
         cluster = LocalCluster(cfg)
     except ValueError as e:

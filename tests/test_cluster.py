@@ -51,18 +51,12 @@ def test_16_concurrent_greedy_requests_match_the_engine(cluster):
     assert len(served) == 2 and all(n > 0 for n in served.values()), served
 
 
-def test_the_processes_reach_the_redis_started_here_over_its_unix_socket(cluster):
-    """``up``'s own Redis is shown by its TCP URL; its processes use its unix socket."""
-    import redis as sync_redis
-
-    assert cluster.redis_url.startswith("redis://127.0.0.1:")
-    assert cluster.component_redis_url == cluster.redis.socket_url
+def test_the_processes_use_the_tcp_url_the_cluster_shows(cluster):
+    """By default ``up``'s processes reach its Redis over TCP, the URL its ready line shows."""
+    assert cluster.redis_url.startswith("redis://127.0.0.1:") and cluster.component_redis_url == cluster.redis_url
     for name, proc in cluster.procs.items():
         args = list(proc.args)
-        assert args[args.index("--redis-url") + 1] == cluster.redis.socket_url, name
-    clients = sync_redis.Redis.from_url(cluster.redis_url).client_list()
-    over_socket = [c for c in clients if c["addr"].startswith(cluster.redis.socket_path)]
-    assert len(over_socket) >= 4, clients  # the gateway, the scheduler, two workers: each holds some
+        assert args[args.index("--redis-url") + 1] == cluster.redis_url, name
 
 
 def _violations(err: grpc.RpcError) -> dict[str, str]:
@@ -289,10 +283,25 @@ def test_high_priority_preempts_low_priority(small_cluster):
 def fault_cluster(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("fault-cluster-logs")
     c = start_cluster(log_dir, num_workers=2, worker_args=["--num-blocks", "128"],
-                      scheduler_args=["--dead-after", "1.0", "--lease-ms", "1500"])
+                      scheduler_args=["--dead-after", "1.0", "--lease-ms", "1500"], redis_socket=True)
     c.log_dir = log_dir
     yield c
     c.stop()
+
+
+def test_with_redis_socket_the_processes_reach_redis_over_its_unix_socket(fault_cluster):
+    """``up --redis-socket``: its Redis is still shown by its TCP URL; its processes use the
+    socket (and the faults below run on it)."""
+    import redis as sync_redis
+
+    c = fault_cluster
+    assert c.redis_url.startswith("redis://127.0.0.1:") and c.component_redis_url == c.redis.socket_url
+    for name, proc in c.procs.items():
+        args = list(proc.args)
+        assert args[args.index("--redis-url") + 1] == c.redis.socket_url, name
+    clients = sync_redis.Redis.from_url(c.redis_url).client_list()
+    over_socket = [x for x in clients if x["addr"].startswith(c.redis.socket_path)]
+    assert len(over_socket) >= 4, clients  # the gateway, the scheduler, two workers: each holds some
 
 
 def test_kill_worker_mid_generation(fault_cluster):

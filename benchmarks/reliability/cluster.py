@@ -79,7 +79,7 @@ class ReliabilityCluster:
         """``scheduler_redis_url``: Redis URL -> the URL each scheduler uses (e.g. through a proxy)."""
         self.log_dir = settings.log_dir / name
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(appendonly=True, unix_socket=True)
+        self.redis = RedisServer(appendonly=True)
         self.num_workers = num_workers
         self.standby = standby
         self._scheduler_url = scheduler_redis_url
@@ -94,8 +94,8 @@ class ReliabilityCluster:
     def __enter__(self) -> ReliabilityCluster:
         self.redis.start()
         try:
-            url = self._local_url()  # the unix socket, as ``up``'s processes reach its Redis
-            self.scheduler_urls["scheduler"] = self._scheduler_url(self.redis.url) if self._scheduler_url else url
+            url = self.redis.url
+            self.scheduler_urls["scheduler"] = self._scheduler_url(url) if self._scheduler_url else url
             cfg = ClusterConfig(port=0, device="cpu", log_dir=str(self.log_dir), redis_url=url, num_gateways=2,
                                 scheduler_redis_url=self.scheduler_urls["scheduler"], **self._cfg)
             self.cluster = LocalCluster(cfg)
@@ -107,10 +107,6 @@ class ReliabilityCluster:
             self.__exit__()
             raise
         return self
-
-    def _local_url(self) -> str:
-        """Redis's unix socket (TCP where it has none); a proxy (``scheduler_redis_url``) is TCP."""
-        return self.redis.socket_url or self.redis.url
 
     def __exit__(self, *exc) -> None:
         if self.cluster is not None:
@@ -131,7 +127,7 @@ class ReliabilityCluster:
         """Another scheduler (it waits for the lease); its name."""
         name = f"scheduler-{self._num_schedulers}"
         self._num_schedulers += 1
-        url = self._scheduler_url(self.redis.url) if self._scheduler_url else self._local_url()
+        url = self._scheduler_url(self.redis.url) if self._scheduler_url else self.redis.url
         self.scheduler_urls[name] = url
         self.c.start_scheduler(name, redis_url=url)
         return name

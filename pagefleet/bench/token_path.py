@@ -207,7 +207,7 @@ def start_cluster(args, tmp: Path, **config):
                         scheduler_args=["--dead-after", "10", "--lease-ms", "15000"],
                         log_dir=str(args.log_dir or tmp), log_level="info" if args.log_dir else "warning", metrics_port=0,
                         workers_per_process=args.workers_per_process, python=args.python,
-                        env={"OMP_NUM_THREADS": "1"}, redis_socket=not getattr(args, "redis_tcp", False), **config)
+                        env={"OMP_NUM_THREADS": "1"}, redis_socket=getattr(args, "redis_socket", False), **config)
     return LocalCluster(cfg).start(timeout_s=180)
 
 
@@ -382,10 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-processes", type=int, default=1, help="the gateway's --processes")
     p.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
     p.add_argument("--python", default=None, help="interpreter of the cluster's processes (default: this one)")
-    p.add_argument("--redis-tcp", action="store_true",
-                   help="the processes reach the Redis started for the run over TCP (`up --redis-tcp`; "
-                        "default: its unix socket, as `up` does; a --python tree older than 6335cee needs it: "
-                        "its client refused a unix URL)")
+    p.add_argument("--redis-socket", action="store_true",
+                   help="the processes reach the Redis started for the run over its unix socket (`up --redis-socket`; "
+                        "default: TCP; a --python tree older than 6335cee cannot take a unix URL)")
     p.add_argument("--label", default="", help="a name for this tree in the results (e.g. before, after)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a stream may take")
     p.add_argument("--json", default="bench-results/token-path.json", help="where to write the results")

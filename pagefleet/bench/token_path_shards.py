@@ -96,13 +96,13 @@ def start_redis(args):
     else:
         from pagefleet.common.redis import RedisServer
 
-        server = RedisServer(unix_socket=not getattr(args, "redis_tcp", False)).start()
+        server = RedisServer(unix_socket=getattr(args, "redis_socket", False)).start()
     return server, server.url
 
 
 def process_url(server, url: str) -> str:
-    """The URL the cluster's processes get: the socket of a standalone Redis started here (as
-    ``up`` does; ``--redis-tcp``: TCP), else ``url``. Redis's own counters are read over ``url``."""
+    """The URL the cluster's processes get: the socket of a standalone Redis started here with
+    ``--redis-socket`` (as ``up --redis-socket`` gives), else ``url``. Redis's own counters are read over ``url``."""
     return getattr(server, "socket_url", None) or url
 
 
