@@ -260,9 +260,8 @@ class LocalCluster:
             password = self.cfg.material.redis_password if self.cfg.material else None
             self.redis = RedisServer(password=password, unix_socket=self.cfg.redis_socket).start()
             self.redis_url = self.redis.url
-        self.component_redis_url = self.redis_url
-        if isinstance(self.redis, RedisServer) and self.cfg.redis_socket and self.redis.socket_url:
-            self.component_redis_url = self.redis.socket_url
+        # A Redis started here with a socket (``redis_socket``) is reached there; any other over its URL.
+        self.component_redis_url = getattr(self.redis, "socket_url", None) or self.redis_url
         for i, (shard, _, _) in enumerate(self.shards):
             name = "scheduler" if i == 0 else f"scheduler-{shard}"
             self.start_scheduler(name, redis_url=self.cfg.scheduler_redis_url if i == 0 else None, shard=shard)
