@@ -17,6 +17,7 @@ sizes, as a smoke test: no roofline there.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import tempfile
@@ -100,7 +101,11 @@ def profile_steps(engine, steps: int) -> dict:
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # Without acc_events, torch 2.11 on an H200 warned "Profiler clears events at the end of each
+    # cycle" and the split read 0.16 ms of GEMMs a step for 2.5 GB of weights (0.52 ms at the
+    # copy bandwidth): about one step's kernels of the five (docs/BENCHMARKS.md, 2026-11-28).
+    acc = {"acc_events": True} if "acc_events" in inspect.signature(profile.__init__).parameters else {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **acc) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()

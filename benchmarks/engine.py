@@ -26,6 +26,7 @@ and the step overhead on vs off.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import random
@@ -97,10 +98,10 @@ class Result:
 
 
 def run_pagefleet(model: str, trace: Trace, batching: str, max_num_seqs: int, block_size: int,
-                  enable_prefix_caching: bool = True) -> Result:
+                  enable_prefix_caching: bool = True, device: str = "auto") -> Result:
     from pagefleet import Engine, SamplingParams
 
-    engine = Engine(model, batching=batching, max_num_seqs=max_num_seqs, block_size=block_size,
+    engine = Engine(model, batching=batching, max_num_seqs=max_num_seqs, block_size=block_size, device=device,
                     num_blocks=8192, max_num_batched_tokens=2048, enable_prefix_caching=enable_prefix_caching)
     for p, k in zip(trace.prompts, trace.max_tokens, strict=True):
         engine.add_request(p, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
@@ -171,10 +172,10 @@ def _used_slots(engine) -> int:
     return sum(r.num_computed_tokens for r in engine.scheduler.running)
 
 
-def run_hf_padded(path: str, trace: Trace, batch: int) -> Result:
+def run_hf_padded(path: str, trace: Trace, batch: int, device: str = "cpu") -> Result:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     produced = 0
     start = time.perf_counter()
     for i in range(0, len(trace.prompts), batch):
@@ -187,21 +188,24 @@ def run_hf_padded(path: str, trace: Trace, batch: int) -> Result:
             ids[r, width - len(p) :] = torch.tensor(p)
             mask[r, width - len(p) :] = 1
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(limits), do_sample=False,
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(limits), do_sample=False,
                            eos_token_id=None, pad_token_id=0)
         produced += sum(limits)  # each row's own budget; the rest of the batch's steps are waste
     seconds = time.perf_counter() - start
     return Result("transformers generate (padded)", seconds, produced, produced / seconds)
 
 
-def run_hf_continuous(path: str, trace: Trace, batch: int) -> Result:
+def run_hf_continuous(path: str, trace: Trace, batch: int, device: str = "cpu") -> Result:
     import transformers
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     gen = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                                         max_new_tokens=max(trace.max_tokens))
-    cb = ContinuousBatchingConfig(max_requests_per_batch=batch, block_size=16, page_size=16)
+    # `page_size` is the newer name of `block_size` (which some versions no longer take, some
+    # no longer want): give the one this version has.
+    size_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cb = ContinuousBatchingConfig(max_requests_per_batch=batch, **{size_key: 16})
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
     start = time.perf_counter()
@@ -221,7 +225,8 @@ def run_hf_continuous(path: str, trace: Trace, batch: int) -> Result:
                   note="" if not pending else f"{len(pending)} requests unfinished")
 
 
-def step_overhead(model: str, num_seqs: int = 256, steps: int = 30, enable_prefix_caching: bool = True) -> dict:
+def step_overhead(model: str, num_seqs: int = 256, steps: int = 30, enable_prefix_caching: bool = True,
+                  device: str = "auto") -> dict:
     """Non-model CPU time of a decode step with ``num_seqs`` running: step time minus the forward pass.
 
     The sequences decode in lockstep, so one step in ``block_size`` fills (and hashes) a block
@@ -230,7 +235,7 @@ def step_overhead(model: str, num_seqs: int = 256, steps: int = 30, enable_prefi
     from pagefleet import Engine, SamplingParams
 
     engine = Engine(model, num_blocks=num_seqs * 8, max_num_seqs=num_seqs, max_num_batched_tokens=4096,
-                    enable_prefix_caching=enable_prefix_caching)
+                    enable_prefix_caching=enable_prefix_caching, device=device)
     engine.executor.runner.profile = True  # time the forward pass apart from the rest of the step
     rng = random.Random(0)
     for _ in range(num_seqs):
@@ -275,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to write (default: bench-results/engine.json, or engine-shared-prefix.json)")
     p.add_argument("--skip-transformers", action="store_true", help="only the pagefleet modes")
     p.add_argument("--quick", action="store_true", help="a 32-request trace, for a smoke run")
+    p.add_argument("--device", default="auto",
+                   help="long-tailed trace: where pagefleet and transformers both run (auto: cuda where "
+                        "there is one, else cpu)")
     p.add_argument("--trace", default="long-tailed", choices=("long-tailed", "shared-prefix"),
                    help="shared-prefix: prefix caching on vs off (see the module docstring)")
     add_shared_prefix_args(p, num_groups=4, prompts_per_group=16, system_prompt_len=1024, question_len=32,
@@ -287,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace == "shared-prefix":
         return run_shared_prefix(args)
     args.json = args.json or "bench-results/engine.json"
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device here")
     torch.manual_seed(0)
     trace = Trace.long_tailed(args.num_requests, args.seed, long_fraction=args.long_fraction,
                               short=tuple(args.short), long=tuple(args.long))
@@ -297,13 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = str(save_tiny(Path(tmp) / "tiny"))  # the same weights, readable by transformers
         # First, in a process that has not yet run `transformers`: a serving worker never
         # imports it, and after its runs the same steps cost ~0.4 ms more here.
-        overhead = step_overhead(ckpt)
-        results.append(run_pagefleet(ckpt, trace, "continuous", args.max_num_seqs, args.block_size))
-        results.append(run_pagefleet(ckpt, trace, "static", args.max_num_seqs, args.block_size))
+        overhead = step_overhead(ckpt, device=device)
+        results.append(run_pagefleet(ckpt, trace, "continuous", args.max_num_seqs, args.block_size, device=device))
+        results.append(run_pagefleet(ckpt, trace, "static", args.max_num_seqs, args.block_size, device=device))
         if not args.skip_transformers:
-            results.append(run_hf_padded(ckpt, trace, args.max_num_seqs))
+            results.append(run_hf_padded(ckpt, trace, args.max_num_seqs, device))
             try:
-                results.append(run_hf_continuous(ckpt, trace, args.max_num_seqs))
+                results.append(run_hf_continuous(ckpt, trace, args.max_num_seqs, device))
             except Exception as e:  # report, don't hide: the row says why it has no figure
                 results.append(Result("transformers continuous batching", float("nan"), 0, float("nan"),
                                       note=f"failed: {type(e).__name__}: {e}"[:200]))
@@ -317,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         "step_overhead": overhead,
     }
     report = {
-        **header("engine", "pagefleet bench engine", torch=torch.__version__, torch_threads=torch.get_num_threads()),
+        **header("engine", "pagefleet bench engine", torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                 device=device, device_name=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"),
         "trace": {"num_requests": args.num_requests, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
                   "long_fraction": args.long_fraction, "short": list(args.short), "long": list(args.long),
                   "block_size": args.block_size, "useful_tokens": trace.useful_tokens,

@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    known_traces = ("short-long", "long-short", "mixed")
+    if bad := [t for t in args.traces.split(",") if t not in known_traces]:
+        ap.error(f"--traces: unknown {', '.join(map(repr, bad))}; choose from {', '.join(known_traces)}")
     runs: list[Run] = []
     modes = args.modes.split(",")
     for name in args.traces.split(","):

@@ -31,7 +31,7 @@ import triton.language as tl
 from .moe_reference import Activation
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a step's tokens x top-k: one binary whatever their number
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,

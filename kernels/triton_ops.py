@@ -62,7 +62,7 @@ _MAX_SPLITS = 16
 # ---------------------------------------------------------------------------- write_kv
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a view into a step's inputs
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -180,7 +180,14 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
     return lo
 
 
-@triton.jit
+# Arguments that change from step to step are not specialized on: each value class Triton
+# specializes an argument on (an integer equal to 1 or a multiple of 16, a pointer aligned to
+# 16 bytes) is a binary of its own, compiled the first time a step has it (1-2 s on an H200's
+# host). ``seq_lens``, ``query_start_loc`` and the block tables are views into a step's packed
+# inputs, at offsets that move with the batch; each is read a scalar at a time, so nothing is
+# lost (tests/test_kernel_variants.py).
+@triton.jit(do_not_specialize=["window", "num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,

@@ -18,6 +18,7 @@ request or a block table: the engine advances them from what ``execute`` returns
 from __future__ import annotations
 
 import abc
+import time
 
 import torch
 
@@ -115,6 +116,7 @@ class ModelExecutor(Executor):
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.swap_space: SwapSpace | None = None
         self.runner: ModelRunner | None = None
+        self.warm_up_seconds = 0.0  # compiling the kernels' variants at start (a GPU's; see ModelRunner.warm_up)
         self.block_size = 0
 
     def block_bytes(self, block_size: int) -> int:
@@ -142,6 +144,10 @@ class ModelExecutor(Executor):
         if num_swap_blocks:
             self.swap_space = SwapSpace(self.kv_cache, num_swap_blocks)
         self.runner = ModelRunner(self.model, kv, self.kv_caches, self.device, self.max_model_len, self.seed)
+        if self.device.type == "cuda":  # every kernel variant compiled before the first step
+            t0 = time.perf_counter()
+            self.runner.warm_up(self.max_num_seqs)
+            self.warm_up_seconds = time.perf_counter() - t0
         if self.device.type == "cuda" and not self.enforce_eager:
             self.runner.capture_graphs(self.max_num_seqs)
 

@@ -281,7 +281,21 @@ def _in_process(args, model, requests, sampling, probes):
                                       progress=not args.disable_tqdm)
         run = results, summarize("in-process", results, duration, requests, args, check_prompt_len=True)
     probe_s = on_thread(probe_engine, engine, probes) if probes else []
+    del engine
+    _release_device_memory()
     return run, probe_s
+
+
+def _release_device_memory() -> None:
+    """Give the in-process engine's device memory back, so that the cluster's worker, which sizes
+    its KV pool from the memory free on the device, finds it free."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _report_probe(doc: dict, server_s: list[float], engine_s: list[float] | None) -> None:
