@@ -468,7 +468,8 @@ async def run_worker(w: Worker, args, port: int, health_port: int | None = None)
     freeze_startup_heap()
     log.info("worker.ready", address=w.address, model=args.model, num_blocks=engine.kv.num_blocks,
              block_size=engine.block_size, device=str(engine.device),
-             cuda_graph_sizes=engine.executor.graph_sizes)
+             cuda_graph_sizes=engine.executor.graph_sizes,
+             kernel_warm_up_s=round(getattr(engine.executor, "warm_up_seconds", 0.0), 2))
     await w.stopped.wait()
     await set_serving(health, names, False)
     await retry(lambda: w.redis.hdel(w.keys.workers, w.worker_id), what="unregister", attempts=3)
