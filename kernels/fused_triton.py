@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._jit import jit
+
 
 def rms_norm_meta(dim: int, offset: bool) -> dict:
     """The compile-time parameters ``rms_norm_triton`` launches with (one row a program)."""
@@ -98,7 +100,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])  # a view into a step's inputs: see _paged_attention_kernel
+@jit(do_not_specialize_on_alignment=["pos_ptr"])  # a view into a step's inputs: see _paged_attention_kernel
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
                  stride_q0, stride_q1, stride_k0, stride_k1, num_q_heads, num_k_heads,
                  HEAD_DIM: tl.constexpr, ROT: tl.constexpr, BLOCK: tl.constexpr):

@@ -28,10 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._jit import jit
 from .moe_reference import Activation
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # a step's tokens x top-k: one binary whatever their number
+@jit(do_not_specialize=["num_rows"])  # a step's tokens x top-k: one binary whatever their number
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,

@@ -54,6 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._jit import jit
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -62,7 +64,7 @@ _MAX_SPLITS = 16
 # ---------------------------------------------------------------------------- write_kv
 
 
-@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a view into a step's inputs
+@jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a view into a step's inputs
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -186,7 +188,7 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 # host). ``seq_lens``, ``query_start_loc`` and the block tables are views into a step's packed
 # inputs, at offsets that move with the batch; each is read a scalar at a time, so nothing is
 # lost (tests/test_kernel_variants.py).
-@triton.jit(do_not_specialize=["window", "num_seqs", "stride_bt"],
+@jit(do_not_specialize=["window", "num_seqs", "stride_bt"],
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
 def _paged_attention_kernel(
     out_ptr,
