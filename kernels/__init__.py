@@ -8,6 +8,8 @@ interpreter is for tests, not serving).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .fused_reference import rms_norm_ref, rope_ref, silu_and_mul_ref
@@ -36,6 +38,29 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
         write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
     else:
         write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def attention_split_choices(device: torch.device) -> list[int | None]:
+    """The split counts ``paged_attention`` can take on ``device`` (``[None]`` where it never
+    splits: the references)."""
+    if not _use_triton(torch.empty(0, device=device)):
+        return [None]
+    from .triton_ops import split_choices
+
+    return split_choices()
+
+
+@contextlib.contextmanager
+def forced_attention_splits(num_splits: int | None):
+    """Within: ``paged_attention`` on the Triton kernels splits every context into
+    ``num_splits`` ranges (``None``: its own choice). For a worker's warm-up only."""
+    if num_splits is None:
+        yield
+        return
+    from .triton_ops import forced_splits
+
+    with forced_splits(num_splits):
+        yield
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,

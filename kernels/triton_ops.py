@@ -48,6 +48,7 @@ tiles and warp counts are defaults, not yet tuned.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -59,6 +60,26 @@ from ._jit import jit
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
+# Set only by ``forced_splits``: the split count every launch takes instead of its own choice.
+_forced_splits: int | None = None
+
+
+def split_choices() -> list[int]:
+    """Every number of splits the launcher can pick (1, 2, 4, ... 16)."""
+    return [1 << i for i in range(_MAX_SPLITS.bit_length())]
+
+
+@contextlib.contextmanager
+def forced_splits(num_splits: int):
+    """Within: every ``paged_attention_triton`` launch that leaves ``num_splits`` to the launcher
+    splits into ``num_splits`` ranges. For compiling each variant at start (a worker's warm-up),
+    not for serving."""
+    global _forced_splits
+    previous, _forced_splits = _forced_splits, num_splits
+    try:
+        yield
+    finally:
+        _forced_splits = previous
 
 
 # ---------------------------------------------------------------------------- write_kv
@@ -416,7 +437,7 @@ def paged_attention_triton(
                              decode_only, 1)["BLOCK_Q"]
     num_q_tiles = num_tokens // block_q + num_seqs
     if num_splits is None:
-        num_splits = _default_num_splits(query.device, num_q_tiles * num_kv_heads)
+        num_splits = _forced_splits or _default_num_splits(query.device, num_q_tiles * num_kv_heads)
     _require(
         1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0,
         f"num_splits must be a power of two in [1, {_MAX_SPLITS}], got {num_splits}",
@@ -540,7 +561,11 @@ def _default_num_splits(device: torch.device, num_programs: int) -> int:
     into enough ranges for ~4 (measured on an H200: batch 16 x 2k, head_dim 128, 54 -> 42 µs)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return splits_for(torch.cuda.get_device_properties(device).multi_processor_count, num_programs)
+
+
+def splits_for(sms: int, num_programs: int) -> int:
+    """``_default_num_splits`` on a GPU of ``sms`` multiprocessors."""
     if num_programs >= 2 * sms:
         return 1
     want = math.ceil(4 * sms / max(num_programs, 1))

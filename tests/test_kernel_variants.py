@@ -10,8 +10,9 @@ keys computed by Triton's own specialization function:
 
 * the arguments that move from step to step (sequence counts, block-table widths, views into
   a step's packed inputs) are not specialized on, so they add no key;
-* ``ModelRunner.warm_up`` (run at a GPU worker's start) launches every shape class a step can
-  have, so a trace of steps of every kind meets no key the warm-up has not compiled.
+* ``ModelRunner.warm_up`` (run at a GPU worker's start) runs a decode-only and a prompt-shaped
+  padding batch under every split count the attention can take, so a trace of steps of every
+  kind (many short prompts, one long one chunked) meets no key the warm-up has not compiled.
 
 The number of splits the attention picks is emulated for a GPU (of 4 SMs, so that the
 interpreter stays quick: an H200 has 132), so the split and merge variants are covered too.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import os
 import random
 from collections import defaultdict
@@ -95,28 +95,26 @@ def compile_keys(monkeypatch) -> dict[str, set]:
                 monkeypatch.setattr(module, name, _Recorder(name, value, keys))
     monkeypatch.setattr(kernels, "_use_triton", lambda t: True)
 
-    def gpu_splits(device, num_programs):  # _default_num_splits as on a GPU of GPU_SMS SMs
-        if num_programs >= 2 * GPU_SMS:
-            return 1
-        return min(triton_ops._MAX_SPLITS, triton.next_power_of_2(math.ceil(4 * GPU_SMS / max(num_programs, 1))))
-
-    monkeypatch.setattr(triton_ops, "_default_num_splits", gpu_splits)
+    monkeypatch.setattr(triton_ops, "_default_num_splits",  # as on a GPU of GPU_SMS multiprocessors
+                        lambda device, num_programs: triton_ops.splits_for(GPU_SMS, num_programs))
     return keys
 
 
-def test_a_trace_meets_no_kernel_variant_the_warm_up_did_not_compile(compile_keys):
-    max_num_seqs = 4
+@pytest.mark.parametrize(("max_num_seqs", "max_num_batched_tokens", "longest_prompt"),
+                         [(4, 8, 10), (1, 64, 40)], ids=["many-short", "one-long"])
+def test_a_trace_meets_no_kernel_variant_the_warm_up_did_not_compile(compile_keys, max_num_seqs,
+                                                                     max_num_batched_tokens, longest_prompt):
     engine = Engine("tiny", device=DEVICE, dtype="float32", block_size=4, num_blocks=128,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=8, enforce_eager=True)
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=True)
     compile_keys.clear()  # what the engine's own start launched (a GPU's warm-up) is not under test
-    passes = engine.executor.runner.warm_up(max_num_seqs)
-    assert passes == 2 * 3  # 1, 2, 4 sequences; one query row each, then two
+    passes = engine.executor.runner.warm_up()
+    assert passes == 2 * len(triton_ops.split_choices())  # one query row and two, under each split count
     warmed = {name: set(keys) for name, keys in compile_keys.items()}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rope_kernel",
             "_rms_norm_kernel", "_silu_and_mul_kernel"} <= set(warmed)
 
     # Steps of every kind: chunked prompts beside decodes, a cached prefix, sequence counts of
-    # 1 to 4, block tables of one to several blocks, a last request decoding alone.
+    # 1 to max_num_seqs, block tables of one to several blocks, a last request decoding alone.
     rng = random.Random(0)
     shapes: set[tuple[int, bool]] = set()
     execute = engine.executor.execute
@@ -128,13 +126,13 @@ def test_a_trace_meets_no_kernel_variant_the_warm_up_did_not_compile(compile_key
 
     engine.executor.execute = recorded
     prefix = [rng.randrange(5, 200) for _ in range(8)]
-    for i in range(6):
-        prompt = (prefix if i % 3 == 0 else []) + [rng.randrange(5, 200) for _ in range(rng.randint(1, 10))]
-        engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 4) + (6 if i == 5 else 0),
+    for i in range(6 if max_num_seqs > 1 else 3):
+        prompt = (prefix if i % 3 == 0 else []) + [rng.randrange(5, 200) for _ in range(rng.randint(1, longest_prompt))]
+        engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 4) + (6 if i == 2 else 0),
                                                   temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert {n for n, _ in shapes} >= {1, 2, max_num_seqs} and {d for _, d in shapes} == {True, False}
+    assert {n for n, _ in shapes} >= {1, max_num_seqs} and {d for _, d in shapes} == {True, False}
 
     for name, keys in compile_keys.items():
         new = keys - warmed.get(name, set())
@@ -190,6 +188,6 @@ def test_the_warm_up_runs_every_architecture_and_leaves_its_tokens_alone(tmp_pat
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engines = [Engine(path, device="cpu", dtype="float32", block_size=4, num_blocks=32, max_model_len=64,
                       max_num_seqs=4) for _ in range(2)]
-    assert engines[0].executor.runner.warm_up(4) == 2 * 3
+    assert engines[0].executor.runner.warm_up() == 2  # no split counts off the Triton kernels
     got, want = ([o.token_ids for o in e.generate(prompts, params)] for e in engines)
     assert got == want

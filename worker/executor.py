@@ -146,7 +146,7 @@ class ModelExecutor(Executor):
         self.runner = ModelRunner(self.model, kv, self.kv_caches, self.device, self.max_model_len, self.seed)
         if self.device.type == "cuda":  # every kernel variant compiled before the first step
             t0 = time.perf_counter()
-            self.runner.warm_up(self.max_num_seqs)
+            self.runner.warm_up()
             self.warm_up_seconds = time.perf_counter() - t0
         if self.device.type == "cuda" and not self.enforce_eager:
             self.runner.capture_graphs(self.max_num_seqs)

@@ -17,6 +17,8 @@ import time
 import numpy as np
 import torch
 
+from pagefleet.kernels import attention_split_choices, forced_attention_splits
+
 from .batch_scheduler import SchedulerOutput
 from .cuda_graphs import DecodeGraphs
 from .kv_cache_manager import KVCacheManager
@@ -78,34 +80,32 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # see capture_graphs
         self.last_step_graphed = False
 
-    def warm_up(self, max_num_seqs: int) -> int:
-        """Run the forward pass eagerly on padding, once at every batch shape class a step can
-        have, so that Triton compiles the kernel variants now rather than in a serving step
-        (1-2 s each on an H200's host; a step that met a new one stalled every request in it).
+    def warm_up(self) -> int:
+        """Compile every Triton kernel variant a step can need now, at start, rather than in a
+        serving step (1-2 s each on an H200's host; a step that met a new one stalled every
+        request in it).
 
-        A step's variants follow its shape: decode-only or with prompt rows, and (on a GPU)
-        how many ranges the attention splits its context into, which halves each time the
-        sequences double. So: 1, 2, 4, ... sequences up to ``max_num_seqs``, one query row
-        each and then two. The kernels' arguments that move from step to step are not
-        specialized on (``kernels/triton_ops.py``), so these launches compile what steps
-        use. Padding rows write no cache slot. Returns the number of forward passes."""
-        sizes = [1 << i for i in range(max(1, max_num_seqs).bit_length()) if 1 << i < max_num_seqs] + [max_num_seqs]
+        A step's variants differ only in whether it is decode-only and in how many ranges the
+        attention splits each context into (the kernels' arguments that move from step to step
+        are not specialized on: ``kernels/triton_ops.py``). So: a padding batch of one sequence,
+        one query row and then two, under each split count the attention can take. Padding rows
+        write no cache slot. Returns the number of forward passes."""
+        i64 = dict(dtype=torch.int64, device=self.device)
+        i32 = dict(dtype=torch.int32, device=self.device)
         passes = 0
         with torch.inference_mode():
-            for rows in (1, 2):  # decode-only, then prompt-shaped
-                for seqs in sizes:
-                    tokens = seqs * rows
-                    i64 = dict(dtype=torch.int64, device=self.device)
-                    i32 = dict(dtype=torch.int32, device=self.device)
-                    meta = AttentionMetadata(
-                        slot_mapping=torch.full((tokens,), -1, **i64),
-                        block_tables=torch.zeros((seqs, 1), **i32),
-                        seq_lens=torch.full((seqs,), rows, **i32),
-                        query_start_loc=torch.arange(0, tokens + 1, rows, **i32),
-                    )
-                    self.model(torch.zeros(tokens, **i64), torch.zeros(tokens, **i64), self.kv_caches, meta,
-                               torch.arange(rows - 1, tokens, rows, **i64))
-                    passes += 1
+            for splits in attention_split_choices(self.device):
+                with forced_attention_splits(splits):
+                    for rows in (1, 2):  # decode-only, then prompt-shaped
+                        meta = AttentionMetadata(
+                            slot_mapping=torch.full((rows,), -1, **i64),
+                            block_tables=torch.zeros((1, -(-rows // self.block_size)), **i32),
+                            seq_lens=torch.full((1,), rows, **i32),
+                            query_start_loc=torch.tensor([0, rows], **i32),
+                        )
+                        self.model(torch.zeros(rows, **i64), torch.zeros(rows, **i64), self.kv_caches, meta,
+                                   torch.tensor([rows - 1], **i64))
+                        passes += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return passes
