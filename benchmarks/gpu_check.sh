@@ -54,6 +54,11 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$log
   command -v redis-server
 } 2>&1 | tee -a "$log"
 
+# First, on a fresh machine (Triton's disk cache empty): what the worker's kernel warm-up costs at start.
+step warm-up 90 python3 -c 'import time; from pagefleet import Engine
+for model in ("tiny", "tiny"):  # the second start reads the variants back from the disk cache
+    t0 = time.perf_counter(); e = Engine(model, device="cuda")
+    print(f"{model}: engine ready in {time.perf_counter() - t0:.1f} s, kernel warm-up {e.executor.warm_up_seconds:.1f} s")'
 step gpu-tests 220 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs \
   tests/test_architectures.py tests/test_cuda_graphs.py tests/test_swap.py tests/test_kernels.py
 step host-path 70 python3 -m pagefleet bench host-path --engine model --device cuda --json "$out/host-path-cuda.json"
@@ -67,6 +72,6 @@ cp "$work/serve/serve.json" "$out/serve.json" 2>/dev/null
 step preemption 60 python3 -m pagefleet bench preemption --device cuda --out "$out/preemption.json"
 step engine 120 python3 -m pagefleet bench engine --device cuda --json "$out/engine.json"
 step kernel-tests ${KT_CAP:-200} python3 -m pytest -q -p no:cacheprovider -x -rfE \
-  tests/test_fused_kernels.py tests/test_moe_kernel.py tests/test_kernels_in_models.py
+  tests/test_fused_kernels.py tests/test_moe_kernel.py tests/test_kernels_in_models.py tests/test_kernel_variants.py
 say "== done, $(( deadline - $(date +%s) ))s before the deadline"
 grep "^== " "$log"
