@@ -11,6 +11,8 @@ reduction order (RMSNorm's sum) and the device's ``exp``/``rsqrt``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -18,17 +20,20 @@ import triton.language as tl
 from ._jit import jit
 
 
+@functools.lru_cache(maxsize=256)  # once per shape: a launch reads it (never changes it)
 def rms_norm_meta(dim: int, offset: bool) -> dict:
     """The compile-time parameters ``rms_norm_triton`` launches with (one row a program)."""
     block = triton.next_power_of_2(dim)
     return dict(DIM=dim, BLOCK=block, HAS_OFFSET=bool(offset), num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
 
 
+@functools.lru_cache(maxsize=256)  # once per shape: a launch reads it (never changes it)
 def silu_and_mul_meta(d: int) -> dict:
     """The compile-time parameters ``silu_and_mul_triton`` launches with."""
     return dict(D=d, BLOCK=min(1024, triton.next_power_of_2(d)), num_warps=4)
 
 
+@functools.lru_cache(maxsize=256)  # once per shape: a launch reads it (never changes it)
 def rope_meta(head_dim: int, rotary_dim: int) -> dict:
     """The compile-time parameters ``rope_triton`` launches with (one head of one token a program)."""
     return dict(HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK=triton.next_power_of_2(head_dim),

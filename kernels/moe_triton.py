@@ -24,6 +24,8 @@ equality); bf16 tiles are widened before the dot only under the interpreter (see
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -111,6 +113,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return sorted_ids, block_expert
 
 
+@functools.lru_cache(maxsize=256)  # once per shape: a launch reads it (never changes it)
 def moe_meta(dtype: torch.dtype, *, interpreted: bool = False) -> dict:
     """The compile-time tile parameters of ``_grouped_gemm_kernel`` (both GEMMs)."""
     dot_in_fp32 = dtype == torch.bfloat16 and interpreted

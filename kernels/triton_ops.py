@@ -49,6 +49,7 @@ tiles and warp counts are defaults, not yet tuned.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -157,28 +158,27 @@ def write_kv_triton(
 
 
 def _check_write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    _require(key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got {_shape(key)}")
-    _require(value.shape == key.shape, f"value {_shape(value)} must match key {_shape(key)}")
+    _require(key.dim() == 3, lambda: f"key must be [num_tokens, num_kv_heads, head_dim], got {_shape(key)}")
+    _require(value.shape == key.shape, lambda: f"value {_shape(value)} must match key {_shape(key)}")
     _check_caches(key_cache, value_cache)
     _require(
         key_cache.shape[2:] == key.shape[1:],
-        f"cache rows [num_kv_heads, head_dim] = {list(key_cache.shape[2:])} "
+        lambda: f"cache rows [num_kv_heads, head_dim] = {list(key_cache.shape[2:])} "
         f"do not match key rows {list(key.shape[1:])}",
     )
     _require(
         slot_mapping.shape == (key.shape[0],),
-        f"slot_mapping must be [num_tokens={key.shape[0]}], got {_shape(slot_mapping)}",
+        lambda: f"slot_mapping must be [num_tokens={key.shape[0]}], got {_shape(slot_mapping)}",
     )
     _require(
-        slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}"
+        slot_mapping.dtype == torch.int64, lambda: f"slot_mapping must be int64, got {slot_mapping.dtype}"
     )
     _require(
-        key.dtype in _DTYPES and value.dtype in _DTYPES, f"unsupported key/value dtype {key.dtype}"
+        key.dtype in _DTYPES and value.dtype in _DTYPES, lambda: f"unsupported key/value dtype {key.dtype}"
     )
     for name, t in (("key", key), ("value", value)):
-        _require(
-            t.stride(-1) == 1, f"{name} must have unit stride along head_dim, got {t.stride()}"
-        )
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along head_dim, got {t.stride()}")
     _require(slot_mapping.stride(0) == 1 or key.shape[0] <= 1, "slot_mapping must be contiguous")
     _check_device(
         key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping
@@ -440,15 +440,15 @@ def paged_attention_triton(
         num_splits = _forced_splits or _default_num_splits(query.device, num_q_tiles * num_kv_heads)
     _require(
         1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0,
-        f"num_splits must be a power of two in [1, {_MAX_SPLITS}], got {num_splits}",
+        lambda: f"num_splits must be a power of two in [1, {_MAX_SPLITS}], got {num_splits}",
     )
     meta = attention_meta(num_heads // num_kv_heads, head_dim, key_cache.shape[1], query.dtype,
                           decode_only, num_splits, interpreted=_interpreted(),
                           window=window is not None, soft_cap=soft_cap is not None, sinks=sinks is not None)
     if sinks is not None:
         _require(sinks.shape == (num_heads,) and sinks.dtype == torch.float32 and sinks.device == query.device,
-                 f"sinks must be float32 [num_heads={num_heads}] on {query.device}, got {sinks.dtype} {_shape(sinks)}")
-    _require(window is None or window >= 1, f"window must be at least 1, got {window}")
+                 lambda: f"sinks must be float32 [num_heads={num_heads}] on {query.device}, got {sinks.dtype} {_shape(sinks)}")
+    _require(window is None or window >= 1, lambda: f"window must be at least 1, got {window}")
 
     if num_splits > 1:
         part_out = torch.empty(
@@ -499,6 +499,7 @@ def paged_attention_triton(
     return out
 
 
+@functools.lru_cache(maxsize=256)  # once per shape: a launch reads it (never changes it)
 def attention_meta(queries_per_kv: int, head_dim: int, block_size: int, dtype: torch.dtype,
                    decode_only: bool, num_splits: int, *, interpreted: bool = False, window: bool = False,
                    soft_cap: bool = False, sinks: bool = False) -> dict:
@@ -536,11 +537,13 @@ def attention_meta(queries_per_kv: int, head_dim: int, block_size: int, dtype: t
     )
 
 
+@functools.lru_cache(maxsize=256)  # once per shape: a launch reads it (never changes it)
 def merge_meta(head_dim: int, num_splits: int) -> dict:
     """The compile-time parameters of ``_merge_splits_kernel``."""
     return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits)
 
 
+@functools.lru_cache(maxsize=256)  # once per shape: a launch reads it (never changes it)
 def write_kv_meta(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
     """The compile-time parameters of ``_write_kv_kernel``."""
     return dict(
@@ -576,44 +579,46 @@ def _check_attention(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
 ) -> None:
     _require(
-        query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {_shape(query)}"
+        query.dim() == 3, lambda: f"query must be [num_tokens, num_heads, head_dim], got {_shape(query)}"
     )
     _check_caches(key_cache, value_cache)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     _require(
         key_cache.shape[3] == head_dim,
-        f"cache head_dim {key_cache.shape[3]} does not match query head_dim {head_dim}",
+        lambda: f"cache head_dim {key_cache.shape[3]} does not match query head_dim {head_dim}",
     )
     _require(
         num_kv_heads > 0 and num_heads % num_kv_heads == 0,
-        f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}",
+        lambda: f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}",
     )
-    _require(query.dtype in _DTYPES, f"query dtype must be one of {_DTYPES}, got {query.dtype}")
+    _require(query.dtype in _DTYPES, lambda: f"query dtype must be one of {_DTYPES}, got {query.dtype}")
     _require(
         key_cache.dtype == query.dtype,
-        f"cache dtype {key_cache.dtype} must equal query dtype {query.dtype}",
+        lambda: f"cache dtype {key_cache.dtype} must equal query dtype {query.dtype}",
     )
     _require(
-        query.stride(-1) == 1, f"query must have unit stride along head_dim, got {query.stride()}"
+        query.stride(-1) == 1, lambda: f"query must have unit stride along head_dim, got {query.stride()}"
     )
-    _require(seq_lens.dim() == 1, f"seq_lens must be [num_seqs], got {_shape(seq_lens)}")
+    _require(seq_lens.dim() == 1, lambda: f"seq_lens must be [num_seqs], got {_shape(seq_lens)}")
     num_seqs = seq_lens.shape[0]
     _require(
         block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
-        f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got {_shape(block_tables)}",
+        lambda: f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got {_shape(block_tables)}",
     )
     _require(
         query_start_loc.shape == (num_seqs + 1,),
-        f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {_shape(query_start_loc)}",
+        lambda: f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {_shape(query_start_loc)}",
     )
     for name, t in (
         ("block_tables", block_tables),
         ("seq_lens", seq_lens),
         ("query_start_loc", query_start_loc),
     ):
-        _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
-        _require(t.numel() <= 1 or t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+        if t.numel() > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
     _check_device(
         query,
         key_cache=key_cache,
@@ -627,30 +632,32 @@ def _check_attention(
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     _require(
         key_cache.dim() == 4,
-        f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {_shape(key_cache)}",
+        lambda: f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {_shape(key_cache)}",
     )
     _require(
         value_cache.shape == key_cache.shape,
-        f"value_cache {_shape(value_cache)} must match key_cache {_shape(key_cache)}",
+        lambda: f"value_cache {_shape(value_cache)} must match key_cache {_shape(key_cache)}",
     )
     _require(value_cache.dtype == key_cache.dtype, "key_cache and value_cache dtypes differ")
     _require(
-        key_cache.dtype in _DTYPES, f"cache dtype must be one of {_DTYPES}, got {key_cache.dtype}"
+        key_cache.dtype in _DTYPES, lambda: f"cache dtype must be one of {_DTYPES}, got {key_cache.dtype}"
     )
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _require(
-            t.stride(-1) == 1, f"{name} must have unit stride along head_dim, got {t.stride()}"
-        )
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along head_dim, got {t.stride()}")
 
 
 def _check_device(first: torch.Tensor, **others: torch.Tensor) -> None:
     for name, t in others.items():
-        _require(t.device == first.device, f"{name} is on {t.device}, expected {first.device}")
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device}, expected {first.device}")
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message) -> None:
+    """``ValueError(message())`` unless ``ok``: the message (shapes, strides, dtypes formatted)
+    is built only for a call that fails; a launch pays for the checks, not for their words."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
 
 
 def _shape(t: torch.Tensor) -> list[int]:
