@@ -191,3 +191,13 @@ def test_the_warm_up_runs_every_architecture_and_leaves_its_tokens_alone(tmp_pat
     assert engines[0].executor.runner.warm_up() == 2  # no split counts off the Triton kernels
     got, want = ([o.token_ids for o in e.generate(prompts, params)] for e in engines)
     assert got == want
+
+
+def test_the_launch_overhead_bench_times_every_launcher_and_leaves_the_kernels_in_place():
+    from pagefleet.benchmarks import launch_overhead
+
+    kernel = triton_ops._paged_attention_kernel
+    out = launch_overhead.main(reps=3)
+    assert set(out) == {"paged_attention", "write_kv", "rms_norm", "rope", "silu_and_mul"}
+    assert all(us > 0 for us in out.values())
+    assert triton_ops._paged_attention_kernel is kernel
