@@ -52,7 +52,12 @@ def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
     assert paced["num_whole"] == 24 and paced["num_tokens"] == 24 * 12
     assert paced["num_messages"] == 24 * len(list(_pieces(12, per)))  # sizes mixed to that mean
     assert paced["pace_ms"] == round(stream["message_gap_ms_p50"], 3) > 0
-    assert stream["gateway_cpu_vs_paced_floor"] > 0
+    # The paced floor's CPU is counted in clock ticks (10 ms): this small run's (~288 tokens at
+    # ~20 us) can read 0 ticks on a loaded machine, and then there is no ratio to give.
+    if paced["cpu_us_per_token"]:
+        assert stream["gateway_cpu_vs_paced_floor"] > 0
+    else:
+        assert stream["gateway_cpu_vs_paced_floor"] is None
 
 
 def test_a_burst_of_streams_past_grpcs_pending_call_bound_is_served(tmp_path):
