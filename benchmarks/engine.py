@@ -295,9 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace == "shared-prefix":
         return run_shared_prefix(args)
     args.json = args.json or "bench-results/engine.json"
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA device here")
+    from pagefleet.worker.executor import resolve_device
+
+    try:
+        device = str(resolve_device(args.device))
+    except ValueError as e:
+        p.error(f"--device {args.device}: {e}")
     torch.manual_seed(0)
     trace = Trace.long_tailed(args.num_requests, args.seed, long_fraction=args.long_fraction,
                               short=tuple(args.short), long=tuple(args.long))

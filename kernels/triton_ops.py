@@ -210,7 +210,7 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 # inputs, at offsets that move with the batch; each is read a scalar at a time, so nothing is
 # lost (tests/test_kernel_variants.py).
 @jit(do_not_specialize=["window", "num_seqs", "stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
+     do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,

@@ -148,8 +148,8 @@ class ModelExecutor(Executor):
             t0 = time.perf_counter()
             self.runner.warm_up()
             self.warm_up_seconds = time.perf_counter() - t0
-        if self.device.type == "cuda" and not self.enforce_eager:
-            self.runner.capture_graphs(self.max_num_seqs)
+            if not self.enforce_eager:
+                self.runner.capture_graphs(self.max_num_seqs)
 
     @property
     def graph_sizes(self) -> list[int]:
