@@ -144,3 +144,37 @@ def test_a_choice_holds_through_preemptions_and_aborts_in_any_order():
             del live[rid]
     assert len(texts) >= 20 and engine.stats().num_preemptions_total >= 50
     assert all(t == said for t in texts), [t for t in texts if t != said][:3]
+
+
+def test_masks_computed_in_line_wait_for_the_mask_thread():
+    """When a step's masks were started for other requests than the sampler masks (the fallback
+    computed in line), the in-line masks wait for the mask thread: a matcher never consumes a
+    token on two threads at once (which would leave it a token ahead, and its text its choice)."""
+    import threading
+    import time
+
+    import torch
+
+    from worker import structured
+
+    engine = Engine("tiny")
+    so = StructuredOutputs(choice=("yes please", "no thanks"))
+    for rid in ("a", "b"):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=so), request_id=rid)
+    a, b = engine.requests["a"], engine.requests["b"]
+    gate, released = threading.Event(), []
+    structured._MASK_THREAD.submit(gate.wait)  # the mask thread busy until the gate opens
+    structured.start_grammar_masks([b])  # b's mask queued behind it
+    timer = threading.Timer(0.3, lambda: (released.append(time.monotonic()), gate.set()))
+    timer.start()
+    vocab = engine.model_config.vocab_size
+    logits = torch.zeros(2, vocab)
+    structured.apply_grammar_masks(logits, [0, 1], [a, b])  # not the started set: computed in line
+    returned = time.monotonic()
+    timer.join()
+    assert released and returned >= released[0]
+    assert a.grammar.prepared is None and b.grammar.prepared is None
+    allowed = [set(torch.nonzero(torch.isfinite(row)).flatten().tolist()) for row in logits]
+    first = {engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in so.choice}
+    assert allowed[0] == allowed[1] and first <= allowed[0]
+    assert a.grammar.num_consumed == b.grammar.num_consumed == 0

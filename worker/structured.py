@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -141,6 +141,9 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], reqs: list[Reques
             and started[0][0].result().shape[0] == n:
         bitmask = started[0][0].result()
     else:
+        # The mask thread may still be moving these requests' matchers: let it finish first, so
+        # no matcher consumes a token on two threads at once.
+        wait({p[0] for p in started if p is not None})
         bitmask = grammar_bitmask(reqs, vocab)
     # Bit t % 32 of word t // 32 is token t: on a little-endian host, bit t of the bytes.
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
