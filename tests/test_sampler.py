@@ -31,6 +31,32 @@ def test_seeded_draws_are_exponential():
     assert (counts / q.numel() - 0.1).abs().max() < 0.01
 
 
+def test_seeded_draws_are_never_zero_or_one():
+    """A draw of 0 made 0 / 0 = NaN for every token of probability 0, and argmax takes NaN for the
+    largest: a masked token won. This (seed, position) once drew -0.0 at column 106 of 320 (a
+    uniform that rounded to 1.0 in float32), once in 2**24 draws."""
+    q = seeded_exponentials([5519100575163960655], [385], 320, "cpu")
+    assert (q > 0).all() and torch.isfinite(q).all()
+    for first in range(0, 1 << 22, 1 << 20):  # 4M draws: the extremes are in range too
+        q = seeded_exponentials(list(range(first, first + 256)), [3] * 256, 4096, "cpu")
+        assert (q > 0).all() and torch.isfinite(q).all()
+
+
+def test_a_token_of_probability_zero_is_never_sampled():
+    """Only token 2 is allowed (the others masked to -inf, as structured output, top-k or
+    allowed_token_ids leave a row); at the (seed, position) whose draw at 106 was -0.0, token 106
+    was sampled (a CI run's guided_choice text left its choice so)."""
+    vocab, seed = 320, 5519100575163960655
+    req = _req(list(range(3, 3 + 290)), SamplingParams(temperature=1.0, seed=seed), list(range(3, 3 + 95)))
+    assert len(req.all_token_ids) == 385
+    for unseeded in (False, True):
+        logits = torch.full((2, vocab), -math.inf)
+        logits[:, 2] = 0.5
+        other = _req([1], SamplingParams(temperature=1.0, seed=None if unseeded else 7))
+        out = sample(logits, [req, other], torch.Generator().manual_seed(0))
+        assert out.token_ids == [2, 2]
+
+
 def test_seeded_request_resumed_elsewhere_continues_the_same_tokens():
     params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     whole = Engine("tiny", device="cpu", num_blocks=64).generate(["Once upon a time"], params)[0]

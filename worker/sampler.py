@@ -28,6 +28,7 @@ from .request import Request
 from .token_masks import apply_token_masks
 
 _M32 = 0xFFFFFFFF
+_TINY = torch.finfo(torch.float32).tiny  # the smallest positive draw the race divides by
 
 
 @dataclass(slots=True)
@@ -124,7 +125,8 @@ def choose(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
         q[seeded] = seeded_exponentials(
             [r.params.seed for r in rows], [len(r.all_token_ids) for r in rows], probs.shape[-1], dev
         )
-    chosen = (probs / q).argmax(dim=-1)
+    # A token of probability 0 must never win: 0 / 0 is NaN, which argmax takes for the largest.
+    chosen = (probs / q.clamp_(min=_TINY)).argmax(dim=-1)
     return torch.where(torch.tensor(greedy, device=dev), argmax, chosen)
 
 
@@ -138,7 +140,10 @@ def seeded_exponentials(seeds: list[int], positions: list[int], vocab: int, devi
     k2 = _mix32(k1 ^ 0x85EBCA6B)
     col = _mul32(torch.arange(vocab, dtype=torch.int64, device=device), 0x9E3779B1)
     h = _mix32(_mix32(col ^ k1) ^ k2)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0
+    # 23 bits, so that (v + 0.5) is exact in float32: u is in [2**-24, 1 - 2**-24], never 0 or 1.
+    # (With 24 bits the top value rounded to 1.0, so one draw in 2**24 was -0.0, and a token of
+    # probability 0 won the race as 0 / -0.0 = NaN.)
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(u)
 
 
