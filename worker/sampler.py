@@ -5,7 +5,9 @@ independently per vocabulary entry picks exactly from ``p``. A seeded request's 
 from a counter-based generator, ``q = -log(u)`` with ``u`` a hash of (seed, the position the
 new token takes, vocabulary index): its tokens depend on its seed and their positions only,
 never on the rest of the batch, on preemption or recompute, or on which worker runs it.
-Unseeded rows draw from the engine's generator.
+Unseeded rows draw from the engine's generator. Every draw is above 0 (``u`` below 1, and
+the draws clamped): a draw of 0 would make ``0 / 0`` NaN for each token of probability 0
+(masked, filtered, or underflowed), and argmax takes NaN for the largest.
 
 Before any of that, rows that ask for it are processed in place (``penalties.py``,
 ``token_masks.py``): penalties, the ``min_tokens`` mask, then token masks. Log-probabilities are ``log_softmax`` of those
