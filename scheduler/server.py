@@ -82,6 +82,10 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--preempt-mode", default="auto", choices=("auto", "swap", "recompute", "off"),
                    help="directed preemption for higher-priority requests")
     p.add_argument("--dead-after", type=float, default=2.0, help="seconds without a report before a worker is dead")
+    p.add_argument("--report-interval", type=float, default=None,
+                   help="seconds between a worker's occupancy reports while nothing changes there (a report "
+                        "also goes out as soon as its requests, free blocks or prefilled requests change); "
+                        "below --dead-after (default: an eighth of it, at most 0.5)")
     p.add_argument("--lease-ms", type=int, default=3000, help="scheduler lease; a standby takes over after it lapses")
     d = PlacementConfig()
     p.add_argument("--placement", default=d.policy, choices=PLACEMENTS,
@@ -249,7 +253,7 @@ async def serve(args) -> int:
             break
         core = ClusterScheduler(redis, keys, SchedulerConfig(
             policy=args.policy, aging_s=args.aging_seconds, headroom_tokens=args.headroom_tokens,
-            preempt_mode=args.preempt_mode, dead_after_s=args.dead_after,
+            preempt_mode=args.preempt_mode, dead_after_s=args.dead_after, report_interval_s=args.report_interval,
             placement=placement_config(args),
             prefix_index_size=args.prefix_index_size, moves=move_config(args),
         ), metrics=metrics, epoch=holder.epoch, lease_ok=holder.valid,
@@ -322,6 +326,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"--shard: {e}")
     if args.prefix_index_size < 1:
         parser.error(f"--prefix-index-size must be at least 1, got {args.prefix_index_size}")
+    if args.dead_after <= 0:
+        parser.error(f"--dead-after must be above 0, got {args.dead_after}")
+    if args.report_interval is not None and not 0 < args.report_interval < args.dead_after:
+        parser.error(f"--report-interval must be above 0 and below --dead-after ({args.dead_after}), "
+                     f"got {args.report_interval}")
     try:
         check_files(cluster_tls(args))
     except ValueError as e:

@@ -165,3 +165,27 @@ def test_an_assignment_after_an_unwritten_end_starts_a_new_record():
     run(loop, written)
     again = written.messages["x"][first_run:]
     assert as_tuple(written.records["x"]) == joined(again) == (3, [again[0].token_ids[0]], again[0].text, [])
+
+
+def test_a_prefill_worker_reports_a_prefill_that_ends_at_once():
+    """A prefill worker's report names the requests whose prompts are done (their transfer to a
+    decode worker starts from it): the step that ends a prompt notifies the reports, not the next
+    heartbeat; a step that changes nothing does not."""
+    from pagefleet.common.sampling_params import SamplingParams
+
+    calls: list[int] = []
+    engine = SimEngine(time_scale=float("inf"), max_num_seqs=8, max_num_batched_tokens=64)
+    loop = EngineLoop(engine, emit=lambda b: None, notify=lambda: calls.append(1))
+    loop.track_prefilled = True
+    engine.add_request([1 + i % 250 for i in range(400)], SamplingParams(max_tokens=50, ignore_eos=True),
+                       request_id="a")
+    loop._refresh(after_step=True)
+    notified = []
+    for _ in range(12):
+        before = len(calls)
+        engine.step()
+        loop._refresh(after_step=True)
+        notified.append((engine.requests["a"].num_output_tokens, len(calls) - before))
+    first = next(i for i, (n, _) in enumerate(notified) if n)
+    assert first > 1 and loop.prefilled_ids == ("a",)  # a prompt of several chunks
+    assert [k for _, k in notified] == [1 if i == first else 0 for i in range(12)]

@@ -252,6 +252,27 @@ def test_nothing_fits_nowhere():
     assert placer.choose(cluster(free=4), pending("p", SYSTEM), HEADROOM) is None
 
 
+def test_the_report_interval_is_an_eighth_of_dead_after_at_most_half_a_second():
+    from pagefleet.scheduler.core import report_interval
+
+    assert report_interval(1.0) == 0.125 and report_interval(2.0) == 0.25 and report_interval(10.0) == 0.5
+    assert report_interval(10.0, 0.05) == 0.05
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--report-interval", "0"], "--report-interval"),
+    (["--report-interval", "2.5"], "--report-interval"),  # not below --dead-after (2)
+    (["--dead-after", "1", "--report-interval", "1"], "--report-interval"),
+    (["--dead-after", "0"], "--dead-after"),
+])
+def test_the_scheduler_refuses_a_report_interval_past_its_dead_after(argv, names, capsys):
+    from pagefleet.scheduler.server import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and names in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kw", [dict(policy="random"), dict(cache_threshold=1.5), dict(balance_rel_threshold=0.5)])
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):
@@ -267,6 +288,7 @@ class FakeWorkerStub:
         self.cancelled: list[str] = []
         self.epochs: dict[str, int] = {}
         self.reports: asyncio.Queue = asyncio.Queue()
+        self.report_intervals: list[float] = []  # what each StreamOccupancy call asked for
 
     async def Cancel(self, request, timeout=None, metadata=None):
         self.cancelled.append(request.request_id)
@@ -281,6 +303,7 @@ class FakeWorkerStub:
         return cluster_pb2.AssignBatchResponse(responses=[await self.Assign(r) for r in request.requests])
 
     async def StreamOccupancy(self, request):
+        self.report_intervals.append(request.interval_s)
         while (r := await self.reports.get()) is not None:
             yield r
 
@@ -314,6 +337,8 @@ def test_the_scheduler_learns_from_reports_holds_placements_and_forgets_the_dead
         stubs["a"].reports.put_nowait(report("a", free=256, num_blocks=256, block_hashes_reset=True))
         await settle()
         assert core.ledger.index.num_worker_keys("b") == 16
+        # Unchanged, a worker reports every eighth of --dead-after (2 s): its heartbeat.
+        assert stubs["a"].report_intervals == stubs["b"].report_intervals == [0.25]
 
         for i in range(3):
             p = pending(f"r{i}", SYSTEM + [50 + i] * 8)

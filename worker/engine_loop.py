@@ -397,11 +397,14 @@ class EngineLoop:
             return False
         snap = self.snapshot = engine.stats()
         self._snapshot_at = time.monotonic()
+        prefilled = self.prefilled_ids
         if self.track_prefilled:
             self.prefilled_ids = tuple(rid for rid, r in engine.requests.items()
                                        if r.num_output_tokens and r.num_computed_tokens >= r.num_tokens - 1)
         ids = frozenset(snap.request_ids)
-        if force_notify or ids != last_ids or abs(snap.num_free_blocks - last_free) >= big:
+        # A prefill that ends is reported at once: its transfer starts from the report.
+        if (force_notify or ids != last_ids or abs(snap.num_free_blocks - last_free) >= big
+                or self.prefilled_ids != prefilled):
             self._last_notified = (snap.num_free_blocks, ids)
             self.notify()
         return True

@@ -204,7 +204,8 @@ def start_cluster(args, tmp: Path, **config):
         gateway_args += ["--stream-interval", str(args.stream_interval)]
     cfg = ClusterConfig(port=0, http_port=0 if args.backend == "openai" else None, num_workers=args.workers,
                         worker_args=worker_args, gateway_args=gateway_args,
-                        scheduler_args=["--dead-after", "10", "--lease-ms", "15000"],
+                        scheduler_args=["--dead-after", "10", "--lease-ms", "15000",
+                                        *(["--report-interval", str(args.report_interval)] if args.report_interval else [])],
                         log_dir=str(args.log_dir or tmp), log_level="info" if args.log_dir else "warning", metrics_port=0,
                         workers_per_process=args.workers_per_process, python=args.python,
                         env={"OMP_NUM_THREADS": "1"}, redis_socket=getattr(args, "redis_socket", False), **config)
@@ -381,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-floor", action="store_true", help="skip the floor")
     p.add_argument("--gateway-processes", type=int, default=1, help="the gateway's --processes")
     p.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
+    p.add_argument("--report-interval", type=float, default=None,
+                   help="the scheduler's --report-interval (default: its own)")
     p.add_argument("--python", default=None, help="interpreter of the cluster's processes (default: this one)")
     p.add_argument("--redis-socket", action="store_true",
                    help="the processes reach the Redis started for the run over its unix socket (`up --redis-socket`; "
@@ -430,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if error := shard_flags_error(args):
         print(error, file=sys.stderr)
+        return 2
+    if args.report_interval is not None and not 0 < args.report_interval < 10:
+        print(f"--report-interval must be above 0 and below 10 (the bench's --dead-after), got {args.report_interval}",
+              file=sys.stderr)
         return 2
     sharded = args.redis_cluster or args.shards is not None
     results = []
