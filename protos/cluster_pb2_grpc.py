@@ -150,7 +150,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamOccupancy(self, request, context):
-        """The worker's occupancy, every ~100 ms and on every large change.
+        """The worker's occupancy: at once on every change the scheduler acts on, else every interval_s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

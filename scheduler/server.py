@@ -85,7 +85,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--report-interval", type=float, default=None,
                    help="seconds between a worker's occupancy reports while nothing changes there (a report "
                         "also goes out as soon as its requests, free blocks or prefilled requests change); "
-                        "below --dead-after (default: an eighth of it, at most 0.5)")
+                        "at most half of --dead-after (default: an eighth of it, at most 0.5)")
     p.add_argument("--lease-ms", type=int, default=3000, help="scheduler lease; a standby takes over after it lapses")
     d = PlacementConfig()
     p.add_argument("--placement", default=d.policy, choices=PLACEMENTS,
@@ -326,10 +326,10 @@ def main(argv: list[str]) -> int:
         parser.error(f"--shard: {e}")
     if args.prefix_index_size < 1:
         parser.error(f"--prefix-index-size must be at least 1, got {args.prefix_index_size}")
-    if args.dead_after <= 0:
+    if not args.dead_after > 0:
         parser.error(f"--dead-after must be above 0, got {args.dead_after}")
-    if args.report_interval is not None and not 0 < args.report_interval < args.dead_after:
-        parser.error(f"--report-interval must be above 0 and below --dead-after ({args.dead_after}), "
+    if args.report_interval is not None and not 0 < args.report_interval <= args.dead_after / 2:
+        parser.error(f"--report-interval must be above 0 and at most half of --dead-after ({args.dead_after}), "
                      f"got {args.report_interval}")
     try:
         check_files(cluster_tls(args))

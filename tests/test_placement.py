@@ -261,9 +261,11 @@ def test_the_report_interval_is_an_eighth_of_dead_after_at_most_half_a_second():
 
 @pytest.mark.parametrize("argv, names", [
     (["--report-interval", "0"], "--report-interval"),
-    (["--report-interval", "2.5"], "--report-interval"),  # not below --dead-after (2)
-    (["--dead-after", "1", "--report-interval", "1"], "--report-interval"),
+    (["--report-interval", "2.5"], "--report-interval"),  # past --dead-after (2)
+    (["--dead-after", "2", "--report-interval", "1.5"], "--report-interval"),  # one report a death: past half
+    (["--report-interval", "nan"], "--report-interval"),
     (["--dead-after", "0"], "--dead-after"),
+    (["--dead-after", "nan"], "--dead-after"),
 ])
 def test_the_scheduler_refuses_a_report_interval_past_its_dead_after(argv, names, capsys):
     from pagefleet.scheduler.server import main

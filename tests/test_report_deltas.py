@@ -115,3 +115,24 @@ def test_a_request_dropped_after_it_was_seen_vanishes_once():
     w.unplace("a")
     r = report(SimpleNamespace(request_ids=["b", "x"], blocks_per_request={"b": 3}), [], h)
     assert w.apply_report(r) == ([], [])  # nothing changed: nothing named
+
+
+def test_a_change_during_one_streams_report_still_wakes_every_stream():
+    """Each occupancy stream waits on its own event, cleared before it builds a report: a change
+    while one stream sends wakes it again, and one stream's report does not clear another's."""
+    import asyncio
+
+    from pagefleet.worker.service import Changes
+
+    async def run() -> None:
+        changes = Changes()
+        with changes.watch() as a, changes.watch() as b:
+            changes.set()
+            a.clear()  # a builds and sends its report ...
+            changes.set()  # ... and the engine changes meanwhile
+            assert a.is_set() and b.is_set()
+            a.clear()
+            assert b.is_set()
+        assert not changes._events  # a stream that ends stops watching
+
+    asyncio.run(run())

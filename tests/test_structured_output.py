@@ -166,12 +166,15 @@ def test_masks_computed_in_line_wait_for_the_mask_thread():
     structured._MASK_THREAD.submit(gate.wait)  # the mask thread busy until the gate opens
     structured.start_grammar_masks([b])  # b's mask queued behind it
     timer = threading.Timer(0.3, lambda: (released.append(time.monotonic()), gate.set()))
-    timer.start()
-    vocab = engine.model_config.vocab_size
-    logits = torch.zeros(2, vocab)
-    structured.apply_grammar_masks(logits, [0, 1], [a, b])  # not the started set: computed in line
-    returned = time.monotonic()
-    timer.join()
+    try:
+        timer.start()
+        vocab = engine.model_config.vocab_size
+        logits = torch.zeros(2, vocab)
+        structured.apply_grammar_masks(logits, [0, 1], [a, b])  # not the started set: computed in line
+        returned = time.monotonic()
+        timer.join()
+    finally:
+        gate.set()  # the shared mask thread is never left blocked
     assert released and returned >= released[0]
     assert a.grammar.prepared is None and b.grammar.prepared is None
     allowed = [set(torch.nonzero(torch.isfinite(row)).flatten().tolist()) for row in logits]

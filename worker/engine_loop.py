@@ -50,7 +50,7 @@ TTL_REFRESH_MESSAGES = 512
 
 # The snapshot (``EngineStats``: what the reports carry) is rebuilt after a step when the
 # requests held changed, the free blocks moved by a twentieth of the pool, or it is this old;
-# a report goes every 0.1 s at least, so it reads a snapshot at most this much older than it.
+# a report reads a snapshot at most this much older than it.
 SNAPSHOT_MAX_AGE_S = 0.02
 
 # Finished request ids one occupancy stream may fall behind by before the oldest are dropped

@@ -68,7 +68,29 @@ from .redis_io import OutputWriter
 from .report import Holdings, occupancy_report
 
 SERVICE = "pagefleet.v1.Worker"
-REPORT_INTERVAL_S = 0.1
+REPORT_INTERVAL_S = 0.1  # unchanged reports, where the scheduler asks for no interval (an older one)
+MIN_REPORT_INTERVAL_S = 0.01
+
+
+class Changes:
+    """What the occupancy streams wait on: ``set`` wakes every stream (its own event each, so one
+    stream's report does not clear another's pending change)."""
+
+    def __init__(self) -> None:
+        self._events: set[asyncio.Event] = set()
+
+    def set(self) -> None:
+        for event in self._events:
+            event.set()
+
+    @contextlib.contextmanager
+    def watch(self):
+        event = asyncio.Event()
+        self._events.add(event)
+        try:
+            yield event
+        finally:
+            self._events.discard(event)
 REGISTER_INTERVAL_S = 1.0
 
 log = structlog.get_logger("worker")
@@ -184,19 +206,20 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         return await asyncio.wrap_future(fut)
 
     async def StreamOccupancy(self, request, context):
-        interval = request.interval_s or REPORT_INTERVAL_S
+        interval = max(MIN_REPORT_INTERVAL_S, request.interval_s or REPORT_INTERVAL_S)
         # Finished requests from here on (earlier ones are acknowledged in Redis already),
         # and the prefix cache's keys: all of them first, then what changes.
         finished = self.w.loop.subscribe()
         kv_events = self.w.loop.kv_events.subscribe()
         holdings = Holdings() if request.deltas else None
         try:
-            # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
-            while not self.w.stopped.is_set():
-                yield self.w.report(finished, kv_events, holdings)
-                self.w.changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.w.changed.wait(), interval)
+            with self.w.changed.watch() as changed:
+                # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
+                while not self.w.stopped.is_set():
+                    changed.clear()  # before the report: a change while it is sent makes the next one
+                    yield self.w.report(finished, kv_events, holdings)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), interval)
         finally:
             self.w.loop.unsubscribe(finished)
             self.w.loop.kv_events.unsubscribe(kv_events)
@@ -261,7 +284,7 @@ class Worker:
         )
         self.metrics.output_writes.count(lambda: self.writer.num_round_trips)
         self.aio = asyncio.get_running_loop()
-        self.changed = asyncio.Event()
+        self.changed = Changes()
         self.loop = EngineLoop(
             engine,
             emit=self.writer.put,  # from the engine thread straight to the writer's

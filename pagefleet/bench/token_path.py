@@ -434,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     if error := shard_flags_error(args):
         print(error, file=sys.stderr)
         return 2
-    if args.report_interval is not None and not 0 < args.report_interval < 10:
-        print(f"--report-interval must be above 0 and below 10 (the bench's --dead-after), got {args.report_interval}",
+    if args.report_interval is not None and not 0 < args.report_interval <= 5:
+        print(f"--report-interval must be above 0 and at most 5 (half the bench's --dead-after), got {args.report_interval}",
               file=sys.stderr)
         return 2
     sharded = args.redis_cluster or args.shards is not None
