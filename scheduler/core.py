@@ -69,15 +69,16 @@ _LEASE_POLL_S = 0.02  # how often a dispatcher unsure of its lease looks again
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 # A finish a worker reported and Redis does not hold after this long was refused: resumed.
 UNCONFIRMED_FINISH_S = 5.0
-# How often a worker reports while nothing changes there (``--report-interval``; a report also goes
-# out as soon as its requests, free blocks or prefilled requests change): a heartbeat, by default
-# an eighth of ``dead_after_s`` (eight missed make a worker dead), at most this often apart.
+# How often an idle worker reports (``--report-interval``): a heartbeat, by default an eighth of
+# ``dead_after_s`` (eight missed make a worker dead), at most this far apart. A busy worker reports
+# every 0.1 s (its requests' blocks grow), and any worker at once when its requests, free blocks or
+# prefilled requests change.
 MAX_REPORT_INTERVAL_S = 0.5
 HEARTBEATS_PER_DEATH = 8
 
 
 def report_interval(dead_after_s: float, asked: float | None = None) -> float:
-    """The interval between a worker's unchanged reports: ``asked``, or ``dead_after_s`` / 8 (at most 0.5 s)."""
+    """The interval between an idle worker's reports: ``asked``, or ``dead_after_s`` / 8 (at most 0.5 s)."""
     return asked if asked else min(MAX_REPORT_INTERVAL_S, dead_after_s / HEARTBEATS_PER_DEATH)
 PREEMPT_MODES = {
     "auto": cluster_pb2.PREEMPT_MODE_AUTO,
@@ -112,7 +113,7 @@ class SchedulerConfig:
     headroom_tokens: int = 64
     preempt_mode: str = "auto"  # auto | swap | recompute | off
     dead_after_s: float = 2.0
-    report_interval_s: float | None = None  # a worker's reports while nothing changes there (None: report_interval's)
+    report_interval_s: float | None = None  # an idle worker's reports (None: report_interval's)
     worker_ttl_s: float = 5.0
     rpc_timeout_s: float = 5.0
     adopt_wait_s: float = 2.0

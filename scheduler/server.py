@@ -83,9 +83,9 @@ def build_parser() -> EnvArgumentParser:
                    help="directed preemption for higher-priority requests")
     p.add_argument("--dead-after", type=float, default=2.0, help="seconds without a report before a worker is dead")
     p.add_argument("--report-interval", type=float, default=None,
-                   help="seconds between a worker's occupancy reports while nothing changes there (a report "
-                        "also goes out as soon as its requests, free blocks or prefilled requests change); "
-                        "at most half of --dead-after (default: an eighth of it, at most 0.5)")
+                   help="seconds between an idle worker's occupancy reports, its heartbeat (a busy worker "
+                        "reports every 0.1 s, any worker at once when its requests, free blocks or prefilled "
+                        "requests change); at most half of --dead-after (default: an eighth of it, at most 0.5)")
     p.add_argument("--lease-ms", type=int, default=3000, help="scheduler lease; a standby takes over after it lapses")
     d = PlacementConfig()
     p.add_argument("--placement", default=d.policy, choices=PLACEMENTS,

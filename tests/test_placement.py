@@ -339,7 +339,7 @@ def test_the_scheduler_learns_from_reports_holds_placements_and_forgets_the_dead
         stubs["a"].reports.put_nowait(report("a", free=256, num_blocks=256, block_hashes_reset=True))
         await settle()
         assert core.ledger.index.num_worker_keys("b") == 16
-        # Unchanged, a worker reports every eighth of --dead-after (2 s): its heartbeat.
+        # Idle, a worker reports every eighth of --dead-after (2 s): its heartbeat.
         assert stubs["a"].report_intervals == stubs["b"].report_intervals == [0.25]
 
         for i in range(3):

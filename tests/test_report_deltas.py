@@ -136,3 +136,43 @@ def test_a_change_during_one_streams_report_still_wakes_every_stream():
         assert not changes._events  # a stream that ends stops watching
 
     asyncio.run(run())
+
+
+def test_an_idle_worker_reports_at_its_heartbeat_a_busy_one_every_tenth_of_a_second(monkeypatch):
+    """The scheduler's ``interval_s`` is an idle worker's heartbeat; while its snapshot moves (a
+    step rebuilds it), a worker reports at least every 0.1 s, as before."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagefleet.worker.service import Changes, WorkerService
+
+    waits: list[float] = []
+
+    async def no_wait(aw, timeout):  # records how long the stream would wait, then times out
+        waits.append(timeout)
+        aw.close()
+        raise TimeoutError
+
+    async def run(busy: bool) -> list[float]:
+        waits.clear()
+        subscriptions = SimpleNamespace(subscribe=lambda: None, unsubscribe=lambda s: None)
+        loop = SimpleNamespace(snapshot=object(), kv_events=subscriptions, **vars(subscriptions))
+        stopped = asyncio.Event()
+        reports = []
+
+        def report(*args):
+            reports.append(1)
+            if len(reports) == 5:
+                stopped.set()
+            if busy:
+                loop.snapshot = object()  # a step rebuilt it
+            return cluster_pb2.OccupancyReport()
+
+        w = SimpleNamespace(loop=loop, changed=Changes(), stopped=stopped, report=report)
+        async for _ in WorkerService(w).StreamOccupancy(cluster_pb2.OccupancyRequest(interval_s=0.25), None):
+            pass
+        return list(waits)
+
+    monkeypatch.setattr(asyncio, "wait_for", no_wait)
+    assert asyncio.run(run(busy=False)) == [0.1, 0.25, 0.25, 0.25, 0.25]  # the first report: fresh
+    assert asyncio.run(run(busy=True)) == [0.1] * 5

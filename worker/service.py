@@ -68,7 +68,7 @@ from .redis_io import OutputWriter
 from .report import Holdings, occupancy_report
 
 SERVICE = "pagefleet.v1.Worker"
-REPORT_INTERVAL_S = 0.1  # unchanged reports, where the scheduler asks for no interval (an older one)
+REPORT_INTERVAL_S = 0.1  # a busy worker's reports; an idle one's where the scheduler asks for no interval
 MIN_REPORT_INTERVAL_S = 0.01
 
 
@@ -206,7 +206,10 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         return await asyncio.wrap_future(fut)
 
     async def StreamOccupancy(self, request, context):
-        interval = max(MIN_REPORT_INTERVAL_S, request.interval_s or REPORT_INTERVAL_S)
+        # An idle worker's reports are a heartbeat, ``interval_s`` apart; a busy one's snapshot
+        # moves between reports (its requests' blocks grow), so it reports at least every 0.1 s.
+        heartbeat = max(MIN_REPORT_INTERVAL_S, request.interval_s or REPORT_INTERVAL_S)
+        refresh = min(REPORT_INTERVAL_S, heartbeat)
         # Finished requests from here on (earlier ones are acknowledged in Redis already),
         # and the prefix cache's keys: all of them first, then what changes.
         finished = self.w.loop.subscribe()
@@ -215,11 +218,13 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         try:
             with self.w.changed.watch() as changed:
                 # Ends by itself when the worker stops, so shutdown never cancels it mid-wait.
+                snapshot = None
                 while not self.w.stopped.is_set():
                     changed.clear()  # before the report: a change while it is sent makes the next one
+                    idle, snapshot = self.w.loop.snapshot is snapshot, self.w.loop.snapshot
                     yield self.w.report(finished, kv_events, holdings)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(changed.wait(), interval)
+                        await asyncio.wait_for(changed.wait(), heartbeat if idle else refresh)
         finally:
             self.w.loop.unsubscribe(finished)
             self.w.loop.kv_events.unsubscribe(kv_events)
