@@ -80,6 +80,8 @@ HEARTBEATS_PER_DEATH = 8
 def report_interval(dead_after_s: float, asked: float | None = None) -> float:
     """The interval between an idle worker's reports: ``asked``, or ``dead_after_s`` / 8 (at most 0.5 s)."""
     return asked if asked else min(MAX_REPORT_INTERVAL_S, dead_after_s / HEARTBEATS_PER_DEATH)
+
+
 PREEMPT_MODES = {
     "auto": cluster_pb2.PREEMPT_MODE_AUTO,
     "swap": cluster_pb2.PREEMPT_MODE_SWAP,

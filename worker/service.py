@@ -70,6 +70,7 @@ from .report import Holdings, occupancy_report
 SERVICE = "pagefleet.v1.Worker"
 REPORT_INTERVAL_S = 0.1  # a busy worker's reports; an idle one's where the scheduler asks for no interval
 MIN_REPORT_INTERVAL_S = 0.01
+REGISTER_INTERVAL_S = 1.0
 
 
 class Changes:
@@ -91,7 +92,7 @@ class Changes:
             yield event
         finally:
             self._events.discard(event)
-REGISTER_INTERVAL_S = 1.0
+
 
 log = structlog.get_logger("worker")
 
