@@ -22,7 +22,7 @@ def _bench(tmp_path, *args: str) -> dict:
 
 def test_token_path_bench_counts_the_cost_of_a_token(tmp_path):
     report = _bench(tmp_path, "--workers", "2", "--requests", "24", "--concurrency", "8", "--max-tokens", "12",
-                    "--time-scale", "inf")
+                    "--time-scale", "inf", "--report-interval", "0.2")  # passed to the scheduler, which takes it
     by_mode = {r["mode"]: r for r in report["results"]}
     assert set(by_mode) == {"floor", "stream", "fixed"}
     for r in by_mode.values():
@@ -79,6 +79,14 @@ def test_token_path_bench_over_the_http_door(tmp_path):
     per = paced["tokens_per_message"]
     assert paced["num_whole"] == 16 and per == round(160 / stream["num_messages"], 3) > 1
     assert paced["num_messages"] == 16 * len(list(_pieces(10, per))) and paced["num_tokens"] == 160
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "6", "nan"])
+def test_token_path_bench_refuses_a_report_interval_its_scheduler_would(interval, capsys):
+    from pagefleet.bench.token_path import main
+
+    assert main(["--report-interval", interval]) == 2
+    assert "--report-interval" in capsys.readouterr().err
 
 
 def test_the_floor_mixes_message_sizes_to_a_fractional_mean_and_refuses_bad_flags():
