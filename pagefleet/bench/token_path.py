@@ -190,6 +190,10 @@ def _ms(s: float | None) -> float | None:
 
 
 # -- the cluster ----------------------------------------------------------------------------------
+# The scheduler's --dead-after here: workers starved of CPU for a moment are not declared dead.
+DEAD_AFTER_S = 10.0
+
+
 def start_cluster(args, tmp: Path, **config):
     """The local cluster of a run; ``config``: more ``ClusterConfig`` fields (Redis, shards)."""
     from pagefleet.launcher import ClusterConfig, LocalCluster
@@ -204,7 +208,7 @@ def start_cluster(args, tmp: Path, **config):
         gateway_args += ["--stream-interval", str(args.stream_interval)]
     cfg = ClusterConfig(port=0, http_port=0 if args.backend == "openai" else None, num_workers=args.workers,
                         worker_args=worker_args, gateway_args=gateway_args,
-                        scheduler_args=["--dead-after", "10", "--lease-ms", "15000",
+                        scheduler_args=["--dead-after", str(DEAD_AFTER_S), "--lease-ms", "15000",
                                         *(["--report-interval", str(args.report_interval)] if args.report_interval else [])],
                         log_dir=str(args.log_dir or tmp), log_level="info" if args.log_dir else "warning", metrics_port=0,
                         workers_per_process=args.workers_per_process, python=args.python,
@@ -434,8 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     if error := shard_flags_error(args):
         print(error, file=sys.stderr)
         return 2
-    if args.report_interval is not None and not 0 < args.report_interval <= 5:
-        print(f"--report-interval must be above 0 and at most 5 (half the bench's --dead-after), got {args.report_interval}",
+    if args.report_interval is not None and not 0 < args.report_interval <= DEAD_AFTER_S / 2:
+        print(f"--report-interval must be above 0 and at most {DEAD_AFTER_S / 2} (half the bench's --dead-after), "
+              f"got {args.report_interval}",
               file=sys.stderr)
         return 2
     sharded = args.redis_cluster or args.shards is not None
