@@ -313,6 +313,34 @@ def test_the_fleet_simulator_serves_a_trace_with_the_schedulers_policies():
     assert all(o.finish_reason == "length" for o in ideal.values())
 
 
+def test_the_fleet_simulators_workers_report_as_real_ones_busy_and_idle():
+    """As ``StreamOccupancy`` sends them: a worker that stepped since its last timed report reports
+    again ``report_interval_s`` later, an idle one ``heartbeat_s`` later (its heartbeat)."""
+    from pagefleet.benchmarks.fleet.sim import FleetConfig, FleetSim, TraceRequest
+
+    prof = load_profile("llama-3-8b-h100")
+    sim = FleetSim(FleetConfig(num_workers=2, profile=prof, report_interval_s=0.1, heartbeat_s=0.4))
+    ticks: dict[str, list[float]] = {"w000": [], "w001": []}
+    tick = sim._report_tick
+
+    def record(w):
+        ticks[w.entry.worker_id].append(sim.now)
+        tick(w)
+
+    sim._report_tick = record
+    # One long request (its worker busy until ~2 s), then a short one at 6 s that ends the run.
+    sim.run([TraceRequest("long", [256, 5, 6], 100, 0.0), TraceRequest("end", [256, 7], 2, 6.0)], until_s=30)
+    busy = next(w for w in sim.workers if w.engine.stats().num_generated_tokens_total >= 100).entry.worker_id
+    idle = next(k for k in ticks if k != busy)
+    gaps = lambda ts: [round(b - a, 6) for a, b in zip(ts, ts[1:], strict=False)]  # noqa: E731
+    early = [t for t in ticks[busy] if t < 1.0]
+    assert len(early) >= 8 and set(gaps(early)) == {0.1}, ticks[busy]
+    assert set(gaps([t for t in ticks[busy] if t > 3.0])) == {0.4}  # done: a heartbeat now
+    assert set(gaps(ticks[idle][1:])) == {0.4}, ticks[idle]  # never stepped (its first report counts as a change)
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        FleetSim(FleetConfig(num_workers=1, profile=prof, heartbeat_s=0))
+
+
 def test_the_fleet_simulator_preempts_through_the_ledger():
     """A full worker and a higher-priority arrival: the ledger's round places it by preempting a
     lower-priority sequence (none with preemption off); every request still finishes."""

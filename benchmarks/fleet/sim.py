@@ -11,9 +11,12 @@ nothing sleeps, so an hour of a 64-GPU fleet takes minutes of one core.
 
 What it leaves out, on purpose: gRPC and Redis. Each hop the real cluster makes through
 them (an Assign, a finish seen in the done stream, a report on its stream) costs
-``hop_s`` here; ``pagefleet bench scheduler`` measures the real ones. Reports go out every
-``report_interval_s`` and after every step that changed which requests a worker holds (the
-worker's "large change" notice).
+``hop_s`` here; ``pagefleet bench scheduler`` measures the real ones. Reports go out as a
+worker sends them (``worker/service.py``): every ``report_interval_s`` while the worker stepped
+since its last report (a busy worker's), every ``heartbeat_s`` while it did not (an idle one's:
+the scheduler's ``report_interval`` of its ``--dead-after``, 0.25 s at the default 2 s), and at
+once after a step that changed which requests it holds (the worker's "large change" notice) or
+ended a prompt on a prefill worker.
 
 ``ideal=True`` is the bound a fleet cannot beat: one engine with the whole fleet's pool,
 batch and token budget, each step costing ``a`` and the fleet's share of ``b`` and ``c``
@@ -96,6 +99,7 @@ class _Worker:
     log: KVEventLog
     busy: bool = False  # a step event is pending
     seq: int = 0
+    steps_at_report: int = -1  # the engine's steps when its last timed report went (-1: none yet)
     last_ids: frozenset = field(default_factory=frozenset)
     prefill_only: set[str] = field(default_factory=set)  # run here for their first token, then moved
     sending: dict[str, int] = field(default_factory=dict)  # stopped here, blocks held for a transfer out
@@ -126,7 +130,8 @@ class FleetConfig:
     preempt: bool = True  # directed preemption for higher priorities
     engine_args: dict = field(default_factory=lambda: dict(max_num_seqs=256, max_num_batched_tokens=2048))
     num_blocks: int | None = None  # per worker; None: the profile's
-    report_interval_s: float = 0.1
+    report_interval_s: float = 0.1  # a busy worker's reports (it stepped since the last one)
+    heartbeat_s: float = 0.25  # an idle worker's (``scheduler.core.report_interval`` of --dead-after 2)
     hop_s: float = 0.001  # one gRPC or Redis hop
     tick_s: float = 0.05
     ideal: bool = False
@@ -141,6 +146,9 @@ class FleetSim:
         self._events: list = []
         self._seq = itertools.count()
         self.outcomes: dict[str, Outcome] = {}
+        if not (cfg.report_interval_s > 0 and cfg.heartbeat_s > 0):
+            raise ValueError(f"report_interval_s and heartbeat_s must be above 0, got {cfg.report_interval_s} "
+                             f"and {cfg.heartbeat_s}")
         if not 0 <= cfg.num_prefill_workers < max(1, cfg.num_workers):
             raise ValueError(f"num_prefill_workers must leave at least one decoding worker, got {cfg.num_prefill_workers}")
         self.ledger = Ledger(LedgerConfig(policy=cfg.policy, headroom_tokens=cfg.headroom_tokens, preempt=cfg.preempt,
@@ -293,6 +301,7 @@ class FleetSim:
             return
         deltas = e.step()
         done_at = self.now + max(e.executor.last_step_s, 1e-4)  # nothing ran: look again soon
+        prefilled = False
         for d in deltas:
             o = self.outcomes[d.request_id]
             if d.token_ids:
@@ -305,6 +314,7 @@ class FleetSim:
                 if known is None:  # handed back meanwhile and finished elsewhere: nothing waits for it
                     continue
                 if o.num_tokens < self._trace[d.request_id].max_tokens:  # prefilled: its KV waits here
+                    prefilled = True
                     before = known.assign.output_token_ids  # resumed after these
                     self._hold_for_transfer(w, d.request_id, [*before, *d.token_ids])
                     self._at(done_at + self.cfg.hop_s, self._prefilled, d.request_id)
@@ -315,7 +325,8 @@ class FleetSim:
                     self._at(done_at + self.cfg.hop_s, self._forget_and_dispatch, d.request_id)
         if not self.cfg.ideal:
             ids = self._held_ids(w)
-            if ids != w.last_ids:  # the worker's "large change" notice: a report now
+            # The worker's "large change" notice, or a prompt ended on a prefill worker: a report now.
+            if ids != w.last_ids or prefilled:
                 w.last_ids = ids
                 self._at(done_at + self.cfg.hop_s, self._deliver, w, self._report(w))
         self._at(done_at, self._step, w)
@@ -338,8 +349,11 @@ class FleetSim:
                                 stored_block_hashes=stored, evicted_block_hashes=evicted, block_hashes_reset=reset)
 
     def _report_tick(self, w: _Worker) -> None:
+        """A timed report; the next one sooner if the worker stepped since the last (busy)."""
+        steps = w.engine.scheduler.num_steps_total
+        busy, w.steps_at_report = steps != w.steps_at_report, steps
         self._at(self.now + self.cfg.hop_s, self._deliver, w, self._report(w))
-        self._at(self.now + self.cfg.report_interval_s, self._report_tick, w)
+        self._at(self.now + (self.cfg.report_interval_s if busy else self.cfg.heartbeat_s), self._report_tick, w)
 
     def _deliver(self, w: _Worker, r: cluster_pb2.OccupancyReport) -> None:
         out = self.ledger.on_report(w.entry, r)
