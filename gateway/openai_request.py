@@ -556,7 +556,10 @@ def _int(name: str, v: Any, lo: int, hi: int) -> int:
 def _number(name: str, v: Any) -> float:
     if not isinstance(v, int | float) or isinstance(v, bool):
         raise BadParam(name, f"{name} must be a number, got {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer past float's range (JSON integers have no bound)
+        raise BadParam(name, f"{name} must be a finite number, got an integer of {len(str(abs(v)))} digits") from None
 
 
 def _bool(name: str, v: Any) -> bool:

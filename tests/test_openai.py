@@ -32,6 +32,7 @@ from test_tracing import serving_receiver
 from pagefleet.client import Client
 from pagefleet.common.chat_template import (
     TINY_CHAT_TEMPLATE,
+    ChatTemplate,
     ChatTemplateError,
     load_chat_template,
     read_chat_template,
@@ -151,6 +152,16 @@ def test_chat_template_file_wins_and_refusals_are_errors(tmp_path, checkpoint):
     assert read_chat_template(tmp_path) is None
 
 
+def test_template_variables_of_any_name_reach_the_template():
+    """chat_template_kwargs named as the render's own arguments (``tokenizer``, ``self``) were a
+    TypeError, a 500; they are the template's variables like any other."""
+    template = ChatTemplate("{{ tokenizer }}|{{ messages[0].content }}")
+    assert template.render([{"role": "user", "content": "hi"}], tokenizer="t", self=1) == "t|hi"
+    spec = load_model_spec("tiny")
+    assert template.encode(spec.tokenizer, [{"role": "user", "content": "hi"}], tokenizer="t", self=1) == \
+        spec.tokenizer.encode("t|hi", add_special_tokens=False)
+
+
 def test_tiny_has_a_builtin_template():
     spec = load_model_spec("tiny")
     template = load_chat_template(spec)
@@ -182,6 +193,11 @@ def test_tiny_has_a_builtin_template():
         (parse_completion, {"prompt": "x", "stream": True, "stream_options": {"x": 1}}, "stream_options.x",
          "unknown_parameter"),
         (parse_completion, {"prompt": "x", "temperature": "hot"}, "temperature", "invalid_value"),
+        # JSON integers have no bound: one past float's range is refused by name, not a 500.
+        (parse_completion, {"prompt": "x", "temperature": 10**400}, "temperature", "invalid_value"),
+        (parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_p": -(10**309)}, "top_p",
+         "invalid_value"),
+        (parse_completion, {"prompt": "x", "logit_bias": {"5": 10**400}}, "logit_bias.5", "invalid_value"),
         (parse_completion, {"prompt": "x", "stop": [1]}, "stop", "invalid_value"),
         (parse_chat, {"messages": []}, "messages", "invalid_value"),
         (parse_chat, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),

@@ -24,7 +24,9 @@ from pagefleet.gateway.openai_request import (
 )
 from pagefleet.gateway.responses_api import RESPONSES_PARAMS, parse_responses
 
-SCALARS = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=12)
+# Integers past float's range too (JSON's have no bound): float() of one raised OverflowError, a 500.
+SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([10**400, -(10**309)])
+           | st.floats(allow_nan=False) | st.text(max_size=12))
 VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.text(max_size=8) | st.sampled_from(["type", "function", "name", "parameters", "role", "content", "json",
                                            "schema", "json_schema", "choice", "regex", "include_usage"]),

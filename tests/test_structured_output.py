@@ -97,6 +97,10 @@ def test_resumed_request_rebuilds_its_grammar_from_emitted_tokens():
         (StructuredOutputs(json="[1, 2"), "json"),
         (StructuredOutputs(grammar="start: nothere"), "grammar"),
         (StructuredOutputs(grammar="root ::= missing"), "grammar"),
+        # Given empty, a kind is still that kind: refused, never taken for json_object (any object).
+        (StructuredOutputs(regex=""), "regex"),
+        (StructuredOutputs(grammar=" "), "grammar"),
+        (StructuredOutputs(json=""), "json"),
     ],
 )
 def test_the_gateway_check_names_what_does_not_compile(so, kind):

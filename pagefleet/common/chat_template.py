@@ -51,20 +51,21 @@ class ChatTemplate:
     # Whether the tokenizer adds its own special tokens to the rendered text (tiny only).
     add_special_tokens: bool = False
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+    def render(self, messages: Sequence[Mapping[str, Any]], /, *, add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> str:
         """The prompt for ``messages`` (``tools``: JSON-schema tool definitions, as ``transformers``
-        passes them); ``ChatTemplateError`` if the template refuses them."""
+        passes them); ``ChatTemplateError`` if the template refuses them. ``variables``: more of
+        the template's variables (a request's ``chat_template_kwargs``), any name (``self`` and
+        ``tokenizer`` too: they reach the template as one mapping, never this call's arguments)."""
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        context = {**self.special_tokens, **variables, "messages": chat, "tools": list(tools) if tools else None,
+                   "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
-            return _compile(self.source).render(
-                messages=chat, tools=list(tools) if tools else None, documents=None,
-                add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **variables},
-            )
+            return _compile(self.source).render(context)
         except Exception as e:  # the template is the checkpoint's code: any failure refuses the messages
             raise ChatTemplateError(str(e) or type(e).__name__) from None
 
-    def encode(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+    def encode(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]], /, *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, **variables: Any) -> list[int]:
         """The token ids of the rendered prompt (by default with the generation prompt).
 

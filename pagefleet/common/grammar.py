@@ -32,15 +32,19 @@ class GrammarError(ValueError):
 
 
 def kind_of(so: StructuredOutputs) -> str:
-    for name in ("json", "regex", "choice", "grammar"):
-        if getattr(so, name):
+    """The constraint ``so`` sets: a kind given empty (``regex=""``) is still that kind, never
+    the ``json_object`` of none set."""
+    for name in ("json", "regex", "grammar"):
+        if getattr(so, name) is not None:
             return name
-    return "json_object"
+    return "choice" if so.choice else "json_object"
 
 
 def grammar_of(so: StructuredOutputs) -> str:
     """The llguidance grammar of ``so``; ``GrammarError`` when it is not even well formed."""
     kind = kind_of(so)
+    if kind in ("json", "regex", "grammar") and not getattr(so, kind).strip():
+        raise GrammarError(kind, f"the {kind} is empty")
     try:
         if kind == "json" or kind == "json_object":
             schema: Any = json.loads(so.json) if kind == "json" else {"type": "object"}
