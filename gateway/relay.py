@@ -252,10 +252,13 @@ class StepRelay:
 
     def detach(self) -> None:
         """Stop taking messages from the reader: what was fed and not taken is dropped (its
-        relay reads it from the request's own stream, from the last index taken)."""
+        relay reads it from the request's own stream, from the last index taken), the last
+        message too (read again there with the tokens before it: a finish taken alone would end
+        the stream short)."""
         self.detached = True
         self.order = Reorder()
         self.order.next_index = self._start
+        self._last = None
         self._clear()
 
     def _clear(self) -> None:

@@ -238,6 +238,30 @@ def test_a_step_relay_holding_logprobs_is_bounded_by_them_too():
     asyncio.run(go())
 
 
+def test_a_relay_detached_by_its_last_message_still_relays_every_token(redis_url):
+    """The request's last message is the one that takes the logprobs its client has not read past
+    the bound: the relay detaches then, and the finish is read again from Redis with the tokens
+    before it (it was kept: the client got the finish and no token, a short stream said whole)."""
+    from pagefleet.common.logprobs import TokenLogprobs
+    from pagefleet.gateway.relay import MAX_BUFFERED_LOGPROBS
+
+    async def go():
+        r, keys, reader, f, rel, epoch = await _one_request(redis_url, "r10")
+        n = MAX_BUFFERED_LOGPROBS // 21 + 1  # top-20: 21 a token; the n-th, the last, crosses the bound
+        for i in range(n):
+            lp = [TokenLogprobs(-0.5, list(range(20)), [-1.0] * 20)]
+            await f.write([Write("a", epoch, OutEntry(i, [i], "x", "length" if i == n - 1 else "", logprobs=lp))])
+        await asyncio.sleep(0.3)  # the client has read nothing yet
+        assert rel.detached and not rel.finished
+        msgs = await asyncio.wait_for(_collect(relay_steps(r, keys, rel, 3)), 10)
+        _check_whole(msgs, n)
+        assert "".join(m.text for m in msgs) == "x" * n
+        await reader.stop()
+        await r.aclose()
+
+    asyncio.run(go())
+
+
 def test_a_steps_entry_the_reader_cannot_decode_is_skipped_and_what_follows_is_relayed(redis_url):
     async def go():
         r, keys, reader, f, relay, epoch = await _one_request(redis_url, "r9")
