@@ -195,6 +195,41 @@ def test_a_client_id_is_claimed_only_with_its_entry(redis_server):
     assert (first, again, n) == (True, False, 1)
 
 
+def test_a_caller_gone_while_its_request_was_being_queued_cancels_it(redis_server):
+    """The caller is cancelled (its client went away) after the queueing script ran but before its
+    reply came: the request is queued, and nothing would relay or cancel it (it ran to max_tokens
+    for no one). A cancel entry follows it."""
+
+    async def go():
+        r = connect(redis_server.url)
+        core = _gateway(r)
+        mux = core._admit_and_queue.mux
+        real = mux._send
+
+        async def slow_reply(commands):
+            reply = await real(commands)  # the script ran in Redis
+            await asyncio.sleep(1.0)  # its reply is late
+            return reply
+
+        await core.enqueue([(_request("warm"), list(range(3, 200)))], "", client_ids=False)  # the script loaded
+        mux._send = slow_reply
+        call = asyncio.ensure_future(core.enqueue([(_request("gone"), list(range(3, 200)))], "", client_ids=False))
+        await asyncio.sleep(0.3)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        mux._send = real
+        for _ in range(100):
+            entries = [(f[b"kind"], f[b"rid"]) for _, f in await r.xrange(core.keys.requests)]
+            if (b"cancel", b"gone") in entries:
+                break
+            await asyncio.sleep(0.05)
+        await r.aclose()
+        return entries
+
+    assert asyncio.run(go()) == [(b"generate", b"warm"), (b"generate", b"gone"), (b"cancel", b"gone")]
+
+
 def test_a_claim_is_one_set_nx_written_only_with_its_entry(redis_server):
     """``ADMIT_AND_QUEUE`` claims a client id with one ``SET NX`` once the bound is met: a full
     queue writes nothing (yet a request queued before is found), and an entry that cannot be
