@@ -341,13 +341,15 @@ class ClusterScheduler:
         resumed. The fence makes its worker's next write fail, so the worker drops it; the
         Cancel call only frees its blocks sooner."""
         w = self.ledger.placed_on(rid)
-        if not await self._finish(rid, reason, error):
-            return
+        finished_here = await self._finish(rid, reason, error)
+        # Told even when it had finished already: so it reads too when this very finish landed and
+        # its reply was lost (the retry finds the request done), and a Cancel of a request its
+        # worker no longer holds is a no-op.
         if w is not None and w.alive:
             # Not awaited: the worker answers between two of its steps, and this is the intake's
             # path (a storm of cancels would hold every new request back a step each).
             self._tell_cancel_soon(w, rid)
-            log.info("request.cancel_sent", request_id=rid, worker_id=w.worker_id)
+            log.info("request.cancel_sent", request_id=rid, worker_id=w.worker_id, finished_here=finished_here)
 
     def _tell_cancel_soon(self, w: WorkerEntry, rid: str) -> None:
         """``_tell_cancel`` in the background."""

@@ -230,6 +230,57 @@ def test_a_caller_gone_while_its_request_was_being_queued_cancels_it(redis_serve
     assert asyncio.run(go()) == [(b"generate", b"warm"), (b"generate", b"gone"), (b"cancel", b"gone")]
 
 
+def test_a_cancel_whose_finish_reply_was_lost_still_tells_the_worker(redis_server):
+    """The scheduler's final write of a cancel landed in Redis and its reply was lost: the retry
+    found the request done, and the cancel ended there, never sent to the worker (which ran it to
+    max_tokens holding its blocks). The worker is told either way."""
+    import redis.exceptions as rx
+
+    from pagefleet.common.redis import GROUP
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+    from pagefleet.scheduler.workers import WorkerEntry
+
+    async def go(lose_reply: bool):
+        r = connect(redis_server.url)
+        keys = Keys(f"lost{int(lose_reply)}")
+        await r.set(keys.scheduler_epoch, 7)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
+        entry = await r.xadd(keys.requests, {"kind": "generate", "rid": "req-1"})
+        await r.xreadgroup(GROUP, "scheduler", {keys.requests: ">"})
+        msg = cluster_pb2.AssignRequest(request_id="req-1", prompt_token_ids=[1, 2, 3])
+        msg.sampling.max_tokens = 100
+        p = s.ledger.take("req-1", entry.decode(), msg)  # placed on w1, as a round places it
+        w = WorkerEntry("w1", "127.0.0.1:1")
+        s.ledger.add_worker(w)
+        s.ledger.queue.remove("req-1")
+        w.place(p, 64, now=0.0)
+        s.ledger.where["req-1"] = "w1"
+        await s.fencing.assign("req-1", 7, "w1")
+        told = []
+        s._tell_cancel_soon = lambda w, rid: told.append((w.worker_id, rid))
+        if lose_reply:
+            send, lost = s.fencing._send, []
+
+            async def lossy(commands):
+                replies = await send(commands)  # applied in Redis...
+                if commands[-1][0] == "EVALSHA" and not lost:
+                    lost.append(True)
+                    raise rx.ConnectionError("Connection closed by server.")  # ... its reply lost
+                return replies
+
+            s.fencing._send = lossy
+        await s._cancel("req-1")
+        done = await r.hget(keys.owner("req-1"), "done")
+        await s.close()
+        await r.aclose()
+        return done, told
+
+    for lose_reply in (False, True):
+        assert asyncio.run(go(lose_reply)) == (b"1", [("w1", "req-1")]), lose_reply
+
+
 def test_a_claim_is_one_set_nx_written_only_with_its_entry(redis_server):
     """``ADMIT_AND_QUEUE`` claims a client id with one ``SET NX`` once the bound is met: a full
     queue writes nothing (yet a request queued before is found), and an entry that cannot be
