@@ -101,8 +101,7 @@ class Reorder:
             skip = self.next_index - m.index
             if skip >= len(m.token_ids) and not m.finish_reason:
                 continue
-            out = OutEntry(self.next_index, m.token_ids[skip:], m.text if skip == 0 else "",
-                           m.finish_reason, m.error, None if m.logprobs is None else m.logprobs[skip:])
+            out = m.cut(skip) if skip else m  # a record's text is cut with its tokens (text_lengths)
             self.next_index += len(out.token_ids)
             ready.append(out)
             if out.finish_reason:

@@ -50,6 +50,20 @@ def as_tuple(record) -> tuple[int, list[int], str, list[float]]:
     return record.index, list(record.token_ids), record.text, [lp.logprob for lp in record.logprobs or ()]
 
 
+def assert_cuts(record, msgs) -> None:
+    """A reader that takes the record from any message's first token on gets the text of the
+    messages from there on (a client that fell behind reads the rest of its stream from it)."""
+    from pagefleet.common.fencing import entry_of
+
+    e = entry_of(record)
+    assert e.text_lengths is None or len(e.text_lengths) == len(e.token_ids)
+    for m in msgs:
+        if m.token_ids:
+            want = "".join(x.text for x in msgs if x.index >= m.index)
+            assert e.text_from(m.index - e.index) == want, (m.index, want)
+            assert e.cut(m.index - e.index).token_ids == [t for x in msgs if x.index >= m.index for t in x.token_ids]
+
+
 def assign(loop: EngineLoop, rid: str, params: SamplingParams, output_token_ids=(), epoch: int = 1) -> None:
     loop.assign(cluster_pb2.AssignRequest(request_id=rid, entry_id=f"{epoch}-0", prompt_token_ids=PROMPT,
                                           output_token_ids=list(output_token_ids), sampling=to_proto(params),
@@ -92,6 +106,7 @@ def test_every_final_record_is_the_messages_written_for_its_request():
     for rid in ("length", "held", "stop", "logprobs", "resumed"):
         assert as_tuple(written.records[rid]) == joined(written.messages[rid]), rid
         assert written.records[rid].finish_reason == written.messages[rid][-1].finish_reason
+        assert_cuts(written.records[rid], written.messages[rid])
     assert len(written.records["logprobs"].logprobs) == 24
     assert loop.held == {}
 
@@ -113,6 +128,7 @@ def test_a_cancel_a_failure_and_a_handover_record_what_was_written():
     loop._fail_all("stopping")
     for rid in ("cancelled", "failed", "moving", "all"):
         assert as_tuple(written.records[rid]) == joined(written.messages[rid]), rid
+        assert_cuts(written.records[rid], written.messages[rid])
     assert written.messages["failed"][-1].error == "boom" and written.records["failed"].error == "boom"
     assert written.messages["cancelled"][-1].finish_reason == "abort"
     assert loop.held == {}

@@ -309,3 +309,29 @@ def test_reorder_cuts_logprobs_with_their_tokens():
     assert got[0].logprobs == [lp(5)] and got[0].finish_reason == "length"
     plain = Reorder().add(OutEntry(0, [0], "a"))
     assert plain[0].logprobs is None
+
+
+def test_a_record_is_cut_with_its_text():
+    """A record (everything a worker wrote, one message) read from a token past its first: the
+    text of the tokens kept comes with them (``text_lengths``); it was dropped whole, so a client
+    that fell behind got the rest of its tokens with no text. Text past the lengths' sum (a
+    finish's, after the last token) comes with the end."""
+    from pagefleet.common.fencing import merged
+
+    record = OutEntry(0, [0, 1, 2, 3, 4], "ab\u00e9cdEF", "length", text_lengths=[1, 1, 0, 2, 1])
+    order = Reorder()
+    order.next_index = 2  # the client has tokens 0 and 1 (text "ab")
+    (got,) = order.add(record)
+    assert (got.index, got.token_ids, got.text, got.text_lengths) == (2, [2, 3, 4], "\u00e9cdEF", [0, 2, 1])
+    order = Reorder()
+    order.next_index = 5  # every token, not the finish's own text
+    (got,) = order.add(record)
+    assert (got.token_ids, got.text, got.finish_reason) == ([], "EF", "length")
+    old = Reorder()  # a record written without lengths: its text cannot be cut
+    old.next_index = 2
+    assert old.add(OutEntry(0, [0, 1, 2], "abc", "stop"))[0].text == ""
+    # A resume's record, merged from a record and a step's messages that overlap it.
+    tokens, _, whole = merged([OutEntry(0, [0, 1, 2], "abc", text_lengths=[1, 1, 1]),
+                               OutEntry(2, [2, 3], "cd", text_lengths=[1, 1]), OutEntry(4, [4], "e")])
+    assert (tokens, whole.text, whole.text_lengths) == ([0, 1, 2, 3, 4], "abcde", [1, 1, 1, 1, 1])
+    assert whole.text_from(3) == "de"

@@ -119,18 +119,19 @@ def outputs_of(fields: dict, only: Iterable[bytes] | None = None):
 def add_step_output(steps, request_id: str, e: OutEntry):
     """Append ``e`` to ``steps`` (a ``StepOutputs``), built in place; the new ``StepOutput``."""
     o = steps.outputs.add()
-    set_output(o, request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs)
+    set_output(o, request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs, e.text_lengths)
     return o
 
 
 def step_piece(request_id: str, e: OutEntry) -> bytes:
     """``e`` as a one-message ``StepOutputs`` (pieces concatenated: the StepOutputs of all)."""
-    return piece(request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs)
+    return piece(request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs, e.text_lengths)
 
 
 def entry_of(o) -> OutEntry:
     """A ``StepOutput`` as an ``OutEntry`` (its logprobs kept as protobuf messages)."""
-    return OutEntry(o.index, list(o.token_ids), o.text, o.finish_reason, o.error, list(o.logprobs) or None)
+    return OutEntry(o.index, list(o.token_ids), o.text, o.finish_reason, o.error, list(o.logprobs) or None,
+                    list(getattr(o, "text_lengths", ())) or None)  # a Row (one step's) has none
 
 
 class Fencing:
@@ -393,20 +394,22 @@ async def read_record(redis, keys: Keys, request_id: str) -> list[OutEntry]:
 
 def merged(messages: list[OutEntry]) -> tuple[list[int], str, OutEntry | None]:
     """The tokens ``messages`` hold in index order (repeats dropped), the finish reason, and
-    the messages past index 0 as one (None if none)."""
+    the messages past index 0 as one (with the text each token brought: ``text_lengths``)."""
     tokens: list[int] = []
-    finish, text, logprobs = "", [], []
+    finish, text, logprobs, lengths = "", [], [], []
     for e in sorted(messages, key=lambda m: (m.index, not m.finish_reason)):
         if e.index <= len(tokens) < e.index + len(e.token_ids):
             skip = len(tokens) - e.index
             tokens.extend(e.token_ids[skip:])
-            if skip == 0:
-                text.append(e.text)
+            piece, kept = e.text_from(skip), e.lengths()[skip:]
+            kept[-1] += len(piece) - sum(kept)  # text after its last token (a finish's) goes with that token
+            text.append(piece)
+            lengths.extend(kept)
             if e.logprobs:
                 logprobs.extend(e.logprobs[skip:])
         if e.finish_reason:
             finish = e.finish_reason
-    return tokens, finish, OutEntry(0, tokens, "".join(text), "", "", logprobs or None)
+    return tokens, finish, OutEntry(0, tokens, "".join(text), "", "", logprobs or None, lengths or None)
 
 
 async def take_over(redis, keys: Keys, request_id: str, fence: bool | str | None = None) -> tuple[list[int], str]:

@@ -348,7 +348,10 @@ class OutEntry:
     """One message of a request's output, in memory (in Redis it is a ``StepOutput``: ``fencing``).
 
     ``logprobs``: one entry per token of ``token_ids`` when the request asked for them, else None
-    (entries written without them decode to None).
+    (entries written without them decode to None). ``text_lengths``: on a message of several
+    steps (a record), the characters of ``text`` each token brought (``StepOutput.text_lengths``:
+    what lets a reader take it from any token on, ``text_from``; text past their sum came after
+    the last token, with the finish); None on one step's message.
     """
 
     index: int
@@ -357,6 +360,26 @@ class OutEntry:
     finish_reason: str = ""  # "" | stop | length | abort | error
     error: str = ""
     logprobs: list[TokenLogprobs] | None = None
+    text_lengths: list[int] | None = None
+
+    def text_from(self, skip: int) -> str:
+        """The text of its tokens from its ``skip``-th on (all of it at 0; "" where it cannot be
+        cut: one step's message, whose text is its first token's)."""
+        if skip <= 0:
+            return self.text
+        return self.text[sum(self.text_lengths[:skip]):] if self.text_lengths else ""
+
+    def lengths(self) -> list[int]:
+        """``text_lengths``, or one step's: all of its text its first token's."""
+        if self.text_lengths:
+            return list(self.text_lengths)
+        return [len(self.text)] + [0] * (len(self.token_ids) - 1) if self.token_ids else []
+
+    def cut(self, skip: int) -> OutEntry:
+        """The message from its ``skip``-th token on (its text and logprobs with them)."""
+        return OutEntry(self.index + skip, self.token_ids[skip:], self.text_from(skip), self.finish_reason,
+                        self.error, None if self.logprobs is None else self.logprobs[skip:],
+                        self.text_lengths[skip:] if self.text_lengths else None)
 
 
 def encode_request_entry(p, enqueued_ms: int) -> dict[str, bytes | str | int]:
