@@ -131,9 +131,9 @@ class GatewayCore:
             await r.stop()
         await self._admit_and_queue.aclose()
 
-    def check(self, request: pb.GenerateRequest) -> list[int]:
-        """The prompt's token ids; ``BadField`` naming what is wrong."""
-        return check(request, self.model, self.max_model_len, self.limits)
+    def check(self, request: pb.GenerateRequest, *, choice_id: bool = False) -> list[int]:
+        """The prompt's token ids; ``BadField`` naming what is wrong (``choice_id``: see ``validate.check``)."""
+        return check(request, self.model, self.max_model_len, self.limits, choice_id=choice_id)
 
     async def enqueue(self, requests: Sequence[tuple[pb.GenerateRequest, list[int]]], traceparent: str,
                       *, client_ids: bool) -> list[Queued]:

@@ -41,7 +41,7 @@ from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
 from .openai_response import Choices, TokenPieces, sse
 from .responses_api import ResponseOutput
 from .tool_parsers import tool_parser
-from .validate import BadField
+from .validate import BadField, valid_request_id
 
 log = structlog.get_logger("gateway")
 
@@ -143,6 +143,8 @@ class OpenAIDoor:
             if req.chat:
                 self.render_messages(req)
             client_id = request.headers.get("x-request-id")
+            if client_id is not None and not valid_request_id(client_id):
+                raise BadParam("X-Request-Id", "X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
             base_id = client_id or f"{req.id_prefix}{uuid.uuid4().hex}"
             call.describe(_request_attributes(req, self.served_model_name, base_id))
             self._tokenize_bad_words(req)
@@ -240,7 +242,7 @@ class OpenAIDoor:
             ids = list(r.prompt_token_ids.ids)[-req.truncate_prompt_tokens:]
             r.prompt_token_ids.ids[:] = ids
         try:
-            return self.core.check(r)
+            return self.core.check(r, choice_id=req.num_choices > 1)
         except BadField as e:
             field = e.field.removeprefix("sampling.")
             if field.startswith("structured_outputs"):
@@ -248,7 +250,10 @@ class OpenAIDoor:
             param = {"prompt": req.prompt_param, "prompt_token_ids": req.prompt_param, "request_id": "X-Request-Id",
                      "max_tokens": req.max_tokens_param, "logprobs": "top_logprobs" if req.chat else "logprobs",
                      "sampling": None}.get(field, field)
-            raise BadParam(param, e.reason) from None
+            reason = e.reason
+            if param and param != field and reason.startswith(field):  # the message names what the client sent
+                reason = param + reason[len(field):]
+            raise BadParam(param, reason) from None
 
     async def _events(self, choices: Choices, relays: Relays, call: CallObserver) -> AsyncIterator[bytes]:
         status = CLIENT_GONE  # until the stream is through

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagefleet.common.sampling_params import MAX_BAD_WORDS
 from pagefleet.protos import generation_pb2 as pb
 
 from .limits import Limits
@@ -30,7 +31,7 @@ _INT32 = 2**31
 _COMMON = ("model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
            "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs", "user", "logit_bias", "echo",
            # vLLM's extras (``extra_body`` of the openai client)
-           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids",
+           "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids",
            "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
            "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
            # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
@@ -289,6 +290,8 @@ def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
         req.bad_words = [bad] if isinstance(bad, str) else _list_of("bad_words", bad, str, "strings")
         if any(not w.strip() for w in req.bad_words):
             raise BadParam("bad_words", "bad words must not be empty")
+        if len(req.bad_words) > MAX_BAD_WORDS // 2:  # each is matched alone and after a space: two sequences
+            raise BadParam("bad_words", f"bad_words: at most {MAX_BAD_WORDS // 2} words, got {len(req.bad_words)}")
     _bool("spaces_between_special_tokens", p.get("spaces_between_special_tokens", True))
     req.n = _int("n", p.get("n", 1), 1, _INT32 - 1)
     if error := limits.choices_error(len(req.prompts) or 1, req.n):
@@ -418,14 +421,14 @@ def _sampling(p: dict[str, Any]) -> pb.SamplingParams:
         if "max_tokens" in p and p["max_tokens"] != m:
             raise BadParam("max_tokens", "give max_tokens or max_completion_tokens, not both")
         s.max_tokens = _int("max_completion_tokens", m, 0, _UINT32 - 1)
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if name in p:
             setattr(s, name, _number(name, p[name]))
     if "top_k" in p:
         k = _int("top_k", p["top_k"], -1, _UINT32 - 1)
         s.top_k = max(k, 0)  # vLLM's -1 is off, as 0 is here
-    if "seed" in p:
-        s.seed = _int("seed", p["seed"], 0, _UINT64 - 1)
+    if "seed" in p:  # vLLM's range (int64, negatives too) and uint64: the proto's, two's complement
+        s.seed = _int("seed", p["seed"], -(2**63), _UINT64 - 1) % _UINT64
     if "min_tokens" in p:
         s.min_tokens = _int("min_tokens", p["min_tokens"], 0, _UINT32 - 1)
     if "stop" in p:

@@ -33,13 +33,13 @@ RESPONSES_PARAMS = frozenset({"model", "input", "instructions", "max_output_toke
                               "safety_identifier", "service_tier", "top_logprobs", "max_tool_calls",
                               "previous_response_id", "conversation", "prompt", "stream_options",
                               # vLLM's sampling extras
-                              "top_k", "min_tokens", "repetition_penalty", "seed", "stop", "ignore_eos",
+                              "top_k", "min_p", "min_tokens", "repetition_penalty", "seed", "stop", "ignore_eos",
                               "presence_penalty", "frequency_penalty", "priority", "structured_outputs"})
 # Accepted only as their "off" value (or null).
 _OFF_VALUES = {"previous_response_id": None, "conversation": None, "prompt": None, "background": False,
                "truncation": "disabled", "include": [], "service_tier": "auto", "top_logprobs": 0,
                "max_tool_calls": None, "reasoning": None}
-_PASS_THROUGH = ("model", "temperature", "top_p", "top_k", "min_tokens", "repetition_penalty", "seed", "stop",
+_PASS_THROUGH = ("model", "temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty", "seed", "stop",
                  "ignore_eos", "presence_penalty", "frequency_penalty", "priority", "parallel_tool_calls",
                  "structured_outputs")
 

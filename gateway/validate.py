@@ -22,11 +22,18 @@ from pagefleet.protos import generation_pb2 as pb
 from .limits import Limits
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# The HTTP door's choice ids: a client's id (as above) and ``-<choice>`` (``fan_out``).
+_CHOICE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}-[0-9]{1,10}$")
 _DEFAULT_LIMITS = Limits()
 # Longer names before their prefixes ("stop_token_ids" before "stop").
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
                     "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs")
+
+
+def valid_request_id(request_id: str) -> bool:
+    """Whether a client's request id is one ``check`` takes."""
+    return bool(_REQUEST_ID.match(request_id))
 
 
 class BadField(ValueError):
@@ -36,9 +43,11 @@ class BadField(ValueError):
         self.reason = reason
 
 
-def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits: Limits = _DEFAULT_LIMITS) -> list[int]:
-    """The prompt's token ids; ``BadField`` if anything is wrong or past one of ``limits``."""
-    if req.request_id and not _REQUEST_ID.match(req.request_id):
+def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits: Limits = _DEFAULT_LIMITS,
+          *, choice_id: bool = False) -> list[int]:
+    """The prompt's token ids; ``BadField`` if anything is wrong or past one of ``limits``.
+    ``choice_id``: the id may be a client's id with ``-<choice>`` after it (the HTTP door's choices)."""
+    if req.request_id and not _REQUEST_ID.match(req.request_id) and not (choice_id and _CHOICE_ID.match(req.request_id)):
         raise BadField("request_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
     if req.HasField("deadline_ms") and req.deadline_ms == 0:
         raise BadField("deadline_ms", "must be > 0 when set")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\x0cpagefleet.v1\"\xc0\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.pagefleet.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x33\n\x13\x62\x61\x64_words_token_ids\x18\x12 \x03(\x0b\x32\x16.pagefleet.v1.TokenIds\x12;\n\x12structured_outputs\x18\x13 \x01(\x0b\x32\x1f.pagefleet.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x94\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\"\xfe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.pagefleet.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pagefleet.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05model\x18\x07 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05inputB\x0e\n\x0c_deadline_msB\x08\n\x06_model\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x18.pagefleet.v1.TopLogprob\"\xeb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.pagefleet.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.pagefleet.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.pagefleet.v1.TokenLogprobs\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\x0e\x43\x61ncelResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x9e\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.pagefleet.v1.GenerateRequest\x1a\x1e.pagefleet.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.pagefleet.v1.CancelRequest\x1a\x1c.pagefleet.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\x0cpagefleet.v1\"\xde\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.pagefleet.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x33\n\x13\x62\x61\x64_words_token_ids\x18\x12 \x03(\x0b\x32\x16.pagefleet.v1.TokenIds\x12;\n\x12structured_outputs\x18\x13 \x01(\x0b\x32\x1f.pagefleet.v1.StructuredOutputs\x12\x12\n\x05min_p\x18\x14 \x01(\x02H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x08\n\x06_min_p\"\x94\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\"\xfe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.pagefleet.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.pagefleet.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05model\x18\x07 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05inputB\x0e\n\x0c_deadline_msB\x08\n\x06_model\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x18.pagefleet.v1.TopLogprob\"\xeb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.pagefleet.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.pagefleet.v1.Usage\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.pagefleet.v1.TokenLogprobs\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\x0e\x43\x61ncelResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x9e\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.pagefleet.v1.GenerateRequest\x1a\x1e.pagefleet.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.pagefleet.v1.CancelRequest\x1a\x1c.pagefleet.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1804
-  _globals['_FINISHREASON']._serialized_end=1949
+  _globals['_FINISHREASON']._serialized_start=1834
+  _globals['_FINISHREASON']._serialized_end=1979
   _globals['_SAMPLINGPARAMS']._serialized_start=35
-  _globals['_SAMPLINGPARAMS']._serialized_end=867
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=641
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=689
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=870
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1018
-  _globals['_GENERATEREQUEST']._serialized_start=1021
-  _globals['_GENERATEREQUEST']._serialized_end=1275
-  _globals['_TOKENIDS']._serialized_start=1277
-  _globals['_TOKENIDS']._serialized_end=1300
-  _globals['_USAGE']._serialized_start=1302
-  _globals['_USAGE']._serialized_end=1359
-  _globals['_TOPLOGPROB']._serialized_start=1361
-  _globals['_TOPLOGPROB']._serialized_end=1408
-  _globals['_TOKENLOGPROBS']._serialized_start=1410
-  _globals['_TOKENLOGPROBS']._serialized_end=1490
-  _globals['_GENERATERESPONSE']._serialized_start=1493
-  _globals['_GENERATERESPONSE']._serialized_end=1728
-  _globals['_CANCELREQUEST']._serialized_start=1730
-  _globals['_CANCELREQUEST']._serialized_end=1765
-  _globals['_CANCELRESPONSE']._serialized_start=1767
-  _globals['_CANCELRESPONSE']._serialized_end=1801
-  _globals['_GENERATION']._serialized_start=1952
-  _globals['_GENERATION']._serialized_end=2110
+  _globals['_SAMPLINGPARAMS']._serialized_end=897
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=661
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=709
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=900
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1048
+  _globals['_GENERATEREQUEST']._serialized_start=1051
+  _globals['_GENERATEREQUEST']._serialized_end=1305
+  _globals['_TOKENIDS']._serialized_start=1307
+  _globals['_TOKENIDS']._serialized_end=1330
+  _globals['_USAGE']._serialized_start=1332
+  _globals['_USAGE']._serialized_end=1389
+  _globals['_TOPLOGPROB']._serialized_start=1391
+  _globals['_TOPLOGPROB']._serialized_end=1438
+  _globals['_TOKENLOGPROBS']._serialized_start=1440
+  _globals['_TOKENLOGPROBS']._serialized_end=1520
+  _globals['_GENERATERESPONSE']._serialized_start=1523
+  _globals['_GENERATERESPONSE']._serialized_end=1758
+  _globals['_CANCELREQUEST']._serialized_start=1760
+  _globals['_CANCELREQUEST']._serialized_end=1795
+  _globals['_CANCELRESPONSE']._serialized_start=1797
+  _globals['_CANCELRESPONSE']._serialized_end=1831
+  _globals['_GENERATION']._serialized_start=1982
+  _globals['_GENERATION']._serialized_end=2140
 # @@protoc_insertion_point(module_scope)

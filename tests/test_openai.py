@@ -187,7 +187,8 @@ def test_tiny_has_a_builtin_template():
         (parse_completion, {"prompt": ["a"] * 5, "n": 30}, "n", "invalid_value"),
         (parse_completion, {"prompt": [1, "a"]}, "prompt", "invalid_value"),
         (parse_completion, {"prompt": []}, "prompt", "invalid_value"),
-        (parse_completion, {"prompt": "x", "seed": -1}, "seed", "invalid_value"),
+        (parse_completion, {"prompt": "x", "seed": -(2**63) - 1}, "seed", "invalid_value"),
+        (parse_completion, {"prompt": "x", "seed": 2**64}, "seed", "invalid_value"),
         (parse_completion, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
          "invalid_value"),
         (parse_completion, {"prompt": "x", "stream": True, "stream_options": {"x": 1}}, "stream_options.x",
@@ -198,6 +199,7 @@ def test_tiny_has_a_builtin_template():
         (parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_p": -(10**309)}, "top_p",
          "invalid_value"),
         (parse_completion, {"prompt": "x", "logit_bias": {"5": 10**400}}, "logit_bias.5", "invalid_value"),
+        (parse_completion, {"prompt": "x", "bad_words": ["w"] * 65}, "bad_words", "invalid_value"),
         (parse_completion, {"prompt": "x", "stop": [1]}, "stop", "invalid_value"),
         (parse_chat, {"messages": []}, "messages", "invalid_value"),
         (parse_chat, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
@@ -223,6 +225,20 @@ def test_parser_refuses_by_name(parse, body, param, code):
     with pytest.raises(BadParam) as info:
         parse(body)
     assert (info.value.param, info.value.code) == (param, code), info.value.message
+
+
+def test_min_p_reaches_the_sampling_params_and_a_bad_one_is_refused_by_name():
+    from pagefleet.common.sampling_proto import from_proto
+
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "temperature": 0.6, "top_p": 0.95,
+                       "top_k": 20, "min_p": 0})  # Qwen3's recommended settings, as clients send them
+    assert chat.sampling.HasField("min_p") and from_proto(chat.sampling).min_p == 0.0
+    # vLLM takes any int64 seed; a negative one is its two's complement here (the proto's uint64).
+    assert parse_completion({"prompt": "x", "seed": -1}).sampling.seed == 2**64 - 1
+    assert from_proto(parse_completion({"prompt": "x", "min_p": 0.05}).sampling).min_p == pytest.approx(0.05)
+    assert not parse_completion({"prompt": "x", "min_p": None}).sampling.HasField("min_p")
+    with pytest.raises(ValueError, match="min_p"):
+        from_proto(parse_completion({"prompt": "x", "min_p": 1.5}).sampling).validate()
 
 
 def test_parser_accepts_nulls_off_values_and_fans_out():
@@ -601,6 +617,9 @@ def test_penalties_and_vllm_extras_are_accepted(client):
         ("completions", dict(prompt="x", logit_bias={"5": 101.0}), "logit_bias"),
         ("completions", dict(prompt="x", extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
         ("completions", dict(prompt="x", extra_body={"guided_json": {"type": "nope"}}), "guided_json"),
+        ("completions", dict(prompt="x", extra_body={"guided_regex": ""}), "guided_regex"),
+        ("completions", dict(prompt="x", extra_body={"min_p": 1.5}), "min_p"),
+        ("completions", dict(prompt="x", temperature=10**400), "temperature"),
         ("chat", dict(messages=[{"role": "user", "content": "x"}], max_completion_tokens=0), "max_completion_tokens"),
         ("chat", dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {
             "name": "f", "parameters": {}}}]), "tool_choice"),  # auto needs --tool-call-parser
@@ -615,6 +634,8 @@ def test_bad_requests_are_400_naming_the_parameter(client, endpoint, kwargs, par
     err = info.value
     assert err.status_code == 400 and err.body["param"] == param, err.body
     assert err.body["type"] == "invalid_request_error" and err.body["message"]
+    if param == "max_completion_tokens":  # the message names the parameter sent, not the one it maps to
+        assert err.body["message"].startswith("max_completion_tokens"), err.body
 
 
 def test_unknown_model_is_404_and_bad_json_is_400(cluster, client):
@@ -643,6 +664,13 @@ def test_x_request_id_is_the_idempotency_key(cluster, client):
     assert again.text == second.choices[0].text
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", extra_headers={"X-Request-Id": "bad id!"})
+    assert info.value.body["param"] == "X-Request-Id"
+    # The longest id a client may give, with choices: each choice's id is longer (-<i> after it).
+    long_id = "L" * 128
+    got = client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, extra_headers={"X-Request-Id": long_id})
+    assert len(got.choices) == 2
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", extra_headers={"X-Request-Id": "L" * 129})
     assert info.value.body["param"] == "X-Request-Id"
 
 

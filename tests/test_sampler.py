@@ -70,6 +70,24 @@ def test_a_token_of_probability_zero_is_never_sampled():
         assert out.token_ids == [2, 2]
 
 
+def test_min_p_samples_only_tokens_near_the_most_likely():
+    """vLLM's min_p: a token less likely than min_p times the most likely one is never sampled
+    (on the tempered distribution, before top-k and top-p); 0 turns it off, 1 leaves the
+    most likely alone."""
+    probs = torch.tensor([0.05, 0.5, 0.3, 0.15])
+    logits = probs.log()
+    seen: dict[float, set[int]] = {}
+    for min_p in (0.0, 0.5, 1.0):
+        got = set()
+        for seed in range(200):
+            req = _req([1], SamplingParams(temperature=1.0, min_p=min_p, seed=seed))
+            got |= set(sample(logits[None].clone(), [req], torch.Generator().manual_seed(seed)).token_ids)
+        seen[min_p] = got
+    assert seen == {0.0: {0, 1, 2, 3}, 0.5: {1, 2}, 1.0: {1}}
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5).validate()
+
+
 def test_seeded_request_resumed_elsewhere_continues_the_same_tokens():
     params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     whole = Engine("tiny", device="cpu", num_blocks=64).generate(["Once upon a time"], params)[0]

@@ -1,4 +1,4 @@
-"""Token sampling for one step, on the logits' device: greedy, temperature, top-k, top-p, seeds.
+"""Token sampling for one step, on the logits' device: greedy, temperature, min-p, top-k, top-p, seeds.
 
 Random choice is the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn
 independently per vocabulary entry picks exactly from ``p``. A seeded request's ``q`` comes
@@ -114,6 +114,9 @@ def choose(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
         dtype=torch.float32, device=dev,
     )
     x = logits.float() / temps[:, None]
+    min_ps = [r.params.min_p for r in reqs]
+    if any(min_ps):  # vLLM's order: min_p on the tempered distribution, then top-k and top-p
+        x = _filter_min_p(x, min_ps)
     top_ks = [r.params.top_k for r in reqs]
     top_ps = [r.params.top_p for r in reqs]
     if any(top_ks) or any(p < 1.0 for p in top_ps):
@@ -161,6 +164,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
+
+
+def _filter_min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """``x`` with every entry less likely than ``min_p`` times its row's most likely one at -inf."""
+    probs = torch.softmax(x, dim=-1)
+    floor = torch.tensor(min_ps, dtype=probs.dtype, device=x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+    return x.masked_fill(probs < floor, float("-inf"))
 
 
 def _filter_top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

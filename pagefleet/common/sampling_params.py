@@ -45,7 +45,7 @@ class StructuredOutputs:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those
+    ``temperature == 0`` is greedy. ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` disable those
     filters. A ``seed`` gives the request its own random stream, so its tokens do not
     depend on what else shares the batch.
 
@@ -70,6 +70,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -127,6 +128,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        m = self.min_p
+        if not isinstance(m, int | float) or math.isnan(m) or not (0.0 <= m <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {m!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
@@ -172,7 +176,7 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be token ids >= 0, got {t_id!r}")
         words = self.bad_words_token_ids or ()
         if len(words) > MAX_BAD_WORDS:
-            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words")
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} token sequences, got {len(words)}")
         if any(not w for w in words):
             raise ValueError("bad_words: a word tokenizes to nothing")
         so = self.structured_outputs
