@@ -36,7 +36,7 @@ RESPONSES_PARAMS = frozenset({"model", "input", "instructions", "max_output_toke
                               "top_k", "min_p", "min_tokens", "repetition_penalty", "seed", "stop", "ignore_eos",
                               "presence_penalty", "frequency_penalty", "priority", "structured_outputs"})
 # Accepted only as their "off" value (or null).
-_OFF_VALUES = {"previous_response_id": None, "conversation": None, "prompt": None, "background": False,
+_OFF_VALUES = {"previous_response_id": None, "conversation": None, "prompt": None, "background": False, "store": False,
                "truncation": "disabled", "include": [], "service_tier": "auto", "top_logprobs": 0,
                "max_tool_calls": None, "reasoning": None}
 _PASS_THROUGH = ("model", "temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty", "seed", "stop",
@@ -54,7 +54,7 @@ def parse_responses(body: Any, limits) -> ApiRequest:
             if key == "reasoning" and isinstance(value, dict) and not any(value.values()):
                 continue
             raise BadParam(key, f"{key} is not supported by this server (it keeps no state: store is false)"
-                           if key in ("previous_response_id", "conversation") else
+                           if key in ("previous_response_id", "conversation", "store") else
                            f"{key} is not supported by this server", "unsupported_parameter")
     chat: dict[str, Any] = {k: body[k] for k in _PASS_THROUGH if body.get(k) is not None}
     messages = []
@@ -70,10 +70,13 @@ def parse_responses(body: Any, limits) -> ApiRequest:
         chat["tools"] = [_tool(i, t) for i, t in enumerate(_list("tools", body["tools"]))]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    if isinstance(body.get("text"), dict) and body["text"].get("format") is not None:
+    for name in ("text", "metadata", "stream_options"):
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise BadParam(name, f"{name} must be an object")
+    if body.get("text") is not None and body["text"].get("format") is not None:
         chat["response_format"] = _format(body["text"]["format"])
-    if body.get("stream"):
-        chat["stream"] = True
+    if body.get("stream") is not None:
+        chat["stream"] = body["stream"]  # checked there: true or false
     try:
         req = parse_chat(chat, limits)
     except BadParam as e:

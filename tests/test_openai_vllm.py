@@ -466,6 +466,23 @@ def test_responses_refuse_state_by_name(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", max_output_tokens=0)
     assert e.value.body["param"] == "max_output_tokens"
+    assert e.value.body["message"].startswith("max_output_tokens"), e.value.body  # the name the client sent
+
+
+def test_responses_refuse_what_they_would_ignore():
+    """store: true (nothing is stored here), and values of the wrong type (a "no" that streamed,
+    a text or metadata that is not an object), are refused by name; their off values pass."""
+    from pagefleet.gateway.limits import Limits
+    from pagefleet.gateway.openai_request import BadParam
+    from pagefleet.gateway.responses_api import parse_responses
+
+    for body, param in [({"store": True}, "store"), ({"stream": "no"}, "stream"), ({"text": "json"}, "text"),
+                        ({"metadata": ["a"]}, "metadata"), ({"stream_options": 1}, "stream_options")]:
+        with pytest.raises(BadParam) as e:
+            parse_responses({"input": "x", **body}, Limits())
+        assert e.value.param == param, body
+    req = parse_responses({"input": "x", "store": False, "stream": False, "metadata": {"k": "v"}}, Limits())
+    assert req.stream is False
 
 
 # -- malformed bodies: 400, never 5xx ----------------------------------------------------------
