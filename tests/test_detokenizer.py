@@ -25,8 +25,8 @@ def _byte_level_bpe(tmp_path, corpus: list[str], vocab_size: int):
     return HFTokenizer(tmp_path / "tokenizer.json", eos_token_ids=(1,), bos_token_id=0)
 
 
-def stream(text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], bool, str]:
-    d = IncrementalDetokenizer(TOK, TOK.encode("prompt"), stop)
+def stream(text: str, stop: tuple[str, ...] = (), min_tokens: int = 0) -> tuple[list[str], bool, str]:
+    d = IncrementalDetokenizer(TOK, TOK.encode("prompt"), stop, min_tokens=min_tokens)
     pieces, stopped = [], False
     for b in text.encode("utf-8"):
         out = d.push(b)
@@ -126,3 +126,12 @@ def test_include_stop_sends_the_stop_string_and_nothing_after():
     assert None in pieces
     sent = "".join(p for p in pieces[:pieces.index(None)]) + d.finish(flush=False)
     assert sent == d.text == "go STOP"
+
+
+def test_stop_strings_are_looked_for_only_past_min_tokens():
+    """As vLLM: a stop string within the first ``min_tokens`` tokens does not end the output; one
+    that ends past them does, even begun before them (the tail is held back all along)."""
+    pieces, stopped, text = stream("xSTOPxxxxSTOPyy", ("STOP",), min_tokens=5)
+    assert stopped and text == "xSTOPxxxx" and "".join(pieces) == text
+    assert stream("xxSTOPyy", ("STOP",), min_tokens=4)[2] == "xx"  # ends at token 6, begun at 3
+    assert stream("xxSTOPyy", ("STOP",), min_tokens=6)[1:] == (False, "xxSTOPyy")

@@ -165,6 +165,21 @@ def test_min_tokens_masks_finish_ids_until_reached():
     assert logits[2, 7] == 9.0  # ignore_eos and no stop ids: nothing to hold back
 
 
+def test_min_tokens_holds_back_stop_strings_too():
+    """An engine's greedy text with a stop string that appears within its first tokens: it ends
+    there, but not with min_tokens past it (vLLM looks for stop strings only after min_tokens)."""
+    engine = Engine("tiny", device="cpu", num_blocks=64)
+    whole = engine.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    stop = whole.text[2:4]
+    early = whole.text.index(stop)
+    params = dict(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+    cut = engine.generate(["Once upon a time"], SamplingParams(**params))[0]
+    assert cut.text == whole.text[:early] and len(cut.token_ids) < 10
+    held = engine.generate(["Once upon a time"], SamplingParams(**params, min_tokens=10))[0]
+    assert len(held.token_ids) >= 10 and held.token_ids[:10] == whole.token_ids[:10]
+    assert whole.text.startswith(held.text) and len(held.text) > early
+
+
 def test_plain_batches_take_the_fast_path_and_rows_get_their_own_logprobs():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 300, generator=g)

@@ -22,16 +22,20 @@ class StreamingTokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_stream", "_done", "_tail", "_stops", "_hold", "_include_stop")
+    __slots__ = ("_stream", "_done", "_tail", "_stops", "_hold", "_include_stop", "_min_tokens", "_num_pushed")
 
     def __init__(self, tokenizer: StreamingTokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 *, include_stop: bool = False, skip_special_tokens: bool = True):
+                 *, include_stop: bool = False, skip_special_tokens: bool = True, min_tokens: int = 0):
+        """``min_tokens``: stop strings are looked for once more tokens than that were pushed (as
+        vLLM: a stop string in the first ``min_tokens`` tokens does not end the output)."""
         self._stream = tokenizer.stream(prompt_token_ids, skip_special_tokens)
         self._include_stop = include_stop
         self._done: list[str] = []  # text already handed out, in pieces (no quadratic joins)
         self._tail = ""  # text decoded but not yet handed out (the stop-string hold-back)
         self._stops = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
+        self._min_tokens = min_tokens
+        self._num_pushed = 0  # tokens pushed (counted where there are stop strings)
 
     @property
     def text(self) -> str:
@@ -63,16 +67,19 @@ class IncrementalDetokenizer:
             if new:
                 self._done.append(new)
             return new
+        self._num_pushed += 1
         if not new:
             return ""
         # A stop string that ends in the new text starts at most `hold` characters
-        # before it, and those are still in the tail.
+        # before it, and those are still in the tail (held back before min_tokens too, so one
+        # that ends just past it is found whole).
         tail = self._tail + new
-        for s in self._stops:
-            at = tail.find(s)
-            if at != -1:
-                self._tail = tail[:at + len(s)] if self._include_stop else tail[:at]
-                return None
+        if self._num_pushed > self._min_tokens:
+            for s in self._stops:
+                at = tail.find(s)
+                if at != -1:
+                    self._tail = tail[:at + len(s)] if self._include_stop else tail[:at]
+                    return None
         cut = len(tail) - self._hold
         if cut <= 0:
             self._tail = tail

@@ -186,7 +186,7 @@ class Engine:
             )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings,
                                        include_stop=params.include_stop_str_in_output,
-                                       skip_special_tokens=params.skip_special_tokens)
+                                       skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
         # Replay the earlier tokens: their text went out where they were made, except what
         # was held back for stop strings, which stays in the tail and goes out with the next.
         for t in resumed:
