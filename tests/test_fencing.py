@@ -188,6 +188,24 @@ def test_take_over_fences_the_last_worker_and_reads_exactly_what_it_wrote(redis_
     run(go())
 
 
+def test_fencing_a_stream_never_written_makes_one_that_expires(redis_url):
+    """A worker declared dead before its first write: the fence makes its steps stream, which no
+    one writes again (the worker goes on in a new one). It expires as a written one does; it was
+    made with no TTL and stayed for ever."""
+    from pagefleet.common.fencing import STEPS_TTL_S, fence_stream
+
+    async def go():
+        r, keys = await _setup(redis_url, "t8")
+        key = keys.steps("never-wrote")
+        await fence_stream(r, key)
+        await fence_stream(r, key)  # idempotent
+        ttl = await r.ttl(key)
+        await r.aclose()
+        return ttl
+
+    assert 0 < run(go()) <= STEPS_TTL_S
+
+
 def test_a_steps_stream_is_trimmed_by_age_but_never_past_a_running_requests_first_entry(redis_url, monkeypatch):
     from pagefleet.common import fencing
 

@@ -360,7 +360,9 @@ async def is_fenced(redis, key: str) -> bool:
 
 
 async def fence_stream(redis, key: str) -> None:
-    """Close ``key`` for good: every later ``XADD *`` to it fails (idempotent)."""
+    """Close ``key`` for good: every later ``XADD *`` to it fails (idempotent). A stream its
+    worker never wrote is made by the fence: it expires as a written one does (``STEPS_TTL_S``),
+    where it would have stayed for ever."""
     import redis.exceptions as rx
 
     try:
@@ -368,6 +370,8 @@ async def fence_stream(redis, key: str) -> None:
     except rx.ResponseError as e:
         if "exhausted" not in str(e) and "equal or smaller" not in str(e):
             raise
+    if await retry(lambda: redis.ttl(key), what="fence_stream_ttl") == -1:
+        await retry(lambda: redis.expire(key, STEPS_TTL_S), what="fence_stream_ttl")
 
 
 async def messages_in(redis, key: str, request_id: str, since: str = "0-0", until: str = "+"):
