@@ -205,3 +205,19 @@ def test_a_prefill_worker_reports_a_prefill_that_ends_at_once():
     first = next(i for i, (n, _) in enumerate(notified) if n)
     assert first > 1 and loop.prefilled_ids == ("a",)  # a prompt of several chunks
     assert [k for _, k in notified] == [1 if i == first else 0 for i in range(12)]
+
+
+def test_a_refusal_of_an_earlier_run_leaves_the_new_one_running():
+    """A final written under epoch 1 waits in the writer while the request is resumed and placed
+    here again under epoch 3; the old final lands, refused: that ends the run of epoch 1, which
+    is over, not the run of epoch 3 (it was aborted, to be found gone and resumed once more)."""
+    loop, written = new_loop()
+    params = SamplingParams(max_tokens=20, seed=1, ignore_eos=True)
+    assign(loop, "R", params, epoch=1)
+    run(loop, written)
+    assert written.messages["R"][-1].finish_reason == "length"
+    assign(loop, "R", params, output_token_ids=[65, 66], epoch=3)
+    loop.drop("R", 1)  # the stale final's refusal
+    assert "R" in loop.engine.requests and loop.assignment("R")[1] == 3
+    loop.drop("R", 3)  # a refusal of this run's own write ends it
+    assert "R" not in loop.engine.requests and "R" not in loop.held

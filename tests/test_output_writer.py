@@ -119,7 +119,7 @@ async def _open_writer(url: str, ns: str, **kwargs):
     ``put``s send on the calling thread; ``refused`` collects ``on_refused``."""
     r = connect(url)
     refused: list[str] = []
-    w = OutputWriter(r, Keys(ns), writer_id="w1", on_refused=refused.append, **kwargs)
+    w = OutputWriter(r, Keys(ns), writer_id="w1", on_refused=lambda rid, epoch: refused.append(rid), **kwargs)
     await w.fencing.publish_stream()
     task = asyncio.create_task(w.run())
     w.put(_step("warm", 0, 64))

@@ -471,11 +471,17 @@ class EngineLoop:
         log.info("request.cancelled", request_id=request_id, notify_client=notify_client)
         return True
 
-    def drop(self, request_id: str) -> None:
-        """Redis refused a write of ours for ``request_id``: someone newer owns it (it was
-        moved, cancelled or finished by the scheduler). Stop at once, free its blocks, write nothing.
-        Not reported finished: the reports show it gone unfinished, so a scheduler that still
-        has it placed here (its assignment lost in a Redis failover) resumes it."""
+    def drop(self, request_id: str, epoch: int | None = None) -> None:
+        """Redis refused a write of ours for ``request_id`` (under ``epoch``; None: whatever it is
+        held under): someone newer owns it (it was moved, cancelled or finished by the scheduler).
+        Stop at once, free its blocks, write nothing. Not reported finished: the reports show it
+        gone unfinished, so a scheduler that still has it placed here (its assignment lost in a
+        Redis failover) resumes it. A run of it here under a newer epoch (placed here again
+        after the refused one) is not that run: it goes on."""
+        h = self.held.get(request_id)
+        if epoch is not None and h is not None and h.epoch > epoch:
+            log.info("request.refusal_of_an_earlier_run", request_id=request_id, epoch=epoch, now=h.epoch)
+            return
         if self.engine.abort_request(request_id) is not None:
             self.held.pop(request_id, None)
             if self.observer:

@@ -85,7 +85,7 @@ class OutputWriter:
         keys: Keys,
         *,
         writer_id: str,
-        on_refused: Callable[[str], None] = lambda rid: None,
+        on_refused: Callable[[str, int], None] = lambda rid, epoch: None,
         on_fenced: Callable[[Callable[[], None]], Awaitable[None]] | None = None,
         on_failed: Callable[[str, str], None] = lambda rid, error: None,
         max_backlog: int = MAX_BACKLOG,
@@ -355,7 +355,7 @@ class OutputWriter:
                 self.has_room.set()
         for f, ok in zip(step.finals, accepted, strict=True):
             if not ok:
-                self._refused(f.request_id)
+                self._refused(f.request_id, f.epoch)
 
     def _back(self, steps: list[StepWrite]) -> bool:
         """Put ``steps`` (sent, in order) back in the queue for the writer's thread to write
@@ -370,10 +370,11 @@ class OutputWriter:
             self._cond.notify()
         return False
 
-    def _refused(self, rid: str) -> None:
+    def _refused(self, rid: str, epoch: int) -> None:
+        """``rid``'s final under ``epoch`` was refused (``on_refused``: its run under that epoch ends)."""
         self.num_refused += 1
-        log.warning("outputs.refused", request_id=rid)
-        self.on_refused(rid)
+        log.warning("outputs.refused", request_id=rid, epoch=epoch)
+        self.on_refused(rid, epoch)
 
     def _on_loop(self, coro: Coroutine):
         """Run ``coro`` on the event loop and wait for its result (from the writer's thread)."""
@@ -400,8 +401,9 @@ class OutputWriter:
             refused = self._write_alone(batch)
         else:
             refused = {f.request_id for f, ok in zip(batch.finals, accepted, strict=True) if not ok}
-        for rid in refused:
-            self._refused(rid)
+        for f in batch.finals:
+            if f.request_id in refused:
+                self._refused(f.request_id, f.epoch)
 
     def _fenced(self) -> None:
         """Declared dead: every request here is being resumed elsewhere after what this

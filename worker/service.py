@@ -283,7 +283,7 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.writer = OutputWriter(
             self.redis, self.keys, writer_id=self.worker_id,
-            on_refused=lambda rid: self.loop.call(lambda: self.loop.drop(rid)),
+            on_refused=lambda rid, epoch: self.loop.call(lambda: self.loop.drop(rid, epoch)),
             on_fenced=lambda discard: asyncio.wrap_future(self.loop.call(lambda: (self.loop.drop_all(), discard()))),
             on_failed=lambda rid, error: self.loop.call(lambda: self.loop.fail(rid, error)),
             live=lambda: self.loop.snapshot.request_ids,
