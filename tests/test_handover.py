@@ -80,3 +80,32 @@ def test_a_finished_or_reassigned_request_does_not_move(redis_url):
         assert await move_owner(r, keys, "r", newer, "a", "b", b.steps_key, b"") == 0
 
     asyncio.run(go())
+
+
+def test_a_move_whose_reply_was_lost_answers_its_epoch_when_sent_again(redis_url):
+    """The move landed and its reply was lost: the retry found the record naming the target, not
+    the source, and answered 0 ("not moved"), so the target dropped the request Redis says it
+    owns. The move is named in the record: the retry answers the epoch it took."""
+    import redis.exceptions as rx
+
+    async def go():
+        r, keys, a, b, epoch = await _placed(redis_url, "lost-reply")
+        send, lost = r.execute_command, []
+
+        async def lossy(*args, **kw):
+            reply = await send(*args, **kw)  # applied in Redis...
+            if args[0] in ("EVALSHA", "EVAL") and not lost:
+                lost.append(True)
+                raise rx.ConnectionError("Connection reset by peer")  # ... its reply lost
+            return reply
+
+        r.execute_command = lossy
+        new = await move_owner(r, keys, "r", epoch, "a", "b", b.steps_key)
+        r.execute_command = send
+        owner = await owner_of(r, keys, "r")
+        late = await move_owner(r, keys, "r", epoch, "a", "a", a.steps_key)  # the source's take-back: too late
+        await r.aclose()
+        return lost, new, owner, late
+
+    lost, new, owner, late = asyncio.run(go())
+    assert lost and new > 0 and owner == ("b", new) and late == 0

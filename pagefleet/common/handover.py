@@ -16,6 +16,8 @@ changed. Who owns the request afterwards is whatever the owner record names.
 
 from __future__ import annotations
 
+import secrets
+
 from .fencing import REQUEST_TTL_S
 from .redis import Keys, retry
 from .scripts import MOVE_OWNER
@@ -28,7 +30,8 @@ async def move_owner(redis, keys: Keys, request_id: str, epoch: int, from_worker
     what ``from_worker`` wrote; empty: nothing) in its own record (the owner record's ``out``). The new epoch, or 0 when
     the owner record no longer names ``from_worker`` under ``epoch`` (nothing changed)."""
     script = redis.register_script(MOVE_OWNER)  # once a migration: EVALSHA, EVAL after a restart
-    args = [epoch, from_worker, to_worker, to_steps, REQUEST_TTL_S, record]
+    # Named, so that a retry after a lost reply finds its own move landed (not refused).
+    args = [epoch, from_worker, to_worker, to_steps, REQUEST_TTL_S, record, secrets.token_hex(8)]
     return int(await retry(lambda: script(keys=[keys.owner(request_id)], args=args),
                            what="move_owner"))
 
