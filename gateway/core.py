@@ -191,14 +191,15 @@ class GatewayCore:
             try:
                 answer = await retry(lambda: self._admit_and_queue(script_keys, args), what="enqueue",
                                      attempts=_ATTEMPTS)
-            except BaseException as e:
+            except BaseException:
                 if opened:
                     reader.close(rid)
                 # Its script may have run (the reply lost, or the caller gone while it ran): a
-                # request queued so would run for no one. A cancel of an id never queued is a
-                # no-op. Not when Redis failed and the id is the client's own: the client's retry
-                # with it is relayed, and a late cancel would stop that.
-                if isinstance(e, asyncio.CancelledError) or not client_id:
+                # request queued so would run for no one, and no one can cancel an id the gateway
+                # chose (one never queued ends as a done abort). Not a client's own id: its retry
+                # with that id is relayed (a cancel would end it as aborted), and another call with
+                # it may be relaying here.
+                if not client_id:
                     self.cancel_soon(rid)
                 raise
             if answer[0] != 1 and opened:  # not queued now: nothing of ours relays it from the steps

@@ -142,7 +142,7 @@ class OpenAIDoor:
                                "model_not_found")
             if req.chat:
                 self.render_messages(req)
-            client_id = request.headers.get("x-request-id")
+            client_id = request.headers.get("x-request-id") or None  # an empty header: none
             if client_id is not None and not valid_request_id(client_id):
                 raise BadParam("X-Request-Id", "X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
             base_id = client_id or f"{req.id_prefix}{uuid.uuid4().hex}"

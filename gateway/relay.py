@@ -83,6 +83,8 @@ class Reorder:
         if e.index == self.next_index and not self._pending and not e.finish_reason:  # the common case
             self.next_index += len(e.token_ids)
             return [e] if e.token_ids or e.text else []
+        if not isinstance(e, OutEntry):  # a StepOutput or a Row, fed by the reader: cut below as an OutEntry
+            e = entry_of(e)
         end = e.index + len(e.token_ids)
         if e.finish_reason in ("abort", "error") and not e.token_ids and e.index >= self.next_index:
             self._pending.clear()  # the end: nothing more will be generated

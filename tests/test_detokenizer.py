@@ -135,3 +135,7 @@ def test_stop_strings_are_looked_for_only_past_min_tokens():
     assert stopped and text == "xSTOPxxxx" and "".join(pieces) == text
     assert stream("xxSTOPyy", ("STOP",), min_tokens=4)[2] == "xx"  # ends at token 6, begun at 3
     assert stream("xxSTOPyy", ("STOP",), min_tokens=6)[1:] == (False, "xxSTOPyy")
+    # A shorter stop string made before min_tokens, still in the held-back tail past it: not an
+    # end (as vLLM, only a stop string that ends in the new text is one).
+    assert stream("ab\ncdefgh", ("\n", "STOPXYZ"), min_tokens=3)[1:] == (False, "ab\ncdefgh")
+    assert stream("ab\ncdefgh", ("\n", "STOPXYZ"))[2] == "ab"

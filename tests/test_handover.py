@@ -109,3 +109,32 @@ def test_a_move_whose_reply_was_lost_answers_its_epoch_when_sent_again(redis_url
 
     lost, new, owner, late = asyncio.run(go())
     assert lost and new > 0 and owner == ("b", new) and late == 0
+
+
+def test_a_moves_retry_after_a_fence_is_refused(redis_url):
+    """The move landed, its reply was lost, and the scheduler fenced the request (a new epoch, the
+    worker kept) before the retry: the retry is refused, not handed the fence's epoch (the
+    target would have written under the scheduler's own)."""
+    import redis.exceptions as rx
+
+    async def go():
+        r, keys, a, b, epoch = await _placed(redis_url, "fenced-between")
+        send, lost = r.execute_command, []
+
+        async def lossy(*args, **kw):
+            reply = await send(*args, **kw)
+            if args[0] in ("EVALSHA", "EVAL") and not lost:
+                lost.append(True)
+                sched = Fencing(r, keys, stream_of={"a": a.steps_key, "b": b.steps_key}.get)
+                await sched.assign("r", 7, "")  # the scheduler's fence, between the move and its retry
+                raise rx.ConnectionError("Connection reset by peer")
+            return reply
+
+        r.execute_command = lossy
+        got = await move_owner(r, keys, "r", epoch, "a", "b", b.steps_key)
+        r.execute_command = send
+        await r.aclose()
+        return lost, got
+
+    lost, got = asyncio.run(go())
+    assert lost and got == 0

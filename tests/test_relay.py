@@ -274,3 +274,23 @@ def test_a_steps_entry_the_reader_cannot_decode_is_skipped_and_what_follows_is_r
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_a_step_output_fed_out_of_order_is_placed_not_raised():
+    """The reader feeds StepOutput protobufs: one that starts before what was relayed (the
+    scheduler's final of a cancel or a deadline, at the index it knew) is cut as a message is.
+    It raised (a protobuf has no ``cut``), and the reader read and raised again, stalling every
+    relay of its gateway."""
+    from pagefleet.gateway.relay import StepRelay
+    from pagefleet.protos import cluster_pb2
+
+    async def go():
+        r = StepRelay("a", asyncio.get_running_loop())
+        r.feed_row(0, [5, 6], "ab")
+        assert r.take().token_ids == [5, 6]
+        r.feed(cluster_pb2.StepOutput(request_id="a", index=1, token_ids=[6, 7], text="bc"))  # a repeat, then 7
+        r.feed(cluster_pb2.StepOutput(request_id="a", index=0, finish_reason="error", error="deadline"))
+        msg = r.take()
+        assert (list(msg.token_ids), msg.finish_reason, msg.error) == ([7], pb.FINISH_REASON_ERROR, "deadline")
+
+    asyncio.run(go())

@@ -99,7 +99,7 @@ def test_resumed_request_rebuilds_its_grammar_from_emitted_tokens():
         (StructuredOutputs(grammar="root ::= missing"), "grammar"),
         # Given empty, a kind is still that kind: refused, never taken for json_object (any object).
         (StructuredOutputs(regex=""), "regex"),
-        (StructuredOutputs(grammar=" "), "grammar"),
+        (StructuredOutputs(grammar=""), "grammar"),
         (StructuredOutputs(json=""), "json"),
     ],
 )
@@ -110,7 +110,7 @@ def test_the_gateway_check_names_what_does_not_compile(so, kind):
 
 
 def test_good_grammars_compile_lark_and_gbnf():
-    for so in (StructuredOutputs(grammar='start: "x" NUM\nNUM: /[0-9]+/'),
+    for so in (StructuredOutputs(regex=" "), StructuredOutputs(regex="\n"),  # not empty: one characterStructuredOutputs(grammar='start: "x" NUM\nNUM: /[0-9]+/'),
                StructuredOutputs(grammar='root ::= "x" [0-9]+'), StructuredOutputs(choice=('a "quoted"', "b\\n")),
                StructuredOutputs(json_object=True), StructuredOutputs(json=json.dumps(SCHEMA))):
         assert grammar.check(so)

@@ -22,7 +22,8 @@ class StreamingTokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_stream", "_done", "_tail", "_stops", "_hold", "_include_stop", "_min_tokens", "_num_pushed")
+    __slots__ = ("_stream", "_done", "_tail", "_stops", "_hold", "_include_stop", "_min_tokens", "_num_pushed",
+                 "_stopped")
 
     def __init__(self, tokenizer: StreamingTokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
                  *, include_stop: bool = False, skip_special_tokens: bool = True, min_tokens: int = 0):
@@ -36,6 +37,7 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._min_tokens = min_tokens
         self._num_pushed = 0  # tokens pushed (counted where there are stop strings)
+        self._stopped = False  # a stop string appeared: every later push is None too
 
     @property
     def text(self) -> str:
@@ -67,18 +69,22 @@ class IncrementalDetokenizer:
             if new:
                 self._done.append(new)
             return new
+        if self._stopped:
+            return None
         self._num_pushed += 1
         if not new:
             return ""
         # A stop string that ends in the new text starts at most `hold` characters
         # before it, and those are still in the tail (held back before min_tokens too, so one
         # that ends just past it is found whole).
+        before = len(self._tail)
         tail = self._tail + new
         if self._num_pushed > self._min_tokens:
             for s in self._stops:
-                at = tail.find(s)
+                at = tail.find(s, max(0, before - len(s) + 1))  # one that ends in the new text
                 if at != -1:
                     self._tail = tail[:at + len(s)] if self._include_stop else tail[:at]
+                    self._stopped = True
                     return None
         cut = len(tail) - self._hold
         if cut <= 0:

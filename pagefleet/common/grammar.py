@@ -43,7 +43,7 @@ def kind_of(so: StructuredOutputs) -> str:
 def grammar_of(so: StructuredOutputs) -> str:
     """The llguidance grammar of ``so``; ``GrammarError`` when it is not even well formed."""
     kind = kind_of(so)
-    if kind in ("json", "regex", "grammar") and not getattr(so, kind).strip():
+    if kind in ("json", "regex", "grammar") and getattr(so, kind) == "":
         raise GrammarError(kind, f"the {kind} is empty")
     try:
         if kind == "json" or kind == "json_object":

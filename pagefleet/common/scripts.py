@@ -95,18 +95,19 @@ return out
 # request's own record (the owner record's ``out``), so every token before the new owner's first
 # is in Redis whatever became of ``from``'s writes. ``from`` equal to ``to``: the source takes the
 # request back (a handover whose answer was lost), which the target's late handover then cannot pass.
-# A move is named (``mv``, kept in the record): sent again after its reply was lost, one that
-# landed answers its epoch again, changing nothing (it was refused as "no longer from's").
+# A move is named (``mv``: its name and the epoch it took, kept in the record): sent again after
+# its reply was lost, one that landed answers that epoch again, changing nothing (it was refused
+# as "no longer from's"), while the record still holds it (not after a fence or another move).
 # KEYS: own. ARGV: epoch, from, to, to's steps stream, ttl, record ('' for none), the move's name.
 # Returns the new epoch; 0 if the record no longer names ``from`` under ``epoch`` (or it is done).
 MOVE_OWNER = """
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'worker', 'done', 'out', 'mv')
-if cur[5] == ARGV[7] and cur[2] == ARGV[3] and cur[3] ~= '1' then return tonumber(cur[1]) end
+if cur[5] == ARGV[7] .. ':' .. (cur[1] or '') and cur[2] == ARGV[3] and cur[3] ~= '1' then return tonumber(cur[1]) end
 if cur[3] == '1' or (cur[1] or '0') ~= ARGV[1] or (cur[2] or '') ~= ARGV[2] then return 0 end
 local now = redis.call('TIME')
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', math.max(1, now[1] * 1000000 + now[2] - tonumber(cur[1])))
 redis.call('HSET', KEYS[1], 'worker', ARGV[3], 't', now[1] * 1000 + math.floor(now[2] / 1000), 'steps', ARGV[4],
-           'out', (cur[4] or '') .. ARGV[6], 'mv', ARGV[7])
+           'out', (cur[4] or '') .. ARGV[6], 'mv', ARGV[7] .. ':' .. string.format('%.0f', epoch))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
 return epoch
 """
