@@ -65,6 +65,7 @@ def build_request(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
@@ -79,7 +80,7 @@ def build_request(
     if structured_outputs is not None:
         sampling.structured_outputs.CopyFrom(structured_outputs)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed)):
+                        ("top_k", top_k), ("min_p", min_p), ("seed", seed)):
         if value is not None:
             setattr(sampling, name, value)
     req = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=priority)
