@@ -19,6 +19,7 @@ import uuid
 
 import grpc
 import structlog
+from redis.exceptions import RedisError
 
 from pagefleet.common.metrics import GatewayMetrics, serve_metrics
 from pagefleet.common.model_config import load_model_spec
@@ -42,7 +43,7 @@ from .http import add_http_flags
 from .limits import Limits
 from .models import Router, UnknownModel, served_models
 from .observe import GRPC_SERVICE, observed_generate
-from .validate import BadField, bad_request_metadata, retry_metadata
+from .validate import BadField, bad_request_metadata, retry_metadata, valid_request_id
 
 SERVICE = GRPC_SERVICE
 
@@ -181,10 +182,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Cancel(self, request, context):
         await _refuse_undecodable(request, context)
-        if not request.request_id:
-            e = BadField("request_id", "is required")
+        if not request.request_id or not valid_request_id(request.request_id):
+            # As Generate checks it: an id of other characters (a space splits the done stream's
+            # list of ids, and would finish another request) or of any length is never queued.
+            e = BadField("request_id", "is required" if not request.request_id
+                         else "1 to 128 characters of A-Z a-z 0-9 . _ : -")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
-        accepted = await self.router.cancel(request.request_id)
+        try:
+            accepted = await self.router.cancel(request.request_id)
+        except (OSError, RedisError) as e:  # Redis unreachable (retries spent): as Generate answers then
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the request queue (Redis) is unreachable: {e}")
         log.info("request.cancel_requested", request_id=request.request_id, accepted=accepted)
         return pb.CancelResponse(accepted=accepted)
 

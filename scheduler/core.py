@@ -289,7 +289,10 @@ class ClusterScheduler:
         kind = fields.get(b"kind", b"").decode()
         rid = fields.get(b"rid", b"").decode()
         if kind == "cancel":
-            await self._cancel(rid)
+            if rid and " " not in rid:  # ids are joined by spaces in the done stream: one with a space is no id
+                await self._cancel(rid)
+            else:
+                log.warning("entry.malformed", entry_id=entry_id, request_id=rid)
             await self._ack(entry_id)
             return
         if kind != "generate" or rid in self.ledger.known:
@@ -565,6 +568,9 @@ class ClusterScheduler:
                 while not self.lease_ok():  # unsure of the lease: place nothing until it is renewed (or lost)
                     await asyncio.sleep(_LEASE_POLL_S)
                 decision = self.ledger.decide_round()
+                for p, why in decision.refused:  # no worker could ever take it: it must not hold the queue
+                    log.warning("request.fits_no_worker", request_id=p.request_id, reason=why)
+                    await self._finish(p.request_id, "error", why)
                 if decision.victims:
                     # Assign first, then preempt: the request is already waiting on the worker
                     # when the victims' blocks come free, so it (the higher priority) takes
@@ -581,7 +587,7 @@ class ClusterScheduler:
                     task = asyncio.create_task(self._send_round(decision.claims))
                     self._rounds.add(task)
                     task.add_done_callback(self._round_done)
-                else:
+                elif not decision.refused:
                     break  # empty, or head of line: it waits until a report shows room
                 self._reap_rounds()
             self.transfers.start(self.ledger.decide_moves())

@@ -58,6 +58,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagefleet.common.blocks import num_blocks_for
 from pagefleet.protos import cluster_pb2
 
 from .moves import MoveConfig, Transfer, balance_moves, best_target, decodes, drain_moves, prefills
@@ -109,6 +110,26 @@ class Decision:
     victims: list[Placed] = field(default_factory=list)
     # Victims moved instead of preempted (``MoveConfig.migrate_victims``): start these transfers.
     moves: list[Transfer] = field(default_factory=list)
+    # Heads no worker could ever take (past every worker's context or pool): in hand, to be
+    # finished with the error given (they would hold the queue back for good).
+    refused: list[tuple[Pending, str]] = field(default_factory=list)
+
+
+def _fits_no_worker(p: Pending, live: list[WorkerEntry]) -> str:
+    """Why no worker of ``live`` could ever take ``p``, even empty ("" if one could, or if a
+    worker has not reported yet): the gateway checks a request against its own
+    ``--max-model-len``, which a worker's may be below."""
+    if not live or any(w.report is None for w in live):
+        return ""
+    total = p.num_tokens + p.num_remaining_tokens
+    longest = max(w.max_model_len for w in live)
+    if total > longest:
+        return (f"the request needs {total} tokens (its prompt and max_tokens); the longest any worker "
+                f"takes is {longest}: lower max_tokens or shorten the prompt")
+    if all(num_blocks_for(total, w.block_size) > w.pool_size for w in live):
+        return (f"the request needs {total} tokens of KV cache; no worker's whole pool holds that many: "
+                "lower max_tokens or shorten the prompt")
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +243,7 @@ class Ledger:
         holder.place(p, self.cfg.headroom_tokens, reflected=True, now=self.clock())
         self._hold(holder, p)
         self.where[request_id] = holder.worker_id
+        self._watch_deadline(p)  # it runs there (no Assign to settle): its deadline is watched now
         return None
 
     def holders(self) -> dict[str, WorkerEntry]:
@@ -280,12 +302,18 @@ class Ledger:
         live = list(self.workers.values())
         choose = self._chooser(live)  # valid while only this round's claims change the workers
         claims: list[tuple[Pending, Placement]] = []
+        refused: list[tuple[Pending, str]] = []
         headroom = self.cfg.headroom_tokens
         size = max(ROUND, ROUND_PER_WORKER * len(self.workers))
         t0 = time.perf_counter()
         while len(claims) < size and (p := self.queue.peek()) is not None:
             placement = choose(p, headroom)
             t0 = self._timed(t0)
+            if placement is None and (why := _fits_no_worker(p, live)):
+                self.queue.remove(p.request_id)
+                self._in_hand.add(p.request_id)
+                refused.append((p, why))
+                continue
             if placement is None:
                 if claims or not self.cfg.preempt:
                     break
@@ -295,10 +323,12 @@ class Ledger:
                 w, victims = found
                 placement = Placement(w, "preempt")
                 self._claim(p, placement)
-                return self._preempting(live, p, placement, victims)
+                decision = self._preempting(live, p, placement, victims)
+                decision.refused.extend(refused)
+                return decision
             self._claim(p, placement)
             claims.append((p, placement))
-        return Decision(claims)
+        return Decision(claims, refused=refused)
 
     def _chooser(self, live: list[WorkerEntry]) -> Callable[[Pending, int], Placement | None]:
         """Where a head goes: one round over every worker, or, once any worker has a role
@@ -350,7 +380,7 @@ class Ledger:
         w, kept, moved = placement.worker, [], []
         for v in victims:
             target = best_target(live, v.pending, w, self.cfg.headroom_tokens)
-            if target is None or v.pending.request_id in self.transfers:
+            if target is None or v.pending.request_id in self.transfers or v.pending.request_id in self._awaiting_decode:
                 kept.append(v)
                 continue
             v.preempted_at = self.clock()  # not chosen again before the cooldown either way
@@ -381,17 +411,27 @@ class Ledger:
         Refused (draining): ``w`` takes no more before its report says so, and ``p`` goes back
         to the queue, for another worker. No-op if ``p`` is no longer placed on ``w``."""
         rid = p.request_id
-        if not self.is_placed(rid, w.worker_id):
-            return
+        if not self.is_placed(rid, w.worker_id) or self.workers.get(w.worker_id) is not w:
+            return  # (an answer of a dead entry of the id, re-placed on a new one meanwhile, too)
         if accepted:
-            if p.assign.deadline_unix_ms:
-                heapq.heappush(self._deadlines, (p.assign.deadline_unix_ms, rid))
+            self._watch_deadline(p)
             return
         w.accepting = False
         w.unplace(rid)
         self.index.release(rid)
         del self.where[rid]
         self.queue.push(p)
+
+    def _watch_deadline(self, p: Pending) -> None:
+        """Watch ``p``'s deadline while it runs (``expired``). The heap drops the entries of
+        requests no longer placed when it holds twice as many as there are placed requests, so
+        far deadlines of finished requests do not pile up."""
+        if not p.assign.deadline_unix_ms:
+            return
+        heapq.heappush(self._deadlines, (p.assign.deadline_unix_ms, p.request_id))
+        if len(self._deadlines) > 2 * len(self.where) + 64:
+            live = {(d, rid) for d, rid in self._deadlines if rid in self.where}
+            self._deadlines = sorted(live)  # a sorted list is a heap; one entry a request and deadline
 
     def preempted(self, victim: Placed) -> None:
         """Its worker swapped (or will recompute) ``victim`` for a higher priority: it stays
@@ -423,12 +463,13 @@ class Ledger:
         and reports its end with ``transfer_done`` (or lets the deadline take it back)."""
         moves = self._handovers()
         sending = Counter(t.source.worker_id for t in self.transfers.values())
-        busy = self.transfers.keys() | self._refused_recently()  # moving, or refused a moment ago
+        # Moving, refused a moment ago, or prefilled and waiting for a decoding worker (its own move)
+        busy = self.transfers.keys() | self._refused_recently() | self._awaiting_decode.keys()
         for pl, source, target in drain_moves(list(self.workers.values()), self.where, busy, sending,
                                               self.cfg.headroom_tokens):
             moves.append(self._start(pl.pending, source, target, "drain"))
             sending[source.worker_id] += 1
-        busy = self.transfers.keys() | self._move_refused.keys()
+        busy = self.transfers.keys() | self._move_refused.keys() | self._awaiting_decode.keys()
         for pl, source, target in balance_moves([w for w in self.workers.values() if decodes(w)], self.where,
                                                 busy, sending, self.cfg.moves, self.cfg.headroom_tokens):
             moves.append(self._start(pl.pending, source, target, "balance"))
@@ -450,6 +491,9 @@ class Ledger:
         for rid in list(self._awaiting_decode):
             if rid in refused:
                 continue  # waits out MOVE_RETRY_S; those prefilled after it need not
+            if rid not in self.where or rid in self.transfers:  # no longer waiting there (cannot happen: kept tidy)
+                del self._awaiting_decode[rid]
+                continue
             p = self.known[rid]
             placement = rnd.choose(p, self.cfg.headroom_tokens)
             if placement is None:
@@ -599,9 +643,12 @@ class Ledger:
         pl = w.placed.get(rid) if w is not None else None
         if pl is None or not pl.finished:
             return None
+        if rid in self.transfers:  # a move of it is off (its target is told to drop what it got)
+            self._call_off(rid)
         w.unplace(rid)
         self.index.release(rid)
         del self.where[rid]
+        self._awaiting_decode.pop(rid, None)
         self._in_hand.add(rid)
         return pl.pending
 

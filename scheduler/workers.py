@@ -31,6 +31,7 @@ two of its reports.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class Placed:
     # is seen in Redis, so a worker dying before that write landed has it resumed.
     finished: bool = False
     placed_at: float = field(default_factory=time.monotonic)
-    preempted_at: float = 0.0
+    preempted_at: float = -math.inf  # never (a clock may start at 0: not "just preempted" then)
 
 
 @dataclass(slots=True)
@@ -170,6 +171,11 @@ class WorkerEntry:
 
     def score(self, p: Pending, headroom_tokens: int, num_shared_blocks: int = 0) -> float:
         return self.score_after(self.blocks_taken(p, headroom_tokens, num_shared_blocks))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt and all it may generate) it takes (0 before its first report)."""
+        return self._limits[0]
 
     @property
     def pool_size(self) -> int:
@@ -333,6 +339,8 @@ def pick_victims(
     best: tuple[WorkerEntry, list[Placed]] | None = None
     for w in workers:
         if not w.ready or not w.holds_priority_below(p.priority):
+            continue
+        if p.num_tokens + p.num_remaining_tokens > w.max_model_len:  # past its context: no preemption makes it fit
             continue
         need = w.blocks_needed(p, headroom_tokens)
         avail = w.num_available_blocks

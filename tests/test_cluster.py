@@ -122,6 +122,20 @@ def test_cancel_and_disconnect_free_the_workers_blocks(cluster):
         wait_for(lambda: _idle(cluster), 10, "blocks freed after disconnect")
 
 
+def test_a_cancel_of_a_malformed_id_is_refused_and_harms_no_other_request(cluster):
+    """A Cancel whose id has a space was queued: the scheduler finished that id, and the done
+    stream, which joins ids with spaces, named the request after the space finished too."""
+    import grpc
+
+    with Client(cluster.gateway_target) as c:
+        for bad in ("victim zzz", "x" * 129, "a\nb"):
+            with pytest.raises(grpc.RpcError) as info:
+                c.cancel(bad)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in info.value.details()
+        out = c.generate("still served", max_tokens=4, temperature=0, request_id="victim", timeout=30)
+    assert out.finish_reason == "length" and out.completion_tokens == 4
+
+
 def test_traceparent_reaches_the_worker(cluster):
     tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     with Client(cluster.gateway_target) as c:

@@ -209,8 +209,8 @@ def test_deadlines_take_waiting_requests_out_and_name_running_ones():
     ledger = ledger_with("a", clock=clock)
     ledger.take("run", "e1", assign("run", [1] * 40, deadline_s=clock.now + 5))
     place_all(ledger)
-    ledger.take("big", "e2", assign("big", [1] * 5000, deadline_s=clock.now + 1))  # fits nowhere
-    assert place_all(ledger) == []
+    ledger.take("big", "e2", assign("big", [1] * 4000, deadline_s=clock.now + 1))  # fits nowhere now
+    assert place_all(ledger) == [] and ledger.decide_round().refused == []  # it would, on an empty worker
     assert ledger.expired() == ([], [])
     clock.now += 2
     waited, running = ledger.expired()
@@ -874,3 +874,136 @@ def test_finished_requests_are_remembered_for_a_time_and_a_count():
     assert [ledger.finished_recently(f"r{i}") for i in range(1, 5)] == [False, False, True, True]  # the time
     assert not ledger.is_new("r3") and ledger.is_new("r1")
     ledger.check_integrity()
+
+
+# -- found by review (2026-11-28): each failed before its fix -------------------------------------
+def test_a_prefilled_request_waiting_for_a_decoding_worker_is_not_moved_by_a_drain():
+    """A drain by migration picked a request that waits for a decoding worker: two transfers
+    started for it, and the first target's reservation was never released."""
+    clock = Clock()
+    ledger = roled({"p": "prefill", "d": "decode", "e": "decode"}, clock=clock, free={"d": 40, "e": 0})
+    ledger.take("r1", "e1", assign("r1", [1] * 900))  # does not fit d: blocks the handovers' queue
+    ledger.take("r2", "e2", assign("r2", [2] * 300))
+    place_all(ledger)
+    holding(ledger, "p", {"r1": 57, "r2": 19})
+    ledger.prefilled("r1")
+    ledger.prefilled("r2")
+    r = report("p", free=256 - 76, request_ids=["r1", "r2"], blocks_per_request={"r1": 57, "r2": 19}, draining=True)
+    r.drain_by_migration = True
+    ledger.on_report(ledger.workers["p"], r)
+    assert ledger.decide_moves() == []  # r2 waits behind r1 for a decoding worker: not the drain's
+    ledger.check_integrity()
+    ledger.forget("r1")
+    ledger.on_report(ledger.workers["e"], report("e", free=256))
+    ledger.on_report(ledger.workers["d"], report("d", free=0))
+    (t,) = ledger.decide_moves()
+    assert (t.request_id, t.target.worker_id, t.reason) == ("r2", "e", "disaggregation")
+    assert list(ledger.workers["d"].placed) == [] and ledger.workers["d"].num_owed_blocks_total == 0
+    ledger.check_integrity()
+
+
+def test_a_finish_not_confirmed_takes_a_request_out_of_its_wait_and_its_transfer():
+    """It stayed awaiting a decoding worker (or in transfer): the invariants broke and the next
+    ``decide_moves`` (or ``expired_transfers``) raised KeyError, ending the scheduler."""
+    clock = Clock()
+    ledger, _ = prefilled_on_p(clock=clock, free={"d": 0})  # waits on p: d has no room
+    ledger.on_report(ledger.workers["p"], report("p", free=256, finished_request_ids=["r"]))
+    assert ledger.finish_unconfirmed("r").request_id == "r"
+    ledger.check_integrity()
+    ledger.on_report(ledger.workers["d"], report("d", free=256))
+    assert ledger.decide_moves() == []
+    clock = Clock()
+    ledger, moves = prefilled_on_p(clock=clock)  # in transfer to d
+    assert moves
+    ledger.on_report(ledger.workers["p"], report("p", free=256, request_ids=["r"], blocks_per_request={"r": 19},
+                                                 finished_request_ids=["r"]))
+    assert ledger.finish_unconfirmed("r").request_id == "r"
+    assert not ledger.transfers and [t.request_id for t in ledger.called_off()] == ["r"]
+    ledger.check_integrity()
+    clock.now += 10
+    assert ledger.expired_transfers() == []
+
+
+def test_a_request_adopted_at_a_takeover_has_its_deadline_watched():
+    clock = Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM), clock=clock, wall_clock=clock, adopting=True)
+    w = WorkerEntry("a", "a-addr")
+    ledger.add_worker(w)
+    ledger.on_report(w, report("a", free=200, request_ids=["r"], blocks_per_request={"r": 2}))
+    assert ledger.take_over("r", "e", assign("r", [1] * 20, deadline_s=clock.now + 5), ledger.holders()["r"]) is None
+    ledger.adopted()
+    clock.now += 10
+    assert ledger.expired() == ([], ["r"])
+
+
+def test_a_head_no_worker_could_ever_take_is_refused_and_the_queue_goes_on():
+    """Longer than every worker's context (the gateway checks its own, which may be longer): it
+    ended every round, and nothing behind it was ever placed."""
+    clock = Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM), clock=clock, wall_clock=clock)
+    for wid in ("a", "b"):
+        w = WorkerEntry(wid, wid)
+        ledger.add_worker(w)
+        r = report(wid, free=256, num_blocks=256)
+        r.max_model_len = 512
+        ledger.on_report(w, r)
+    ledger.take("too-long", "e0", assign("too-long", [1] * 600, max_tokens=16))
+    for i in range(3):
+        ledger.take(f"s{i}", f"e{i + 1}", assign(f"s{i}", [2] * 20, max_tokens=16))
+    d = ledger.decide_round()
+    assert [p.request_id for p, _ in d.claims] == ["s0", "s1", "s2"]
+    ((p, why),) = d.refused
+    assert p.request_id == "too-long" and "616 tokens" in why and "512" in why
+    ledger.check_integrity()  # in hand: the caller finishes it with the error
+    ledger.forget("too-long")
+    ledger.check_integrity()
+
+
+def test_preemption_never_places_a_request_past_the_workers_context():
+    clock = Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM, policy="priority"), clock=clock, wall_clock=clock)
+    w = WorkerEntry("a", "a")
+    ledger.add_worker(w)
+    r = report("a", free=40, num_blocks=40)
+    r.max_model_len = 512
+    ledger.on_report(w, r)
+    for i in range(2):
+        ledger.take(f"low{i}", f"l{i}", assign(f"low{i}", [1] * 200, max_tokens=100))
+    place_all(ledger)
+    clock.now += 10
+    ledger.take("long", "h", assign("long", [3] * 1000, max_tokens=16, priority=1))
+    d = ledger.decide_round()
+    assert d.victims == [] and [p.request_id for p, _ in d.claims] == []
+    assert [p.request_id for p, _ in d.refused] == ["long"]
+
+
+def test_a_late_answer_of_a_dead_entry_leaves_the_new_entrys_placement_alone():
+    """A refusal from the old entry of worker "a", after the request was placed again on a new
+    entry of "a" (same id), unplaced it from the ledger while the new entry kept it."""
+    clock = Clock()
+    ledger = ledger_with("a", clock=clock)
+    ledger.take("r", "e", assign("r", [1] * 20))
+    ((p, pl),) = ledger.decide_round().claims
+    old = pl.worker
+    for q in ledger.worker_dead(old):
+        ledger.resume(q, [])
+    new = WorkerEntry("a", "a-addr")
+    ledger.add_worker(new)
+    ledger.on_report(new, report("a"))
+    ((q, _),) = ledger.decide_round().claims
+    ledger.settled(q, new, True)
+    ledger.settled(p, old, False)  # the old entry's late answer
+    assert ledger.where == {"r": "a"} and list(new.placed) == ["r"]
+    ledger.check_integrity()
+
+
+def test_deadlines_of_finished_requests_do_not_pile_up():
+    clock = Clock()
+    ledger = ledger_with("a", clock=clock)
+    for i in range(2000):
+        rid = f"r{i}"
+        ledger.take(rid, "e", assign(rid, [1] * 20, deadline_s=clock.now + 86400))
+        for p, pl in ledger.decide_round().claims:
+            ledger.settled(p, pl.worker, True)
+        ledger.forget(rid)
+    assert len(ledger._deadlines) <= 2 * ledger.num_placed + 64

@@ -101,6 +101,9 @@ def test_resumed_request_rebuilds_its_grammar_from_emitted_tokens():
         (StructuredOutputs(regex=""), "regex"),
         (StructuredOutputs(grammar=""), "grammar"),
         (StructuredOutputs(json=""), "json"),
+        # Bounded: a constraint compiles on the gateway's event loop (100,000 choices took 7 s).
+        (StructuredOutputs(choice=tuple(f"c{i}" for i in range(1025))), "choice"),
+        (StructuredOutputs(regex="a" * (128 * 1024 + 1)), "regex"),
     ],
 )
 def test_the_gateway_check_names_what_does_not_compile(so, kind):

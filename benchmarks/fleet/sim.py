@@ -229,7 +229,12 @@ class FleetSim:
         no further round before its Preempt calls are answered) and they are preempted a hop later."""
         while True:
             d = self.ledger.decide_round()
+            for p, _ in d.refused:  # no worker could ever take it: ended, as the scheduler ends it
+                self.ledger.forget(p.request_id)
+                self._end(p.request_id, "error")
             if not d.claims:
+                if d.refused:
+                    continue
                 return  # empty, or head of line: it waits for room
             for p, placement in d.claims:
                 self._at(self.now + self.cfg.hop_s, self._assign, self._by_id[placement.worker.worker_id], p)

@@ -40,11 +40,22 @@ def kind_of(so: StructuredOutputs) -> str:
     return "choice" if so.choice else "json_object"
 
 
+# Bounds on one constraint: compiling one takes the gateway's event loop (100,000 choices took
+# 7 s) and each distinct one is cached, so a request may not bring more than this.
+MAX_CONSTRAINT_CHARS = 128 * 1024
+MAX_CHOICES = 1024
+
+
 def grammar_of(so: StructuredOutputs) -> str:
     """The llguidance grammar of ``so``; ``GrammarError`` when it is not even well formed."""
     kind = kind_of(so)
     if kind in ("json", "regex", "grammar") and getattr(so, kind) == "":
         raise GrammarError(kind, f"the {kind} is empty")
+    if kind == "choice" and len(so.choice) > MAX_CHOICES:
+        raise GrammarError(kind, f"at most {MAX_CHOICES} choices, got {len(so.choice)}")
+    size = sum(map(len, so.choice)) if kind == "choice" else len(so.json or so.regex or so.grammar or "")
+    if size > MAX_CONSTRAINT_CHARS:
+        raise GrammarError(kind, f"at most {MAX_CONSTRAINT_CHARS} characters, got {size}")
     try:
         if kind == "json" or kind == "json_object":
             schema: Any = json.loads(so.json) if kind == "json" else {"type": "object"}
