@@ -4,7 +4,8 @@ A gateway is stateless (everything a request needs is in Redis), so one host can
 as it has cores for. This process supervises: it takes the ports first (``0``: a free one),
 starts N children (``pagefleet gateway`` with the same flags and the ports it took), each
 binding them with ``SO_REUSEPORT`` so the kernel spreads connections over them, restarts a
-child that dies, and stops them all on SIGTERM or SIGINT. It serves ``/metrics``
+child that dies, passes SIGHUP on (the children reload their keys), and stops them all on
+SIGTERM or SIGINT; a child dies with it however it dies (``PR_SET_PDEATHSIG`` on Linux). It serves ``/metrics``
 (``--metrics-port``) alone, summed over the children with prometheus-client's multiprocess
 mode (``PROMETHEUS_MULTIPROC_DIR``, a temp dir it owns): counters and histograms add up,
 the in-flight gauge is the sum of the live children's.
@@ -32,6 +33,31 @@ log = structlog.get_logger("gateway.processes")
 # A child that dies is restarted after this long (doubling to RESTART_MAX_S while it keeps dying).
 RESTART_S = 0.5
 RESTART_MAX_S = 10.0
+RESTART_RESET_S = 30.0  # a child that ran this long before it died starts the doubling afresh
+
+
+def _parent_death_signal():
+    """Linux's ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, bound here (None elsewhere): a child
+    this process starts is sent SIGTERM when this process dies, however it dies (a child left
+    behind serves on, with keys and metrics no one manages)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+_PDEATHSIG = _parent_death_signal()
+
+
+def _die_with_parent() -> None:
+    """Run in the child before it execs (``preexec_fn``): only the call bound above."""
+    if _PDEATHSIG is not None:
+        _PDEATHSIG()
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -44,10 +70,10 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
-def _child_argv(argv: list[str], port: int, http_port: int | None) -> list[str]:
+def _child_argv(argv: list[str], port: int, http_port: int | None, health_port: int | None = None) -> list[str]:
     """``argv`` without --processes, --metrics-port and the ports, then the ports taken."""
     out, skip = [], False
-    drop = ("--processes", "--metrics-port", "--port", "--http-port")
+    drop = ("--processes", "--metrics-port", "--port", "--http-port", "--health-port")
     for a in argv:
         if skip:
             skip = False
@@ -60,6 +86,8 @@ def _child_argv(argv: list[str], port: int, http_port: int | None) -> list[str]:
     out += ["--port", str(port), "--processes", "1", "--reuse-port"]
     if http_port is not None:
         out += ["--http-port", str(http_port)]
+    if health_port is not None:
+        out += ["--health-port", str(health_port)]
     return out
 
 
@@ -79,25 +107,38 @@ def supervise(args, argv: list[str]) -> int:
     if args.http_port is not None:
         sock, http_port = reserve_port(args.host, args.http_port)
         held.append(sock)
+    health_port = None  # shared as the others (each child bound it alone, and all but one died in a loop)
+    if getattr(args, "health_port", None) is not None:
+        sock, health_port = reserve_port(args.host, args.health_port)
+        held.append(sock)
     metrics_dir = tempfile.mkdtemp(prefix="pagefleet-gateway-metrics-")
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
-    for name in ("PAGEFLEET_METRICS_PORT", "PAGEFLEET_PROCESSES", "PAGEFLEET_PORT", "PAGEFLEET_HTTP_PORT"):
+    for name in ("PAGEFLEET_METRICS_PORT", "PAGEFLEET_PROCESSES", "PAGEFLEET_PORT", "PAGEFLEET_HTTP_PORT",
+                 "PAGEFLEET_HEALTH_PORT"):
         env.pop(name, None)
     registry = CollectorRegistry()
     prom_mp.MultiProcessCollector(registry, path=metrics_dir)
     serve_metrics(args, registry, "gateway", **Doors.from_args(args).metrics_guard())
-    cmd = [sys.executable, "-m", "pagefleet", "gateway", *_child_argv(argv, port, http_port)]
+    cmd = [sys.executable, "-m", "pagefleet", "gateway", *_child_argv(argv, port, http_port, health_port)]
     stop = False
+    children: list[subprocess.Popen | None] = [None] * args.processes
 
     def on_signal(signum, frame):
         nonlocal stop
         stop = True
 
+    def on_hangup(signum, frame):  # the children reload their keys (OPERATIONS.md): pass it on
+        for c in children:
+            if c is not None and c.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.send_signal(signal.SIGHUP)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    children: list[subprocess.Popen | None] = [None] * args.processes
+    signal.signal(signal.SIGHUP, on_hangup)
     delays = [RESTART_S] * args.processes
     next_start = [0.0] * args.processes
+    started = [0.0] * args.processes
     log.info("gateway.supervising", processes=args.processes, port=port, http_port=http_port)
     try:
         while not stop:
@@ -107,10 +148,13 @@ def supervise(args, argv: list[str]) -> int:
                     log.warning("gateway.process_exited", index=i, pid=child.pid, code=child.returncode)
                     prom_mp.mark_process_dead(child.pid, path=metrics_dir)
                     children[i] = None
+                    if now - started[i] > RESTART_RESET_S:  # it had run a while: not a crash loop
+                        delays[i] = RESTART_S
                     next_start[i] = now + delays[i]
                     delays[i] = min(delays[i] * 2, RESTART_MAX_S)
                 if children[i] is None and now >= next_start[i]:
-                    children[i] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+                    children[i] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                    started[i] = now
             time.sleep(0.1)
     finally:
         live = [c for c in children if c is not None and c.poll() is None]

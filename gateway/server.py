@@ -223,7 +223,8 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
 
         http = await HttpServer(router, args, doors).start()
     await server.start()
-    health_port = await start_health_port(health, args.host, args.health_port)
+    health_port = await start_health_port(health, args.host, args.health_port,
+                                          reuse_port=bool(getattr(args, "reuse_port", False)))
     await set_serving(health, names, True)
     log.info("gateway.ready", port=port, http_port=http.port if http else None,
              models={c.name: [k.shard for k in c.shards] for c in router.cores.values()},
@@ -233,8 +234,10 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if doors.keys.file is not None:
-        loop.add_signal_handler(signal.SIGHUP, doors.keys.reload)
+    # SIGHUP reloads the keys file; with none it is a no-op, never the default end of the process
+    # (a --processes supervisor passes it to every child).
+    loop.add_signal_handler(signal.SIGHUP, doors.keys.reload if doors.keys.file is not None
+                            else lambda: log.info("gateway.sighup", reloaded="nothing: no --api-keys-file"))
     await stop.wait()
     await set_serving(health, names, False)
     if http is not None:

@@ -123,3 +123,53 @@ def test_only_the_gateways_processes_share_a_port():
     assert not asyncio.run(bind_twice(SERVER_OPTIONS))
     assert not asyncio.run(bind_twice(server_options()))
     assert asyncio.run(bind_twice(server_options(reuse_port=True)))
+
+
+def test_processes_share_the_health_port_pass_sighup_on_and_die_with_their_supervisor(tmp_path):
+    """Each child bound ``--health-port`` alone, so all but one died in a loop; SIGHUP (the key
+    reload OPERATIONS.md gives) killed the supervisor and left its children serving, unmanaged."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pagefleet.common.redis import RedisServer
+    from pagefleet.common.service import free_port
+
+    health_port = free_port()
+    with RedisServer() as redis, open(tmp_path / "gateway.log", "w") as log:
+        sup = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--processes", "2", "--port", "0",
+                                "--health-port", str(health_port), "--redis-url", redis.url],
+                               stdout=log, stderr=subprocess.STDOUT)
+        try:
+            def serving() -> bool:
+                with grpc.insecure_channel(f"127.0.0.1:{health_port}") as ch:
+                    try:
+                        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status \
+                            == health_pb2.HealthCheckResponse.SERVING
+                    except grpc.RpcError:
+                        return False
+
+            wait_for(serving, 60, "the shared health port to serve")
+            wait_for(lambda: len(_children(sup.pid)) == 2, 30, "two gateway processes")
+            time.sleep(3)
+            children = _children(sup.pid)
+            assert len(children) == 2 and "process_exited" not in (tmp_path / "gateway.log").read_text()
+            os.kill(sup.pid, signal.SIGHUP)
+            time.sleep(2)
+            assert sup.poll() is None and _children(sup.pid) == children  # passed on, nobody died
+            os.kill(sup.pid, signal.SIGKILL)
+            sup.wait(10)
+
+            def gone() -> bool:
+                return not any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
+                               for pid in children)
+
+            wait_for(gone, 20, "the children to die with their supervisor")
+        finally:
+            for pid in _children(sup.pid) if sup.poll() is None else []:
+                os.kill(pid, signal.SIGKILL)
+            if sup.poll() is None:
+                sup.kill()

@@ -261,16 +261,17 @@ def open_to_all(args, what: str) -> bool:
     return what in (getattr(args, "no_auth_for", None) or ())
 
 
-async def start_health_port(health_servicer, host: str, port: int | None):
+async def start_health_port(health_servicer, host: str, port: int | None, reuse_port: bool = False):
     """A second gRPC server with only ``health_servicer``, in plaintext on ``host:port``; None
-    when ``port`` is None. It reports what the main port's servicer reports."""
+    when ``port`` is None. It reports what the main port's servicer reports. ``reuse_port``:
+    shared with other processes (the gateway's ``--processes``, as its main port)."""
     if port is None:
         return None
     import grpc
     import structlog
     from grpc_health.v1 import health_pb2_grpc
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=server_options(reuse_port=reuse_port))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
