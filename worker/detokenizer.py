@@ -55,10 +55,6 @@ class IncrementalDetokenizer:
         non-empty return is one piece)."""
         return "".join(self._done[num_pieces:None if count is None else num_pieces + count])
 
-    def pieces_since(self, num_pieces: int, count: int) -> list[str]:
-        """The pieces ``text_since`` joins."""
-        return self._done[num_pieces:num_pieces + count]
-
     def push(self, token_id: int) -> str | None:
         """Append one token; the text to hand out now, or None if a stop string appeared.
 

@@ -74,7 +74,7 @@ class Held:
     written, not what the engine made: a step that failed half-way made tokens never written."""
 
     __slots__ = ("end", "entry_id", "epoch", "field", "index", "num_messages", "num_pieces",
-                 "piece_at", "request")
+                 "num_written_pieces", "request", "text_lengths")
 
     def __init__(self, entry_id: str, epoch: int, field: str, request=None) -> None:
         self.entry_id, self.epoch, self.field = entry_id, epoch, field
@@ -83,13 +83,11 @@ class Held:
         self.end = 0  # the index after its last message written here
         self.num_messages = 0
         self.num_pieces = request.detokenizer.num_pieces if request is not None else 0
-        # The index of each written message that carried text (one piece each), in order: the
-        # record tells what text each token brought (a reader may take it from any token on).
-        self.piece_at = array("q")
-
-    @property
-    def num_written_pieces(self) -> int:
-        return len(self.piece_at)
+        self.num_written_pieces = 0
+        # The characters of text each token written here brought, from ``index`` on (a message's
+        # text is its first token's): the record carries them, so a reader may take it from any
+        # token on. One C array entry a token, appended as a message is written.
+        self.text_lengths = array("I")
 
     @property
     def assignment(self) -> tuple[str, int, str]:
@@ -103,22 +101,18 @@ class Held:
         if req is None or index < 0:
             return last
         end = self.end if self.index >= 0 else index
-        pieces = req.detokenizer.pieces_since(self.num_pieces, len(self.piece_at))
-        text = "".join(pieces)
+        text = req.detokenizer.text_since(self.num_pieces, self.num_written_pieces)
+        lengths = self.text_lengths.tolist()  # the characters of text each token brought
         finish_reason = error = ""
         if last is not None:
             if last.token_ids:
                 end = last.index + len(last.token_ids)
+                lengths += [len(last.text)] + [0] * (len(last.token_ids) - 1)
+            # (a last message of no token: its text comes after every token, past the lengths' sum)
             text += last.text
             finish_reason, error = last.finish_reason, last.error
-        lengths = [0] * max(0, end - index)  # the characters of text each token brought
-        if lengths:
-            top = len(lengths) - 1
-            for at, p in zip(self.piece_at, pieces, strict=False):
-                lengths[min(max(0, at - index), top)] += len(p)
-            if last is not None and last.token_ids:
-                lengths[min(max(0, last.index - index), top)] += len(last.text)
-            # (a last message of no token: its text comes after every token, past the lengths' sum)
+        if len(lengths) != end - index or sum(lengths) > len(text):
+            lengths = []  # not one a token (never seen): the record's text is not cut, as before
         lps = req.output_logprobs
         if lps:
             base = len(req.output_token_ids) - len(lps)  # the output index of lps[0]
@@ -276,7 +270,10 @@ class EngineLoop:
                 enc.first.append(rid)
             h.end = d.index + len(token_ids)
             if text:
-                h.piece_at.append(d.index)
+                h.num_written_pieces += 1
+            h.text_lengths.append(len(text))
+            if len(token_ids) > 1:
+                h.text_lengths.extend([0] * (len(token_ids) - 1))  # the others': none
             h.num_messages += 1
             if h.num_messages % TTL_REFRESH_MESSAGES == 0:
                 enc.refresh.append(rid)
