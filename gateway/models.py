@@ -22,6 +22,8 @@ from pagefleet.common.redis import check_shard, retry
 
 from .core import GatewayCore
 
+CANCEL_LOOKUP_ATTEMPTS = 5  # a Redis that does not answer: the Cancel is UNAVAILABLE, not held
+
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
@@ -127,7 +129,8 @@ class Router:
         found = False
         for core in self.cores.values():
             keys = core.shard_of(request_id)
-            if await retry(lambda k=keys, c=core: c.redis.exists(k.idempotency(request_id)), what="cancel_lookup"):
+            if await retry(lambda k=keys, c=core: c.redis.exists(k.idempotency(request_id)), what="cancel_lookup",
+                           attempts=CANCEL_LOOKUP_ATTEMPTS):  # then UNAVAILABLE, as one model's Cancel
                 await core.cancel(request_id)
                 found = True
         return found

@@ -54,10 +54,18 @@ def _parent_death_signal():
 _PDEATHSIG = _parent_death_signal()
 
 
+_SUPERVISOR = os.getpid()  # set again by ``supervise`` (the process that forks the children)
+
+
 def _die_with_parent() -> None:
-    """Run in the child before it execs (``preexec_fn``): only the call bound above."""
+    """Run in the child before it execs (``preexec_fn``): the call bound above; and SIGHUP
+    ignored until the gateway installs its own handler (passed on while a child starts, its
+    default action would end it). A supervisor gone before the call: the child goes too."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if _PDEATHSIG is not None:
         _PDEATHSIG()
+        if os.getppid() != _SUPERVISOR:
+            os._exit(1)
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -100,6 +108,8 @@ def supervise(args, argv: list[str]) -> int:
 
     from .guard import Doors
 
+    global _SUPERVISOR
+    _SUPERVISOR = os.getpid()
     held = []
     sock, port = reserve_port(args.host, args.port)
     held.append(sock)

@@ -182,7 +182,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Cancel(self, request, context):
         await _refuse_undecodable(request, context)
-        if not request.request_id or not valid_request_id(request.request_id):
+        if not request.request_id or not valid_request_id(request.request_id, choice_id=True):
             # As Generate checks it: an id of other characters (a space splits the done stream's
             # list of ids, and would finish another request) or of any length is never queued.
             e = BadField("request_id", "is required" if not request.request_id

@@ -31,9 +31,10 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs")
 
 
-def valid_request_id(request_id: str) -> bool:
-    """Whether a client's request id is one ``check`` takes."""
-    return bool(_REQUEST_ID.match(request_id))
+def valid_request_id(request_id: str, choice_id: bool = False) -> bool:
+    """Whether a client's request id is one ``check`` takes (``choice_id``: or one of the HTTP
+    door's choice ids, ``<id>-<choice>``)."""
+    return bool(_REQUEST_ID.match(request_id) or (choice_id and _CHOICE_ID.match(request_id)))
 
 
 class BadField(ValueError):

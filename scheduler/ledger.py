@@ -58,7 +58,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagefleet.common.blocks import num_blocks_for
 from pagefleet.protos import cluster_pb2
 
 from .moves import MoveConfig, Transfer, balance_moves, best_target, decodes, drain_moves, prefills
@@ -115,19 +114,20 @@ class Decision:
     refused: list[tuple[Pending, str]] = field(default_factory=list)
 
 
-def _fits_no_worker(p: Pending, live: list[WorkerEntry]) -> str:
-    """Why no worker of ``live`` could ever take ``p``, even empty ("" if one could, or if a
-    worker has not reported yet): the gateway checks a request against its own
-    ``--max-model-len``, which a worker's may be below."""
-    if not live or any(w.report is None for w in live):
+def _fits_no_worker(p: Pending, limits: tuple[int, int]) -> str:
+    """Why no decoding worker seen could ever take ``p``, even empty ("" if one could, or if
+    none has reported yet): ``limits`` are the longest context and the largest pool (in tokens)
+    any decoding worker reported, whether or not it is up now (one may come back). The gateway
+    checks a request against its own ``--max-model-len``, which the workers' may be below."""
+    longest, pool = limits
+    if not longest:
         return ""
     total = p.num_tokens + p.num_remaining_tokens
-    longest = max(w.max_model_len for w in live)
     if total > longest:
         return (f"the request needs {total} tokens (its prompt and max_tokens); the longest any worker "
                 f"takes is {longest}: lower max_tokens or shorten the prompt")
-    if all(num_blocks_for(total, w.block_size) > w.pool_size for w in live):
-        return (f"the request needs {total} tokens of KV cache; no worker's whole pool holds that many: "
+    if total > pool:
+        return (f"the request needs {total} tokens of KV cache; the largest worker's whole pool holds {pool}: "
                 "lower max_tokens or shorten the prompt")
     return ""
 
@@ -164,6 +164,8 @@ class Ledger:
         self.where: dict[str, str] = {}  # request id -> the worker it is placed on
         self._in_hand: set[str] = set()
         self._deadlines: list[tuple[int, str]] = []  # (deadline_unix_ms, request id) of placed requests
+        # The longest context and the largest pool (tokens) any decoding worker has reported.
+        self._largest: tuple[int, int] = (0, 0)
         self._done_recently: dict[str, float] = {}  # id -> when it finished; insertion-ordered: the oldest go first
         self._seq = itertools.count()
         self.num_preemptions = 0
@@ -309,7 +311,7 @@ class Ledger:
         while len(claims) < size and (p := self.queue.peek()) is not None:
             placement = choose(p, headroom)
             t0 = self._timed(t0)
-            if placement is None and (why := _fits_no_worker(p, live)):
+            if placement is None and (why := _fits_no_worker(p, self._largest)):
                 self.queue.remove(p.request_id)
                 self._in_hand.add(p.request_id)
                 refused.append((p, why))
@@ -424,13 +426,13 @@ class Ledger:
 
     def _watch_deadline(self, p: Pending) -> None:
         """Watch ``p``'s deadline while it runs (``expired``). The heap drops the entries of
-        requests no longer placed when it holds twice as many as there are placed requests, so
+        requests no longer known when it holds twice as many as there are known requests, so
         far deadlines of finished requests do not pile up."""
         if not p.assign.deadline_unix_ms:
             return
         heapq.heappush(self._deadlines, (p.assign.deadline_unix_ms, p.request_id))
-        if len(self._deadlines) > 2 * len(self.where) + 64:
-            live = {(d, rid) for d, rid in self._deadlines if rid in self.where}
+        if len(self._deadlines) > 2 * len(self.known) + 64:  # the known: in hand too (being resumed)
+            live = {(d, rid) for d, rid in self._deadlines if rid in self.known}
             self._deadlines = sorted(live)  # a sorted list is a heap; one entry a request and deadline
 
     def preempted(self, victim: Placed) -> None:
@@ -574,6 +576,7 @@ class Ledger:
         target.place(p, self.cfg.headroom_tokens, now=self.clock())
         self._hold(target, p)
         self.where[rid] = target.worker_id
+        self._watch_deadline(p)
         self.num_reassigned -= 1
         self.num_transfers_done += 1
         return True
@@ -603,6 +606,9 @@ class Ledger:
             return ReportOutcome()
         room = w.num_available_blocks if w.report is not None else None
         vanished, orphans = w.apply_report(report, now=self.clock())
+        if decodes(w):  # what a request must fit, on some worker it can finish on (``_fits_no_worker``)
+            self._largest = (max(self._largest[0], w.max_model_len),
+                             max(self._largest[1], w.pool_size * w.block_size))
         self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
                                 report.block_hashes_reset)
         for rid in vanished:
@@ -691,10 +697,10 @@ class Ledger:
         now_ms = int(self.wall_clock() * 1000)
         waited = self.queue.pop_expired(now_ms)
         self._in_hand.update(p.request_id for p in waited)
-        running = []
+        running: list[str] = []
         while self._deadlines and self._deadlines[0][0] <= now_ms:
             _, rid = heapq.heappop(self._deadlines)
-            if rid in self.where:
+            if rid in self.where and rid not in running:  # (watched again after a handover: once)
                 running.append(rid)
         return waited, running
 

@@ -1007,3 +1007,64 @@ def test_deadlines_of_finished_requests_do_not_pile_up():
             ledger.settled(p, pl.worker, True)
         ledger.forget(rid)
     assert len(ledger._deadlines) <= 2 * ledger.num_placed + 64
+
+
+def test_a_request_only_a_worker_now_away_could_take_waits_and_roles_count_the_decoders():
+    """The refusal counts the largest limits any decoding worker reported, up or not (one
+    declared dead comes back; its running request must not be refused meanwhile), and only the
+    workers a request can finish on (a prefill worker's longer context does not count)."""
+    clock = Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM), clock=clock, wall_clock=clock)
+    for wid, mml, blocks in (("small", 512, 256), ("big", 4096, 1024)):
+        w = WorkerEntry(wid, wid)
+        ledger.add_worker(w)
+        r = report(wid, free=blocks, num_blocks=blocks)
+        r.max_model_len = mml
+        ledger.on_report(w, r)
+    ledger.take("long", "e", assign("long", [1] * 1000, max_tokens=100))
+    ((p, pl),) = ledger.decide_round().claims
+    ledger.settled(p, pl.worker, True)
+    for q in ledger.worker_dead(ledger.workers["big"]):
+        ledger.resume(q, list(range(30)))
+    d = ledger.decide_round()
+    assert d.refused == [] and d.claims == [] and ledger.num_waiting == 1  # it waits for "big"
+    clock = Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM, moves=MoveConfig()), clock=clock, wall_clock=clock)
+    for wid, role, mml in (("p", "prefill", 8192), ("d", "decode", 2048)):
+        w = WorkerEntry(wid, wid, role=role)
+        ledger.add_worker(w)
+        r = report(wid, free=1024, num_blocks=1024)
+        r.max_model_len = mml
+        ledger.on_report(w, r)
+    ledger.take("short-long", "e0", assign("short-long", [1] * 10, max_tokens=4000))  # only p's context holds it
+    ledger.take("s0", "e1", assign("s0", [2] * 20, max_tokens=16))
+    d = ledger.decide_round()
+    assert [p.request_id for p, _ in d.refused] == ["short-long"] and [p.request_id for p, _ in d.claims] == ["s0"]
+
+
+def test_a_request_handed_over_as_its_source_died_keeps_its_deadline_once():
+    """In hand while its source's death is settled, then found on its target: a rebuild of the
+    deadline heap meanwhile (requests coming and going) dropped its deadline, kept only for the
+    requests placed; it is named once when it passes."""
+    clock = Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM), clock=clock, wall_clock=clock)
+    for wid in ("a", "b"):
+        w = WorkerEntry(wid, wid)
+        ledger.add_worker(w)
+        ledger.on_report(w, report(wid, free=4000, num_blocks=4000))
+    ledger.take("r", "e", assign("r", [1] * 20, deadline_s=clock.now + 5))
+    ((p, pl),) = ledger.decide_round().claims
+    ledger.settled(p, pl.worker, True)
+    src = pl.worker
+    dst = ledger.workers["b" if src.worker_id == "a" else "a"]
+    assert [q.request_id for q in ledger.worker_dead(src)] == ["r"]
+    for i in range(70):
+        rid = f"x{i}"
+        ledger.take(rid, "e", assign(rid, [2] * 20, deadline_s=clock.now + 86400))
+        for q, ql in ledger.decide_round().claims:
+            ledger.settled(q, ql.worker, True)
+        ledger.forget(rid)
+    assert ledger.handover_found(p, dst)
+    ledger.check_integrity()
+    clock.now += 10
+    assert ledger.expired() == ([], ["r"])
