@@ -997,16 +997,20 @@ def test_a_late_answer_of_a_dead_entry_leaves_the_new_entrys_placement_alone():
     ledger.check_integrity()
 
 
-def test_deadlines_of_finished_requests_do_not_pile_up():
-    clock = Clock()
-    ledger = ledger_with("a", clock=clock)
-    for i in range(2000):
-        rid = f"r{i}"
-        ledger.take(rid, "e", assign(rid, [1] * 20, deadline_s=clock.now + 86400))
+def _serve_with_far_deadlines(ledger: Ledger, n: int, prefix: str) -> None:
+    """``n`` requests with a deadline a day away, each placed, accepted and finished in turn."""
+    for i in range(n):
+        rid = f"{prefix}{i}"
+        ledger.take(rid, "e", assign(rid, [2] * 20, deadline_s=ledger.clock() + 86400))
         for p, pl in ledger.decide_round().claims:
             ledger.settled(p, pl.worker, True)
         ledger.forget(rid)
-    assert len(ledger._deadlines) <= 2 * ledger.num_placed + 64
+
+
+def test_deadlines_of_finished_requests_do_not_pile_up():
+    ledger = ledger_with("a", clock=Clock())
+    _serve_with_far_deadlines(ledger, 2000, "r")
+    assert len(ledger._deadlines) <= 2 * ledger.num_known + 64
 
 
 def test_a_request_only_a_worker_now_away_could_take_waits_and_roles_count_the_decoders():
@@ -1058,12 +1062,7 @@ def test_a_request_handed_over_as_its_source_died_keeps_its_deadline_once():
     src = pl.worker
     dst = ledger.workers["b" if src.worker_id == "a" else "a"]
     assert [q.request_id for q in ledger.worker_dead(src)] == ["r"]
-    for i in range(70):
-        rid = f"x{i}"
-        ledger.take(rid, "e", assign(rid, [2] * 20, deadline_s=clock.now + 86400))
-        for q, ql in ledger.decide_round().claims:
-            ledger.settled(q, ql.worker, True)
-        ledger.forget(rid)
+    _serve_with_far_deadlines(ledger, 70, "x")  # enough for the heap to be rebuilt meanwhile
     assert ledger.handover_found(p, dst)
     ledger.check_integrity()
     clock.now += 10
