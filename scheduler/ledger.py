@@ -606,6 +606,9 @@ class Ledger:
             return ReportOutcome()
         room = w.num_available_blocks if w.report is not None else None
         vanished, orphans = w.apply_report(report, now=self.clock())
+        for rid in report.finished_request_ids:  # its blocks run no more: shared with no running sequence
+            if self.where.get(rid) == w.worker_id:
+                self.index.release(rid)
         if decodes(w):  # what a request must fit, on some worker it can finish on (``_fits_no_worker``)
             self._largest = (max(self._largest[0], w.max_model_len),
                              max(self._largest[1], w.pool_size * w.block_size))

@@ -1067,3 +1067,25 @@ def test_a_request_handed_over_as_its_source_died_keeps_its_deadline_once():
     ledger.check_integrity()
     clock.now += 10
     assert ledger.expired() == ([], ["r"])
+
+
+def test_a_finished_requests_blocks_are_shared_with_no_later_request():
+    """Its worker reported it finished (its final write not read yet): a same-prefix request
+    placed then was charged only the blocks past the prefix, as if a running sequence shared
+    them, and the worker's pool was committed past its size."""
+    clock = Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM), clock=clock, wall_clock=clock)
+    w = WorkerEntry("a", "a")
+    ledger.add_worker(w)
+    ledger.on_report(w, report("a", free=64, num_blocks=64))
+    prefix = list(range(1, 16 * BS + 1))  # 16 whole blocks
+    ledger.take("r1", "e1", assign("r1", [*prefix, 7], max_tokens=16))
+    place_all(ledger)
+    keys = ledger.known["r1"].assign.block_hashes
+    ledger.on_report(w, report("a", free=64, num_blocks=64, finished_request_ids=["r1"], stored_block_hashes=keys))
+    ledger.take("r2", "e2", assign("r2", [*prefix, 8], max_tokens=16))
+    ((p, pl),) = ledger.decide_round().claims
+    assert pl.num_shared_blocks == 0
+    ledger.take("r3", "e3", assign("r3", [9] * (64 - w.blocks_needed(p, HEADROOM)) * BS, max_tokens=1))
+    assert ledger.decide_round().claims == []  # no room past the pool's size
+    ledger.check_integrity()
