@@ -41,7 +41,7 @@ from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
 from .openai_response import Choices, TokenPieces, sse
 from .responses_api import ResponseOutput
 from .tool_parsers import tool_parser
-from .validate import BadField, valid_request_id
+from .validate import REQUEST_ID_RULE, BadField, valid_request_id
 
 log = structlog.get_logger("gateway")
 
@@ -144,7 +144,7 @@ class OpenAIDoor:
                 self.render_messages(req)
             client_id = request.headers.get("x-request-id") or None  # an empty header: none
             if client_id is not None and not valid_request_id(client_id):
-                raise BadParam("X-Request-Id", "X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+                raise BadParam("X-Request-Id", f"X-Request-Id must be {REQUEST_ID_RULE}")
             base_id = client_id or f"{req.id_prefix}{uuid.uuid4().hex}"
             call.describe(_request_attributes(req, self.served_model_name, base_id))
             self._tokenize_bad_words(req)

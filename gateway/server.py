@@ -43,7 +43,13 @@ from .http import add_http_flags
 from .limits import Limits
 from .models import Router, UnknownModel, served_models
 from .observe import GRPC_SERVICE, observed_generate
-from .validate import BadField, bad_request_metadata, retry_metadata, valid_request_id
+from .validate import (
+    REQUEST_ID_RULE,
+    BadField,
+    bad_request_metadata,
+    retry_metadata,
+    valid_request_id,
+)
 
 SERVICE = GRPC_SERVICE
 
@@ -185,8 +191,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not request.request_id or not valid_request_id(request.request_id, choice_id=True):
             # As Generate checks it: an id of other characters (a space splits the done stream's
             # list of ids, and would finish another request) or of any length is never queued.
-            e = BadField("request_id", "is required" if not request.request_id
-                         else "1 to 128 characters of A-Z a-z 0-9 . _ : -")
+            e = BadField("request_id", "is required" if not request.request_id else REQUEST_ID_RULE)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
         try:
             accepted = await self.router.cancel(request.request_id)

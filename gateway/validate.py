@@ -22,6 +22,7 @@ from pagefleet.protos import generation_pb2 as pb
 from .limits import Limits
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+REQUEST_ID_RULE = "1 to 128 characters of A-Z a-z 0-9 . _ : -"  # what _REQUEST_ID takes, in words
 # The HTTP door's choice ids: a client's id (as above) and ``-<choice>`` (``fan_out``).
 _CHOICE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}-[0-9]{1,10}$")
 _DEFAULT_LIMITS = Limits()
@@ -48,8 +49,8 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
           *, choice_id: bool = False) -> list[int]:
     """The prompt's token ids; ``BadField`` if anything is wrong or past one of ``limits``.
     ``choice_id``: the id may be a client's id with ``-<choice>`` after it (the HTTP door's choices)."""
-    if req.request_id and not _REQUEST_ID.match(req.request_id) and not (choice_id and _CHOICE_ID.match(req.request_id)):
-        raise BadField("request_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    if req.request_id and not valid_request_id(req.request_id, choice_id):
+        raise BadField("request_id", REQUEST_ID_RULE)
     if req.HasField("deadline_ms") and req.deadline_ms == 0:
         raise BadField("deadline_ms", "must be > 0 when set")
     if error := limits.stop_error(req.sampling.stop):
