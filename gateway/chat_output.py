@@ -16,24 +16,39 @@ from .tool_parsers import ToolCall, ToolParser, parse_named, parse_required
 
 
 class ChatOutput:
-    __slots__ = ("_think", "_plan", "_parser", "_content", "_sent", "reasoning_seen")
+    """``constrained``: structured output shapes the whole output from its first token (a
+    ``response_format``, ``required`` or a named function), so the output is reasoning only
+    where it opens with ``<think>``; ``deepseek_r1`` would otherwise read the constrained JSON
+    as reasoning. ``opened``: the prompt ends inside ``<think>`` (Qwen3's thinking models'
+    templates), so the output starts as reasoning. ``include_reasoning`` false (vLLM's
+    parameter): the reasoning is split off and not sent."""
 
-    def __init__(self, reasoning_parser: str | None, plan: ToolPlan | None, parser: ToolParser | None) -> None:
-        self._think = ThinkSplitter(reasoning_parser) if reasoning_parser else None
+    __slots__ = ("_think", "_plan", "_parser", "_content", "_sent", "reasoning_seen", "_include_reasoning")
+
+    def __init__(self, reasoning_parser: str | None, plan: ToolPlan | None, parser: ToolParser | None, *,
+                 constrained: bool = False, opened: bool = False, include_reasoning: bool = True) -> None:
+        self._think = ThinkSplitter(reasoning_parser, constrained=constrained, opened=opened) \
+            if reasoning_parser else None
         self._plan = plan if plan is not None and plan.choice != "none" else None
         self._parser = parser
         self._content = ""  # all content so far
         self._sent = 0  # how much of it went out
         self.reasoning_seen = False
+        self._include_reasoning = include_reasoning
 
     def feed(self, text: str) -> tuple[str, str]:
         reasoning, content = self._think.feed(text) if self._think else ("", text)
+        return self._reasoning(reasoning), self._content_ready(content)
+
+    def _reasoning(self, reasoning: str) -> str:
+        if not self._include_reasoning:
+            return ""
         self.reasoning_seen |= bool(reasoning)
-        return reasoning, self._content_ready(content)
+        return reasoning
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = self._think.feed("", final=True) if self._think else ("", "")
-        self.reasoning_seen |= bool(reasoning)
+        reasoning = self._reasoning(reasoning)
         self._content += content
         calls: list[ToolCall] = []
         rest = self._content
@@ -68,4 +83,7 @@ class ChatOutput:
             return text, []
         if self._parser is None:
             return text, []
-        return self._parser.parse(text)
+        content, calls = self._parser.parse(text)
+        if not self._plan.parallel:  # parallel_tool_calls false: the first call alone (as vLLM)
+            calls = calls[:1]
+        return content, calls

@@ -39,6 +39,7 @@ from .limits import Limits, TooLarge
 from .observe import CallObserver, http_call
 from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
 from .openai_response import Choices, TokenPieces, sse
+from .reasoning import START as THINK_START
 from .responses_api import ResponseOutput
 from .tool_parsers import tool_parser
 from .validate import REQUEST_ID_RULE, BadField, valid_request_id
@@ -202,7 +203,17 @@ class OpenAIDoor:
         if not req.chat or (self.reasoning_parser is None and req.tools is None):
             return None
         parser = tool_parser(self.tool_call_parser) if self.tool_call_parser and req.tools is not None else None
-        return [ChatOutput(self.reasoning_parser, req.tools, parser) for _ in range(req.num_choices)]
+        constrained = req.sampling.HasField("structured_outputs")
+        opened = self.reasoning_parser is not None and self._opens_reasoning(req)
+        return [ChatOutput(self.reasoning_parser, req.tools, parser, constrained=constrained, opened=opened,
+                           include_reasoning=req.include_reasoning) for _ in range(req.num_choices)]
+
+    def _opens_reasoning(self, req: ApiRequest) -> bool:
+        """Whether the rendered prompt ends inside ``<think>`` (a thinking model's template opens
+        it for the model), so the output starts as reasoning."""
+        tail = req.prompts[0][-8:] if req.prompts and isinstance(req.prompts[0], list) else []
+        text = self.core.model.tokenizer.decode(tail, skip_special_tokens=False).rstrip()
+        return text.endswith(THINK_START)
 
     def _tokenize_bad_words(self, req: ApiRequest) -> None:
         """Each bad word's token ids, as vLLM finds them: the word alone and after a space."""

@@ -39,7 +39,8 @@ _COMMON = ("model", "n", "stream", "stream_options", "max_tokens", "max_completi
            "guided_decoding_backend", "structured_outputs")
 COMPLETION_PARAMS = frozenset((*_COMMON, "prompt"))
 CHAT_PARAMS = frozenset((*_COMMON, "messages", "top_logprobs", "add_generation_prompt", "continue_final_message",
-                         "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"))
+                         "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls",
+                         "include_reasoning"))
 # Template variables the server sets itself: chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                                          "continue_final_message"})
@@ -53,8 +54,12 @@ UNSUPPORTED = {
     "reasoning_effort": _OFF, "service_tier": _OFF, "web_search_options": _OFF,
 }
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
-_UNSUPPORTED_MESSAGE_KEYS = ("function_call", "audio", "refusal")
+# ``reasoning`` is vLLM's newer name of ``reasoning_content`` (an assistant turn's thinking,
+# for templates that show it again); both reach the template.
+_MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
+# Fields of OpenAI's message objects (a response's message sent back as the next turn's) that
+# mean nothing to a prompt: taken when empty, refused by name otherwise.
+_UNSUPPORTED_MESSAGE_KEYS = ("function_call", "audio", "refusal", "annotations")
 
 
 class BadParam(ValueError):
@@ -80,6 +85,7 @@ class ApiRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out
     priority: int = 0
     user: str | None = None
     max_tokens_param: str = "max_tokens"  # the name the client used, for refusals
@@ -127,6 +133,7 @@ def parse_chat(body: Any, limits: Limits = _DEFAULT_LIMITS) -> ApiRequest:
 
     req = ApiRequest(chat=True, model=_model(p), prompts=[], sampling=_sampling(p), messages=_messages(p))
     req.tools = parse_tools(p)
+    req.include_reasoning = _bool("include_reasoning", p.get("include_reasoning", True))
     req.add_generation_prompt = _bool("add_generation_prompt", p.get("add_generation_prompt", True))
     req.continue_final_message = _bool("continue_final_message", p.get("continue_final_message", False))
     if req.continue_final_message:
@@ -269,9 +276,8 @@ def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
         req.structured_param, so = found
         req.sampling.structured_outputs.CopyFrom(so)
     if req.tools is not None and (so := req.tools.structured_outputs()) is not None:
-        if req.structured_param is not None:
-            raise BadParam("tool_choice", f"tool_choice {req.tools.choice!r} is enforced with structured output; "
-                                          f"give no {req.structured_param} with it")
+        # required or a named function: the tools' schema is the constraint, whatever else the
+        # body asks (as vLLM: the tool call wins over response_format)
         req.structured_param = "tools"
         req.sampling.structured_outputs.CopyFrom(so)
     if "max_completion_tokens" in p:
@@ -307,8 +313,12 @@ def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
 
 GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's structured_outputs options that change nothing here: JSON is always generated without
+# free whitespace between its tokens (grammar.JSON_OPTIONS), which is what disable_any_whitespace
+# asks for; false, its default, asks nothing.
+NO_OP_STRUCTURED = ("disable_any_whitespace",)
 # vLLM's structured_outputs options this server does not implement -> their "off" value.
-UNSUPPORTED_STRUCTURED = {"disable_any_whitespace": False, "disable_fallback": False,
+UNSUPPORTED_STRUCTURED = {"disable_fallback": False,
                           "disable_additional_properties": False, "whitespace_pattern": None,
                           "structural_tag": None, "backend": None}
 
@@ -355,7 +365,10 @@ def _structured_outputs(value: Any) -> tuple[str, pb.StructuredOutputs]:
     so = pb.StructuredOutputs()
     for key, v in value.items():
         name = f"structured_outputs.{key}"
-        if key in UNSUPPORTED_STRUCTURED:
+        if key in NO_OP_STRUCTURED:
+            if v is not None:
+                _bool(name, v)
+        elif key in UNSUPPORTED_STRUCTURED:
             if v is not None and v != UNSUPPORTED_STRUCTURED[key]:
                 raise BadParam(name, f"{name} is not supported by this server", "unsupported_parameter")
         elif key not in STRUCTURED_KEYS:
@@ -523,8 +536,9 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         out["tool_calls"] = template_tool_calls(f"{where}.tool_calls", m["tool_calls"])
     if m.get("tool_call_id") is not None:
         out["tool_call_id"] = _str(f"{where}.tool_call_id", m["tool_call_id"])
-    if m.get("reasoning_content") is not None:
-        out["reasoning_content"] = _str(f"{where}.reasoning_content", m["reasoning_content"])
+    for key in ("reasoning_content", "reasoning"):
+        if m.get(key) is not None:
+            out["reasoning_content"] = out["reasoning"] = _str(f"{where}.{key}", m[key])
     return out
 
 

@@ -182,8 +182,8 @@ class Choices:
         delta = {}
         if content:
             delta["content"] = content
-        if reasoning:
-            delta["reasoning_content"] = reasoning
+        if reasoning:  # vLLM's names, the older and the newer
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
         return delta, calls
 
     done_marker = True  # the stream ends with "data: [DONE]"
@@ -243,7 +243,8 @@ class Choices:
         content = "".join(c.content)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if c.tool_calls else "")}
         if c.output is not None and (c.output.reasoning_seen or c.reasoning):
-            message["reasoning_content"] = "".join(c.reasoning) if c.output.reasoning_seen else None
+            message["reasoning_content"] = message["reasoning"] = \
+                "".join(c.reasoning) if c.output.reasoning_seen else None
         if c.tool_calls:
             message["tool_calls"] = [call.as_openai() for call in c.tool_calls]
         return message

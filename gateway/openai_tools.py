@@ -42,13 +42,32 @@ class ToolPlan:
             return pb.StructuredOutputs(json=json.dumps(self.parameters[self.named]))
         if self.choice != "required":
             return None
-        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+        defs: dict[str, dict[str, Any]] = {}  # each tool's $defs / definitions, lifted to the root
+        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _lift_defs(params, defs)},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, params in self.parameters.items()]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **defs}
         if not self.parallel:
             schema["maxItems"] = 1
         return pb.StructuredOutputs(json=json.dumps(schema))
+
+
+def _lift_defs(params: Any, defs: dict[str, dict[str, Any]]) -> Any:
+    """``params`` without its ``$defs`` and ``definitions``, which go into ``defs`` (the combined
+    schema's root): a tool's ``{"$ref": "#/$defs/Unit"}`` (Pydantic's schemas, LangChain's
+    ``bind_tools``) then resolves inside the list that ``required`` constrains the output to,
+    as vLLM lifts them. One name defined two ways by two tools is refused."""
+    if not isinstance(params, dict):
+        return params
+    for key in ("$defs", "definitions"):
+        found = params.get(key)
+        for name, schema in (found.items() if isinstance(found, dict) else ()):
+            known = defs.setdefault(key, {})
+            if name in known and known[name] != schema:
+                raise BadParam("tools", f"two tools define {key}/{name} differently; tool_choice required "
+                                        f"puts every tool's definitions in one schema")
+            known[name] = schema
+    return {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
 
 
 def parse_tools(p: dict[str, Any]) -> ToolPlan | None:

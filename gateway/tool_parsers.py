@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -39,9 +41,15 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def new_call(name: str, arguments: Any) -> ToolCall:
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call(name: str, arguments: Any, mistral_id: bool = False) -> ToolCall:
+    """A call with a fresh id: ``call_<24 hex>``, or 9 letters and digits for Mistral's format
+    (its chat template refuses any other id when the call comes back in the next turn)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(name, args, f"call_{uuid.uuid4().hex[:24]}")
+    call_id = "".join(secrets.choice(_ALNUM) for _ in range(9)) if mistral_id else f"call_{uuid.uuid4().hex[:24]}"
+    return ToolCall(name, args, call_id)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -51,11 +59,11 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def _call(obj: Any, args_key: str = "arguments") -> ToolCall:
+def _call(obj: Any, args_key: str = "arguments", mistral_id: bool = False) -> ToolCall:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("a tool call must be an object with a name")
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    return new_call(obj["name"], args)
+    return new_call(obj["name"], args, mistral_id)
 
 
 class ToolParser:
@@ -127,13 +135,13 @@ class MistralParser(ToolParser):
         calls = []
         for part in parts:
             if part.startswith("["):
-                calls += [_call(obj) for obj in json.loads(part)]
+                calls += [_call(obj, mistral_id=True) for obj in json.loads(part)]
             else:
                 name, sep, args = part.partition("[ARGS]")
                 if not sep:
                     at = part.index("{")
                     name, args = part[:at], part[at:]
-                calls.append(new_call(name.strip(), json.loads(args)))
+                calls.append(new_call(name.strip(), json.loads(args), mistral_id=True))
         return calls
 
 
@@ -152,6 +160,6 @@ def parse_required(text: str) -> list[ToolCall]:
 
 
 def parse_named(name: str, text: str) -> list[ToolCall]:
-    """A named ``tool_choice``'s constrained output: the arguments themselves."""
-    json.loads(text)
+    """A named ``tool_choice``'s constrained output: the arguments themselves, as the text is
+    (cut short by ``max_tokens`` too, as vLLM answers: the call is the one asked for)."""
     return [new_call(name, text)]

@@ -241,6 +241,39 @@ def test_min_p_reaches_the_sampling_params_and_a_bad_one_is_refused_by_name():
         from_proto(parse_completion({"prompt": "x", "min_p": 1.5}).sampling).validate()
 
 
+def test_vllms_reasoning_fields_and_a_previous_answer_sent_back_are_taken():
+    """A client built for vLLM sends include_reasoning, an assistant turn's reasoning (its newer
+    name too), and the previous answer's message object as it came (annotations null)."""
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": "y", "reasoning": "because", "annotations": None, "refusal": None},
+               {"role": "assistant", "content": "z", "reasoning_content": "so", "annotations": []},
+               {"role": "user", "content": "w"}]
+    chat = parse_chat({"messages": history, "include_reasoning": False})
+    assert chat.include_reasoning is False and parse_chat({"messages": history}).include_reasoning is True
+    assert chat.messages[1] == {"role": "assistant", "content": "y", "reasoning_content": "because",
+                                "reasoning": "because"}
+    assert chat.messages[2]["reasoning_content"] == chat.messages[2]["reasoning"] == "so"
+    with pytest.raises(BadParam) as info:
+        parse_chat({"messages": [{"role": "user", "content": "x", "annotations": [{"type": "url_citation"}]}]})
+    assert info.value.param == "messages[0].annotations"
+    with pytest.raises(BadParam) as info:
+        parse_chat({"messages": history, "include_reasoning": "no"})
+    assert info.value.param == "include_reasoning"
+    # disable_any_whitespace asks for what this server's JSON always is: taken, true or false.
+    for value in (True, False):
+        chat = parse_chat({"messages": history, "structured_outputs": {"json": {"type": "object"},
+                                                                      "disable_any_whitespace": value}})
+        assert chat.sampling.structured_outputs.json
+
+
+def test_required_tool_choice_wins_over_response_format():
+    """As vLLM: the tool call's schema is the constraint; response_format gives way to it."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required",
+                       "response_format": {"type": "json_object"}})
+    assert chat.structured_param == "tools" and json.loads(chat.sampling.structured_outputs.json)["type"] == "array"
+
+
 def test_parser_accepts_nulls_off_values_and_fans_out():
     req = parse_completion({"model": "m", "prompt": ["a", "b"], "n": 3, "seed": 7, "echo": False, "best_of": 1,
                             "logit_bias": None, "suffix": None, "top_k": -1, "stop": "x", "user": "u"})

@@ -395,13 +395,19 @@ def test_reasoning_content_streamed_and_not(client):
     out = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, extra_body=steer)
     message = out.choices[0].message
     assert (message.reasoning_content, message.content) == ("pondering it", "the answer")
-    reasoning, content = "", ""
+    assert message.reasoning == "pondering it"  # vLLM's newer name, sent beside the older
+    reasoning, newer, content = "", "", ""
     for chunk in client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, extra_body=steer,
                                                 stream=True):
         for c in chunk.choices:
             reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            newer += getattr(c.delta, "reasoning", None) or ""
             content += c.delta.content or ""
-    assert (reasoning, content) == ("pondering it", "the answer")
+    assert (reasoning, newer, content) == ("pondering it", "pondering it", "the answer")
+    left_out = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40,
+                                              extra_body={**steer, "include_reasoning": False})
+    assert (getattr(left_out.choices[0].message, "reasoning_content", None),
+            left_out.choices[0].message.content) == (None, "the answer")
     plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, extra_body={
         "guided_choice": ["no think"]})
     assert plain.choices[0].message.content == "no think"

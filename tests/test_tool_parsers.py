@@ -4,6 +4,7 @@ a stream cut anywhere joins to what the whole output gives."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -40,17 +41,21 @@ def test_formats_parse_as_vllm_reads_them(parser, text, content, calls):
     got_content, got = tool_parser(parser).parse(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-    assert all(c.id.startswith("call_") for c in got)
+    if parser == "mistral":  # its template refuses other ids when the calls come back
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in got)
+    else:
+        assert all(c.id.startswith("call_") for c in got)
 
 
 @pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
 @pytest.mark.parametrize("text", ["<think>step one</think>the answer", "no thinking at all", "<think>cut sho",
-                                  "<thi", "plain </think> after", "<think></think>"])
-def test_reasoning_streamed_anyhow_joins_to_the_whole(parser, text):
-    whole_r, whole_c = split_reasoning(parser, text)
+                                  "<thi", "plain </think> after", "<think></think>", '[{"a": 1}]'])
+@pytest.mark.parametrize(("constrained", "opened"), [(False, False), (True, False), (False, True), (True, True)])
+def test_reasoning_streamed_anyhow_joins_to_the_whole(parser, text, constrained, opened):
+    whole_r, whole_c = split_reasoning(parser, text, constrained, opened)
     for cut in range(len(text) + 1):
         for step in (1, 3):
-            s = ThinkSplitter(parser)
+            s = ThinkSplitter(parser, constrained, opened)
             pieces = [s.feed(text[:cut])] + [s.feed(text[i:i + step]) for i in range(cut, len(text), step)]
             pieces.append(s.feed("", final=True))
             assert "".join(r for r, _ in pieces) == (whole_r or "")
@@ -62,6 +67,75 @@ def test_reasoning_parsers_split_as_vllm():
     assert split_reasoning("qwen3", "just b") == (None, "just b")
     assert split_reasoning("deepseek_r1", "a</think>b") == ("a", "b")
     assert split_reasoning("deepseek_r1", "all thinking") == ("all thinking", "")
+    # A thinking model's template opens <think> in the prompt: its output only closes it.
+    assert split_reasoning("qwen3", "pondering it</think>the answer", opened=True) == ("pondering it", "the answer")
+    assert split_reasoning("qwen3", "no think", opened=True) == ("no think", "")
+
+
+def test_constrained_output_is_reasoning_only_where_it_closes_a_think():
+    """Structured output shapes the output from its first token: deepseek_r1 must not take the
+    constrained JSON for reasoning, and still splits an output that closes </think>."""
+    assert split_reasoning("deepseek_r1", '{"a": 1}', constrained=True) == (None, '{"a": 1}')
+    assert split_reasoning("deepseek_r1", "hm</think>{}", constrained=True) == ("hm", "{}")
+    assert split_reasoning("deepseek_r1", "<think>hm</think>{}", constrained=True) == ("hm", "{}")
+    assert split_reasoning("qwen3", "[1]", constrained=True, opened=True) == (None, "[1]")
+    required = ToolPlan([WEATHER], "required")
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    for step in (1, 5, len(text)):
+        out = ChatOutput("deepseek_r1", required, None, constrained=True)
+        pieces = [out.feed(text[i:i + step]) for i in range(0, len(text), step)]
+        reasoning, rest, calls = out.finish()
+        assert "".join(r for r, _ in pieces) + reasoning == "" and not out.reasoning_seen
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out():
+    out = ChatOutput("qwen3", None, None, include_reasoning=False)
+    assert out.feed("<think>secret</think>the answer") == ("", "the answer")
+    assert out.finish() == ("", "", []) and not out.reasoning_seen
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_auto():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    for parallel, names in ((True, ["a", "b"]), (False, ["a"])):
+        out = ChatOutput(None, ToolPlan([WEATHER], "auto", parallel=parallel), tool_parser("hermes"))
+        out.feed(text)
+        assert [c.name for c in out.finish()[2]] == names
+
+
+def test_a_named_call_cut_short_is_still_the_named_call():
+    """As vLLM answers a named tool_choice: the arguments are the output, whole or cut by max_tokens."""
+    out = ChatOutput(None, ToolPlan([WEATHER], "named", named="get_weather"), None, constrained=True)
+    assert out.feed('{"ci') == ("", "")
+    _, content, calls = out.finish()
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"ci')]
+
+
+def test_required_lifts_each_tools_defs_to_the_root():
+    """Pydantic's schemas (LangChain's bind_tools) keep nested models under $defs: inside the
+    list that required constrains to, their $refs must still resolve."""
+    import jsonschema
+
+    from pagefleet.common import grammar
+    from pagefleet.common.sampling_proto import structured_from_proto
+    from pagefleet.gateway.openai_request import BadParam
+
+    unit = {"type": "string", "enum": ["c", "f"]}
+    tool = {"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+        "$defs": {"Unit": unit}}}}
+    other = {"type": "function", "function": {"name": "v", "parameters": {
+        "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": unit}}}}
+    so = ToolPlan([tool, other], "required").structured_outputs()
+    grammar.check(structured_from_proto(so))  # compiles as the door checks it (it did not: $ref unresolved)
+    schema = json.loads(so.json)
+    assert schema["$defs"] == {"Unit": unit}
+    jsonschema.validate([{"name": "w", "parameters": {"unit": "c"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "w", "parameters": {"unit": "k"}}], schema)
+    clash = {"type": "function", "function": {"name": "x", "parameters": {"$defs": {"Unit": {"type": "integer"}}}}}
+    with pytest.raises(BadParam, match="Unit"):
+        ToolPlan([tool, clash], "required").structured_outputs()
 
 
 def test_chat_output_holds_calls_back_and_streams_content():
