@@ -131,7 +131,7 @@ def test_prefill_decode_disaggregation_hands_prompts_over_with_their_kv(tmp_path
     two of six finished on the prefill worker before their handoff came."""
     c = start_cluster(tmp_path, num_workers=1, worker_args=["--num-blocks", "256", "--kv-transfer", "nixl",
                                                              "--role", "prefill"],
-                      scheduler_args=["--short-prompt-tokens", "40"])
+                      scheduler_args=["--short-prompt-tokens", "40", "--dead-after", "3.0"])
     c.log_dir = tmp_path
     try:
         c.add_worker(["--role", "decode"])
@@ -157,6 +157,21 @@ def test_prefill_decode_disaggregation_hands_prompts_over_with_their_kv(tmp_path
                   if e.get("event") == "request.placed"}
         short_id = results["greedy"][3].request_id
         assert placed[short_id] == "worker-1", "a short prompt prefills on the decode worker"
+
+        # The decode worker restarts under the same id (a container restarted in place): it has
+        # forgotten the prefill worker, which meets it again; handoffs resume (they were refused
+        # "has not met this worker" for good).
+        args = c.procs["worker-1"].args  # [python, -m, pagefleet, worker, --worker-id, worker-1, ...]
+        c.kill("worker-1")
+        wait_for(lambda: any(e.get("event") == "worker.dead" and e.get("worker_id") == "worker-1"
+                             for e in log_events(c.log_dir, "scheduler")), 60, "worker-1 declared dead")
+        c._spawn("worker-1", list(args[3:]))
+        c.wait_ready(num_workers=2)
+        before = len(transfers_ended(c, "disaggregation"))
+        again = [p + " once more, on past the wall" for p in long_prompts[:2]]
+        assert [o.token_ids for o in generate_all(c.gateway_target, again, 128)] == reference(again, 128)
+        after = transfers_ended(c, "disaggregation")[before:]
+        assert any(e["outcome"] == "migrated" for e in after), after
     finally:
         c.stop()
 

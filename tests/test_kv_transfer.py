@@ -449,3 +449,60 @@ def test_workers_meet_over_grpc_and_an_incompatible_pool_is_refused_up_front(tmp
         assert "block_size: ours 16, peer's 32" in err.value.details()
     finally:
         c.stop()
+
+
+def test_a_migrate_caller_gone_midway_leaves_the_engine_thread_serving(pair):
+    """The source's Migrate handler awaits the migration's future; a handler cancelled (its
+    call's deadline, its scheduler gone) cancelled that future through ``wrap_future``, and the
+    engine thread's later ``set_result`` raised there: the thread died and the worker served
+    nothing more. The migration now runs to its end whoever waits for it."""
+    import asyncio
+    import time
+
+    from pagefleet.worker.engine_loop import EngineLoop
+
+    src, dst, td, peer = pair
+    loop = EngineLoop(src, emit=lambda step: None, notify=lambda: None)
+    loop.start()
+
+    class SlowReceiver:  # the target as seen over gRPC, busy: each call takes a while
+        def __init__(self, r):
+            self.r = r
+
+        def read(self, *a):
+            time.sleep(0.1)
+            return self.r.read(*a)
+
+        def poll(self):
+            time.sleep(0.1)
+            return self.r.poll()
+
+        def commit(self, h):
+            return self.r.commit(h)
+
+        def abort(self):
+            return self.r.abort()
+
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def caller_gone() -> object:
+        loop.call(lambda: src.add_request(PROMPT, params, request_id="gone")).result()
+        while len(src.requests["gone"].output_token_ids) < 3:
+            await asyncio.sleep(0.01)
+        recv = SlowReceiver(MigrationReceiver(dst, td, peer, "gone", PROMPT))
+        fut = loop.call(lambda: loop.migrate(LiveMigration(src, "gone", recv, final_stage_blocks=2))).result()
+        with pytest.raises(TimeoutError):  # as Migrations._migrate's await, cancelled by its call
+            await asyncio.wait_for(asyncio.wrap_future(fut), 0.05)
+        return fut
+
+    try:
+        fut = asyncio.run(caller_gone())
+        assert fut.result(timeout=30).outcome == "migrated"
+        assert loop.call(lambda: "serving").result(timeout=5) == "serving"
+        assert loop._thread.is_alive()
+    finally:
+        loop.stop()
+    out = Collector("gone")
+    while out.finish is None:  # and the request goes on where it went
+        out.take(dst.step())
+    assert out.finish == "length"

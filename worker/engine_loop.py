@@ -323,6 +323,10 @@ class EngineLoop:
         fut: Future = Future()
         if migration.request_id in self._migrations:
             raise ValueError(f"{migration.request_id!r} is migrating already")
+        # Running from the start: a caller that goes away (its Migrate call's deadline, its
+        # scheduler gone) cannot cancel it, so the migration ends as migrations end (its lease
+        # bounds it) and setting its outcome cannot raise on this thread.
+        fut.set_running_or_notify_cancel()
         self._migrations[migration.request_id] = (migration, fut)
         return fut
 

@@ -186,12 +186,19 @@ class Migrations:
         if w.loop.is_migrating(rid):
             return _refused("it is migrating already")
         aio_stub, sync_stub = self.stubs(req.target_address)
+        begin_request = cluster_pb2.MigrateBeginRequest(
+            request_id=rid, source_worker_id=w.worker_id, prompt_token_ids=prompt,
+            deadline_s=req.deadline_s or DEADLINE_S, lease_s=req.lease_s or LEASE_S)
         try:
             if req.target_worker_id not in self.peer_agents:
                 await asyncio.wait_for(w.meet(req.target_address), RPC_TIMEOUT_S)
-            begin = await aio_stub.MigrateBegin(cluster_pb2.MigrateBeginRequest(
-                request_id=rid, source_worker_id=w.worker_id, prompt_token_ids=prompt,
-                deadline_s=req.deadline_s or DEADLINE_S, lease_s=req.lease_s or LEASE_S), timeout=RPC_TIMEOUT_S)
+            begin = await aio_stub.MigrateBegin(begin_request, timeout=RPC_TIMEOUT_S)
+            if not begin.accepted and NOT_MET in begin.error:
+                # The target restarted under the same worker id (a container restarted in place)
+                # and forgot this worker: meet it again, once.
+                self.peer_agents.pop(req.target_worker_id, None)
+                await asyncio.wait_for(w.meet(req.target_address), RPC_TIMEOUT_S)
+                begin = await aio_stub.MigrateBegin(begin_request, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:
             return _refused(f"the target did not answer: {e.code().name}: {e.details()}")
         except TimeoutError:
@@ -260,7 +267,7 @@ class Migrations:
             return _not_begun("draining")
         peer = self.peer_agents.get(req.source_worker_id)
         if peer is None:
-            return _not_begun(f"{req.source_worker_id!r} has not met this worker (KvPeer first)")
+            return _not_begun(f"{req.source_worker_id!r} {NOT_MET} (KvPeer first)")
         if rid in self.receivers:
             return _not_begun(f"{rid!r} is migrating here already")
         from .migration import Lease, MigrationReceiver
@@ -388,6 +395,9 @@ class Migrations:
 
 def _refused(error: str) -> cluster_pb2.MigrateResponse:
     return cluster_pb2.MigrateResponse(outcome=OUTCOMES["refused"], error=error)
+
+
+NOT_MET = "has not met this worker"  # a MigrateBegin refusal: the source meets the target again
 
 
 def _not_begun(error: str) -> cluster_pb2.MigrateBeginResponse:
