@@ -506,3 +506,133 @@ def test_a_migrate_caller_gone_midway_leaves_the_engine_thread_serving(pair):
     while out.finish is None:  # and the request goes on where it went
         out.take(dst.step())
     assert out.finish == "length"
+
+
+class _DeferredLocal(LocalTransport):
+    """A local transport whose copy lands at the first poll, as an asynchronous NIXL read does
+    (over TCP, or between hosts)."""
+
+    def _start(self, t, remote, local):
+        t.handle = (remote, local)
+
+    def _poll(self, t):
+        remote, local = t.handle
+        LocalTransport._start(self, t, remote, local)
+        return "DONE"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_request_preempted_while_a_stage_is_read_is_not_committed_from_stale_blocks(mode):
+    """The source preempted the migrating request while a stage's read was in flight, and
+    another request took its blocks; the read copied that request's K/V, and only the final
+    stage is checked at the handover: the request went on with wrong tokens. A migration now
+    fails when its request is preempted; the request goes on at the source, its tokens unchanged."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    src = Engine("tiny", device="cpu", block_size=16, num_blocks=5, enable_prefix_caching=False,
+                 **({"num_swap_blocks": 16} if mode == "swap" else {}))
+    dst = _engine(enable_prefix_caching=False)
+    ts, td = _DeferredLocal("tiny"), _DeferredLocal("tiny")
+    hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
+    ts.connect(hd)
+    peer = td.connect(hs)
+    try:
+        out = Collector("r")
+        src.add_request(PROMPT, params, request_id="r")
+        while len(out.tokens) < 3:
+            out.take(src.step())
+        mig = LiveMigration(src, "r", MigrationReceiver(dst, td, peer, "r", PROMPT), final_stage_blocks=2)
+        assert mig.advance() == "running" and mig.in_flight
+        assert src.preempt_request("r", mode=mode)
+        src.add_request(list(range(150, 210)), SamplingParams(max_tokens=4, temperature=0), request_id="o",
+                        priority=10)
+        out.take(src.step())  # "o" prefills into the blocks "r" left
+        stats = mig.run(lambda: out.take(src.step()))
+        assert stats.outcome == "failed"
+        assert "r" not in dst.kv.block_tables and dst.kv.num_free_blocks == dst.kv.num_blocks
+        while out.finish is None:
+            out.take(src.step())
+        assert out.ids() == undisturbed(params)
+    finally:
+        ts.close()
+        td.close()
+
+
+_LATE_READ = """
+from pagefleet import Engine, SamplingParams
+from pagefleet.worker.kv_transfer import NixlTransport
+from pagefleet.worker.migration import MigrationReceiver
+
+PROMPT, OTHER = list(range(30, 83)), list(range(100, 160))
+greedy = SamplingParams(max_tokens=16, temperature=0)
+mk = lambda n: Engine("tiny", device="cpu", block_size=16, num_blocks=n, enable_prefix_caching=False)
+want = mk(64).generate([OTHER], greedy)[0].token_ids
+src, dst = mk(64), mk(8)
+ts, td = NixlTransport("tiny"), NixlTransport("tiny")
+hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
+ts.connect(hd)
+peer = td.connect(hs)
+src.add_request(PROMPT, SamplingParams(max_tokens=12, temperature=0), request_id="r")
+for _ in range(3):
+    src.step()
+recv = MigrationReceiver(dst, td, peer, "r", PROMPT)
+recv.read(0, src.kv.block_tables["r"][:3])
+recv.abort()
+dst.add_request(OTHER, greedy, request_id="o")
+got = {}
+for d in dst.step():
+    got.update({d.index + i: t for i, t in enumerate(d.token_ids)})
+for _ in range(3000):
+    ts.progress()
+    td.progress()
+while "o" in dst.requests:
+    for d in dst.step():
+        got.update({d.index + i: t for i, t in enumerate(d.token_ids)})
+print("IDENTICAL" if [got[i] for i in sorted(got)] == want else "DIFFERENT")
+"""
+
+
+def test_an_aborted_nixl_read_never_lands_in_blocks_given_to_another_request():
+    """Over TCP (UCX's path when a peer's memory cannot be read directly, and between hosts) a
+    NIXL read goes on after its handle is released; the receiver's abort freed its blocks at
+    once, the read landed in the next request's K/V, and that request's tokens changed. A
+    cancelled read is now let end before its blocks are freed."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, UCX_TLS="tcp")
+    run = subprocess.run([sys.executable, "-c", _LATE_READ], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "IDENTICAL", run.stdout[-2000:]
+
+
+def test_blocks_a_read_may_still_write_are_set_aside_never_reused():
+    """A read that does not end when cancelled (a hung peer) may still write its blocks: they
+    are kept out of the pool for good, the rest of the reservation freed."""
+
+    class Unstoppable(_DeferredLocal):
+        def cancel(self, t):
+            return False
+
+    src, dst = _engine(), _engine(num_blocks=8)
+    ts, td = LocalTransport("tiny"), Unstoppable("tiny")
+    hs, hd = ts.register(src.kv_cache), td.register(dst.kv_cache)
+    ts.connect(hd)
+    peer = td.connect(hs)
+    try:
+        src.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=0), request_id="h")
+        src.step()
+        recv = MigrationReceiver(dst, td, peer, "h", PROMPT)
+        assert recv.read(0, src.kv.block_tables["h"][:3]) == 3
+        reading = list(recv.transfers[0].local_block_ids)
+        recv.abort()
+        assert dst.kv.set_aside_blocks == reading and "h" not in dst.kv.block_tables
+        assert dst.kv.num_free_blocks == dst.kv.num_blocks - 3
+        dst.add_request(list(range(100, 160)), SamplingParams(max_tokens=4, ignore_eos=True), request_id="o")
+        dst.step()
+        assert len(dst.kv.block_tables["o"]) == 4 and not set(dst.kv.block_tables["o"]) & set(reading)
+        while dst.has_unfinished_requests():
+            dst.step()
+    finally:
+        ts.close()
+        td.close()

@@ -51,6 +51,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
+        self.set_aside_blocks: list[int] = []  # written by a read that could not be stopped: never reused
         self.block_tables: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of a table cache_blocks has seen
         self.prefix_cache_queries_total = 0  # tokens looked up when admitted
@@ -127,6 +128,15 @@ class KVCacheManager:
             return 0
         self.pool.free(reversed(table))
         return len(table)
+
+    def set_aside(self, request_id: str, block_ids: list[int]) -> None:
+        """Take ``block_ids`` out of ``request_id``'s table without freeing them: a read that
+        could not be stopped may still write them, so they are never handed out again
+        (``set_aside_blocks``; the pool counts them used). A later ``free`` frees the rest."""
+        table = self.block_tables.get(request_id, [])
+        gone = set(block_ids)
+        self.block_tables[request_id] = [b for b in table if b not in gone]
+        self.set_aside_blocks.extend(b for b in table if b in gone)
 
     def num_allocated_slots(self) -> int:
         return self.pool.num_used_blocks * self.block_size
@@ -211,7 +221,7 @@ class KVCacheManager:
         return self.pool.cached_keys()
 
     def check_integrity(self) -> None:
-        """The pool's checks, plus: every reference is a table's, no table holds a free block
+        """The pool's checks, plus: every reference is a table's (or a block set aside), no table holds a free block
         or one block twice, and caching off caches nothing."""
         pool = self.pool
         pool.check_integrity()
@@ -221,6 +231,8 @@ class KVCacheManager:
                 raise AssertionError(f"request {rid!r} holds a block twice")
             for b in table:
                 counts[b] = counts.get(b, 0) + 1
+        for b in self.set_aside_blocks:
+            counts[b] = counts.get(b, 0) + 1
         for b in range(pool.num_blocks):
             if pool.ref_count(b) != counts.get(b, 0):
                 raise AssertionError(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
@@ -39,6 +40,7 @@ from typing import ClassVar
 import torch
 
 LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
+CANCEL_WAIT_S = 5.0  # how long a cancelled NIXL read is let end before its blocks are set aside
 
 
 class IncompatiblePeer(ValueError):
@@ -232,11 +234,13 @@ class KVTransport(ABC):
                 self._release(t)
         return t.state
 
-    def cancel(self, t: Transfer) -> None:
-        """Stop a read in flight (its local blocks are not written once this returns)."""
+    def cancel(self, t: Transfer) -> bool:
+        """Stop a read in flight. True once its local blocks can no longer be written (free
+        them); False if the read may still land in them (never reuse them)."""
         if t.state == "PROC":
             t.state = "ERR"
             self._release(t)
+        return True
 
     def wait(self, t: Transfer) -> str:
         """Poll until the transfer is done (or failed)."""
@@ -358,12 +362,27 @@ class NixlTransport(KVTransport):
             self._release(t)
 
     def _poll(self, t: Transfer) -> str:
-        return self.agent.check_xfer_state(t.handle)
+        try:
+            return self.agent.check_xfer_state(t.handle)
+        except Exception:  # NIXL raises for a read that failed (its peer gone: NIXL_ERR_REMOTE_DISCONNECT)
+            return "ERR"
 
     def _release(self, t: Transfer) -> None:
         if t.handle is not None:
             self.agent.release_xfer_handle(t.handle)
             t.handle = None
+
+    def cancel(self, t: Transfer) -> bool:
+        """NIXL cannot stop a read in flight: its handle released, the read still lands. So a
+        read is let end (a live peer's read ends in milliseconds, a dead peer's in an error),
+        up to ``CANCEL_WAIT_S``; one still running then may still write its blocks (False)."""
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while self.poll(t) == "PROC":
+            if time.monotonic() > deadline:
+                return False
+            self.progress()
+            time.sleep(0.0002)
+        return True
 
     def progress(self) -> None:
         self.agent.get_new_notifs()  # drives the UCX worker (connections, remote requests)

@@ -213,11 +213,14 @@ class MigrationReceiver:
         return True
 
     def abort(self) -> None:
-        """Free every block of the reservation (idempotent)."""
+        """Free every block of the reservation (idempotent), but never one a read may still
+        write: those are set aside for good (``KVCacheManager.set_aside``)."""
         if self.state == "open":
+            kv = self.engine.kv
             for t in self.transfers:
-                self.transport.cancel(t)  # never free a block a read still writes
-            self.engine.kv.free(self.request_id)
+                if not self.transport.cancel(t):
+                    kv.set_aside(self.request_id, t.local_block_ids)
+            kv.free(self.request_id)
             self.state = "aborted"
 
     def _check_open(self) -> None:
@@ -268,6 +271,10 @@ class LiveMigration:
         self.in_flight = False
         self.frozen = False  # the request is stopped here for the final stage
         self.stats = MigrationStats()
+        # A request preempted here meanwhile (recomputed or swapped out) lost the blocks the
+        # stages read: another request may have written them while a read was in flight, and
+        # only the final stage's are checked at the handover. The migration then fails.
+        self._num_preemptions = engine.requests[request_id].num_preemptions
 
     def advance(self) -> str:
         """One move: poll the stage in flight, start the next, or run the final stage."""
@@ -276,6 +283,8 @@ class LiveMigration:
             return s.outcome
         req = self.engine.requests.get(self.request_id)
         if req is None or req.status.is_finished:  # finished (or aborted) here meanwhile
+            return self._end("failed")
+        if req.num_preemptions != self._num_preemptions:  # its blocks were freed: what was read is stale
             return self._end("failed")
         if self.lease.expired():
             return self._end("expired")
