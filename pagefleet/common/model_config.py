@@ -34,6 +34,43 @@ SUPPORTED = {
     "gpt_oss": "GptOssForCausalLM",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Each architecture's config defaults, as transformers' config classes have them: a key that
+# config.json leaves out (transformers drops values equal to its defaults when it saves, and
+# Gemma 3's vision-language checkpoints give only a few of their text model's) means this.
+# Values derived from others (num_key_value_heads = heads, head_dim = hidden / heads) are not here.
+_BASE = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+         "tie_word_embeddings": False, "rope_theta": 10000.0}
+_QWEN = {**_BASE, "vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+         "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
+_GEMMA = {**_BASE, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+          "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+          "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _BASE,
+    "qwen2": {**_QWEN, "num_key_value_heads": 32},
+    "mistral": {**_BASE, "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "sliding_window": 4096},
+    "qwen3": {**_QWEN, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {**_QWEN, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+                  "num_key_value_heads": 4, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+                  "num_experts_per_tok": 8, "norm_topk_prob": False},  # num_experts: 128, under either name
+    "gemma2": {**_GEMMA, "vocab_size": 256000, "max_position_embeddings": 8192, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0},
+    "gemma3_text": {**_GEMMA, "vocab_size": 262208, "max_position_embeddings": 131072, "rope_theta": 1000000.0,
+                    "rope_local_base_freq": 10000.0},
+    "phi3": {**_BASE, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+             "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "mixtral": {**_BASE, "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "num_experts_per_tok": 2, "num_local_experts": 8, "rope_theta": 1000000.0},
+    "olmo2": {**_BASE, "vocab_size": 50304, "rms_norm_eps": 1e-5},
+    "granite": {**_BASE, "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
+                "attention_multiplier": 1.0},
+    "gpt_oss": {**_BASE, "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+                "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "num_experts_per_tok": 4, "swiglu_limit": 7.0, "attention_bias": True, "rope_theta": 150000.0},
+}
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -75,22 +112,28 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        model_type = cfg.get("model_type", "llama")
+        archs = cfg.get("architectures") or []
+        # No model_type: the architecture names it (else a Llama, as the oldest checkpoints are).
+        inferred = next((t for a in archs for t, cls_name in SUPPORTED.items() if a == cls_name), "llama")
+        model_type = cfg.get("model_type") or inferred
         if model_type not in SUPPORTED:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: {sorted(SUPPORTED)}"
             )
-        archs = cfg.get("architectures") or []
         if archs and SUPPORTED[model_type] not in archs and not any(a.endswith("ForCausalLM") for a in archs):
             raise ValueError(f"architectures {archs} are not a causal language model; pagefleet serves "
                              f"{SUPPORTED[model_type]} for model_type {model_type!r}")
         if model_type == "gemma3":  # a vision-language checkpoint: serve its text model
             text = {**cfg.get("text_config", {}), "model_type": "gemma3_text"}
-            text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+            # Its head is tied as the whole model says (not its text config), and its logits are
+            # not soft-capped (Gemma3ForConditionalGeneration applies no final soft-cap).
+            text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
+            text["final_logit_softcapping"] = None
             for key in ("eos_token_id", "bos_token_id"):
                 text.setdefault(key, cfg.get(key))
             cfg = text
             model_type = "gemma3_text"
+        cfg = {**HF_DEFAULTS[model_type], **cfg}
         heads = cfg["num_attention_heads"]
         theta, rope_type, rope = _rope_of(cfg)
         if rope_type not in ROPE_TYPES:

@@ -18,6 +18,7 @@ def decoder_spec(cfg: ModelConfig, **more) -> DecoderSpec:
         attn_soft_cap=hf.get("attn_logit_softcapping"),
         final_soft_cap=hf.get("final_logit_softcapping"),
         qkv_bias=cfg.attention_bias,
+        o_bias=cfg.attention_bias,
         embed_scale=cfg.hidden_size**0.5,
         **more,
     )

@@ -3,6 +3,8 @@ sliding layers; a ``gemma3`` vision-language checkpoint serves its language mode
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagefleet.common.model_config import SLIDING, ModelConfig
@@ -22,7 +24,9 @@ def _local_rope(cfg: ModelConfig):
 
 
 def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
-    return gemma2.decoder_spec(cfg, qk_norm="head", local_rope=_local_rope(cfg))
+    # transformers' Gemma 3 attention applies no soft-cap, whatever attn_logit_softcapping says
+    spec = gemma2.decoder_spec(cfg, qk_norm="head", local_rope=_local_rope(cfg))
+    return dataclasses.replace(spec, attn_soft_cap=None)
 
 
 _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),

@@ -96,6 +96,12 @@ def load_model(spec: ModelSpec, device: torch.device, dtype: str, max_positions:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     net = CausalLM(cfg, decoder, max_positions=max_positions)
+    own = net.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (the config makes {tuple(own[k].shape)})" for k, v in state.items()
+             if k in own and own[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"checkpoint does not match its config.json: {'; '.join(wrong[:3])}"
+                         f"{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}")
     missing, unexpected = net.load_state_dict(state, strict=False)
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
@@ -136,10 +142,31 @@ def _dummy_model(cfg: ModelConfig, decoder, device: torch.device, dtype: torch.d
     return net
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files, as transformers finds them: the shards its
+    ``model.safetensors.index.json`` names, else ``model.safetensors``, else every
+    ``*.safetensors`` but other tools' files (Mistral's ``consolidated.safetensors``, a LoRA
+    adapter's ``adapter_model.safetensors``), which hold the same or other weights under other names."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"model: {index} is not a safetensors index ({e})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"model: {index} names files that are not there: {missing[:3]}")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(f for f in path.glob("*.safetensors")
+                  if not f.name.startswith(("consolidated", "adapter_model")))
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     if not files:
         raise ValueError(f"model: no *.safetensors files in {path}")
     state: dict[str, torch.Tensor] = {}

@@ -13,7 +13,7 @@ from .moe import MoESpec, stack_experts
 
 def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     moe = MoESpec(num_experts=cfg.hf["num_local_experts"], top_k=cfg.hf["num_experts_per_tok"],
-                  intermediate_size=cfg.intermediate_size, norm_topk_prob=True)
+                  intermediate_size=cfg.intermediate_size, norm_topk_prob=True, activation=cfg.hidden_act)
     return DecoderSpec(moe=moe)
 
 

@@ -12,7 +12,8 @@ from .moe import MoESpec, stack_experts
 
 
 def _num_experts(cfg: ModelConfig) -> int:
-    return cfg.hf.get("num_experts") or cfg.hf.get("num_local_experts") or 0
+    # transformers' default (128) when the config names neither
+    return cfg.hf.get("num_experts") or cfg.hf.get("num_local_experts") or 128
 
 
 def moe_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -24,7 +25,7 @@ def moe_layers(cfg: ModelConfig) -> tuple[int, ...]:
 def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     moe = MoESpec(num_experts=_num_experts(cfg), top_k=cfg.hf["num_experts_per_tok"],
                   intermediate_size=cfg.hf["moe_intermediate_size"],
-                  norm_topk_prob=cfg.hf.get("norm_topk_prob", False))
+                  norm_topk_prob=cfg.hf.get("norm_topk_prob", False), activation=cfg.hidden_act)
     return DecoderSpec(qk_norm="head", qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, moe=moe,
                        moe_layers=moe_layers(cfg))
 
