@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagefleet.common.redis import check_shard, retry
 
@@ -62,7 +63,9 @@ def served_models(models: Sequence[str] | str | None, served_names: Sequence[str
     entries: list[tuple[str, str]] = []
     for i, spec in enumerate(paths):
         name, sep, path = spec.partition("=")
-        if not sep or "/" in name or not name:
+        # NAME=PATH, a NAME such as Hugging Face's "org/model" too; a path with a "=" in it
+        # (one that starts as paths do, or a folder that is there) is a PATH.
+        if not sep or not name or name.startswith(("/", ".", "~")) or Path(spec).exists():
             name, path = (names[i] if i < len(names) else spec), spec
         if not path:
             raise ValueError(f"--model {spec!r}: no checkpoint after '='")

@@ -556,7 +556,7 @@ def main(argv: list[str]) -> int:
     per_process = args.workers_per_process or (64 if args.engine == "sim" else 1)
     # The demo shows the stream, not every component's info logs (--log-level still wins).
     quiet = args.demo is not None and "--log-level" not in argv and "PAGEFLEET_LOG_LEVEL" not in os.environ
-    gateway_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    gateway_args: list[str] = []
     if args.gateway_processes < 1 or args.stream_interval < 1:
         parser.error("--gateway-processes and --stream-interval must be at least 1")
     if args.gateway_processes > 1:
@@ -569,6 +569,10 @@ def main(argv: list[str]) -> int:
     models = args.model or ["tiny"]
     if args.served_model_name and len(models) > 1:
         parser.error("--served-model-name names one model; name several with --model NAME=PATH")
+    if args.served_model_name:  # as NAME=PATH: the gateway's, the schedulers' and the workers' name alike
+        from pagefleet.gateway.models import served_models
+
+        models = [f"{args.served_model_name}={served_models(models)[0].path}"]
     if args.shards_per_model < 1 or args.workers < args.shards_per_model:
         parser.error(f"--shards-per-model must be between 1 and --workers ({args.workers}), got {args.shards_per_model}")
     if args.secure and args.redis_cluster:

@@ -150,7 +150,8 @@ class Lease:
     without its lapsing first), so placing resumes: a stall of the process (a loaded
     machine, a long collection) costs a pause, not the scheduler. The lease is given up for
     good once Redis says another holds it or it has lapsed (``lease_lost``), or a whole lease
-    has passed without a renewal (``lease_lapsed``: it has surely lapsed in Redis too).
+    has passed without a renewal (``lease_lapsed``: it has surely lapsed in Redis too); the
+    process then stands by again.
     ``hold`` returns which: ``"taken"`` (another holds it), ``"free"`` (it lapsed, and nobody
     holds it: the process stood still longer than a lease, and Redis answers again) or
     ``"lapsed"``.
@@ -277,11 +278,14 @@ async def serve(args) -> int:
             with contextlib.suppress(Exception):
                 await redis.eval(LEASE_RELEASE, 1, keys.lease, me)
             break
-        if lease in done and run not in done and lease.result() == "free" and not stop.is_set():
-            # Nobody took it over: everything this scheduler placed was fenced by its epoch,
-            # and a new one is taken with the lease; start again from Redis, as a standby would.
+        if lease in done and run not in done and not stop.is_set():
+            # The lease is gone (lapsed unclaimed, taken by a standby, or not renewed for a whole
+            # lease: Redis away, a primary failing over): everything this scheduler placed was
+            # fenced by its epoch, and a new one comes with the lease. Stand by, as a standby
+            # does, and start again from Redis if it comes back to this one; exiting left a
+            # cluster with one scheduler a shard without any (and `up` stopped everything).
             await set_serving(health, names, False)
-            log.warning("scheduler.standby", port=port, instance=me, after="the lease lapsed unclaimed")
+            log.warning("scheduler.standby", port=port, instance=me, after=f"the lease was {lease.result()}")
             rc = 0
             continue
         break

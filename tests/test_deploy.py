@@ -200,6 +200,15 @@ def test_keda_scales_workers_on_the_request_stream(rendered):
         assert trigger["metadata"]["stream"] == Keys(namespace).requests
 
 
+def _gateway_shards(args: list[str]) -> dict[str, set[str]]:
+    """The shards each model's requests are queued on, as the gateway reads its flags."""
+    from pagefleet.gateway.models import served_models
+
+    models = [a.split("=", 1)[1] for a in args if a.startswith("--model=")]
+    shards = [a.split("=", 1)[1] for a in args if a.startswith("--shards=")]
+    return {m.name: set(m.shards) for m in served_models(models, shards=shards)}
+
+
 def test_two_models_run_a_shard_each_behind_one_gateway(rendered):
     for name, objs in rendered.items():
         if not name.startswith("two-models"):
@@ -219,6 +228,12 @@ def test_two_models_run_a_shard_each_behind_one_gateway(rendered):
         (gateway,) = pods_of(objs, "gateway").values()
         args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
         assert {a.split("=", 1)[1] for a in args if a.startswith("--model=")} == models, name
+        # The gateway queues each model's requests on the shards that serve it (it had sent them
+        # to s0 and s1, which no scheduler served).
+        assert _gateway_shards(args) == {s["model"]: {shard} for shard, s in shards.items()}, name
+        for parts in shards.values():  # the scheduler's metrics carry its model
+            env = container_env(parts["scheduler"]["spec"]["template"]["spec"]["containers"][0])
+            assert env.get("PAGEFLEET_SERVED_MODEL_NAME") == parts["model"], name
         # No selector of one shard (Deployments, PDBs, Services) takes another shard's pods.
         selectors = [(o["kind"], o["metadata"]["name"], o["spec"].get("selector", {}))
                      for o in objs if o["kind"] in ("Deployment", "PodDisruptionBudget", "Service")]
@@ -596,6 +611,10 @@ def test_compose_two_models_run_a_shard_each(compose_variants):
     assert all(len(m) == 1 for m in models.values()), "a shard serves one model"
     served = {a.split("=", 1)[1] for a in services["gateway"]["command"] if a.startswith("--model=")}
     assert served == set().union(*models.values())
+    assert _gateway_shards(services["gateway"]["command"]) == {m: {shard} for shard, ms in models.items() for m in ms}
+    for svc in pagefleet.values():
+        if svc["command"][1] == "scheduler":
+            assert svc["environment"]["PAGEFLEET_SERVED_MODEL_NAME"] in models[svc["environment"]["PAGEFLEET_SHARD"]]
     for sname, svc in pagefleet.items():  # a checkpoint directory is mounted where it is read
         for model in [svc["environment"].get("PAGEFLEET_MODEL"), *(served if sname == "gateway" else ())]:
             if model and model.startswith("/"):

@@ -18,6 +18,9 @@ def test_one_model_is_shard_s0_and_several_get_a_shard_each():
         ServedModel("tiny", "tiny", ("s0",)), ServedModel("llama", "/ckpt/llama", ("s1",))]
     assert served_models(["a=tiny", "b=/x"], shards=["b=s7,s8"])[1].shards == ("s7", "s8")
     assert served_models(["/path/with=sign"])[0] == ServedModel("/path/with=sign", "/path/with=sign", ("s0",))
+    # A Hugging Face style name (it was read as a path, and the model could not be named so)
+    assert served_models(["meta-llama/Llama-3.2-1B=/ckpt/l"])[0] == ServedModel("meta-llama/Llama-3.2-1B",
+                                                                               "/ckpt/l", ("s0",))
 
 
 @pytest.mark.parametrize("models, names, shards, error", [

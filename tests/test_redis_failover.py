@@ -241,3 +241,31 @@ def test_a_primary_killed_under_load_is_replaced_by_its_replica_and_every_stream
         finally:
             fleet.stop()
     assert got == want and all(len(t) == max_tokens for t in got)
+
+
+def test_a_planned_failover_of_a_shards_primary_leaves_its_scheduler_running(tmp_path):
+    """CLUSTER FAILOVER on a replica (nothing lost, well under a second): Redis answers a read
+    blocked on the old primary with '-UNBLOCKED force unblock ... (master -> replica?)'. The
+    scheduler's blocked read of its done stream took that for a fatal error and the process
+    exited: the shard placed nothing more. It is now retried as a connection error is."""
+    from pagefleet.client import Client
+    from pagefleet.launcher import ClusterConfig, LocalCluster
+
+    with RedisClusterServer(num_primaries=3, replicas=1) as rc:
+        c = LocalCluster(ClusterConfig(port=0, log_dir=str(tmp_path), device="cpu", num_workers=1, redis_url=rc.url,
+                                       redis_cluster=True, worker_args=["--engine", "sim", "--time-scale", "1"]))
+        try:
+            c.start(timeout_s=120)
+            with Client(c.gateway_target) as client:
+                assert client.generate("x", max_tokens=5, timeout=30).finish_reason == "length"
+                primary = rc.primary_port(Keys(shard="s0").requests)
+                sync_redis.Redis(port=rc.replica_port(primary)).execute_command("CLUSTER", "FAILOVER")
+                deadline = time.monotonic() + 30
+                while primary in rc.primary_ports():
+                    assert time.monotonic() < deadline, "the replica never took over"
+                    time.sleep(0.1)
+                time.sleep(2)  # the scheduler's blocked reads meet the failover
+                assert c.procs["scheduler"].poll() is None, "the scheduler exited"
+                assert client.generate("x", max_tokens=5, timeout=30).finish_reason == "length"
+        finally:
+            c.stop()

@@ -407,8 +407,8 @@ def test_a_lease_not_renewed_for_a_whole_lease_is_given_up():
 
 
 def test_a_lease_lost_says_whether_another_holds_it():
-    """Redis answering that the lease is not ours any more: taken by another (give it up for
-    good) or lapsed with nobody holding it (the process stood still: stand by again)."""
+    """Redis answering that the lease is not ours any more: taken by another or lapsed with
+    nobody holding it (the process stood still); either way the process stands by again."""
     from pagefleet.scheduler.server import Lease
 
     class Fake:
@@ -431,7 +431,7 @@ def test_a_lease_lost_says_whether_another_holds_it():
     assert asyncio.run(go(b"other")) == "taken"
 
 
-def test_a_scheduler_whose_lease_lapsed_unclaimed_stands_by_and_takes_it_again(tmp_path):
+def test_a_scheduler_whose_lease_lapsed_or_was_taken_stands_by_and_takes_it_again(tmp_path):
     """A scheduler that stood still longer than its lease (a loaded machine) found the lease
     lapsed with nobody holding it, and exited: a cluster without a standby had no scheduler.
     It now starts again from Redis under a new epoch, as a standby taking over would."""
@@ -458,6 +458,13 @@ def test_a_scheduler_whose_lease_lapsed_unclaimed_stands_by_and_takes_it_again(t
             assert proc.poll() is None
             assert events("scheduler.lease_lost") and int(r.get(keys.scheduler_epoch)) > first
             assert r.get(keys.lease) is not None
+            # Taken by another (a standby that took over, a Redis failover that lost the
+            # renewals): it exited, and under `up` that stopped every process. It stands by now,
+            # and takes the lease again once the other's lapses.
+            second = int(r.get(keys.scheduler_epoch))
+            r.set(keys.lease, "another", px=2500)
+            wait_for(lambda: len(events("scheduler.active")) == 3, 30, "the scheduler active a third time")
+            assert proc.poll() is None and int(r.get(keys.scheduler_epoch)) > second
         finally:
             proc.terminate()
             assert proc.wait(30) == 0

@@ -233,10 +233,26 @@ def connect_args(args):
     return connect(args.redis_url, args.redis_password_file, getattr(args, "redis_cluster", False))
 
 
+# Replies of a Redis (Cluster) node that is changing hands: the command did not run, and runs
+# once the failover is through. UNBLOCKED: a blocked read (XREAD, XREADGROUP) released by a
+# failover ("force unblock ... master -> replica"); READONLY: a write to a primary demoted;
+# CLUSTERDOWN, TRYAGAIN, MASTERDOWN: the slot has no primary for the moment.
+TRANSIENT_REPLIES = ("UNBLOCKED", "READONLY", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN")
+
+
 def _transient() -> tuple[type[BaseException], ...]:
     import redis.exceptions as rx
 
     return (rx.ConnectionError, rx.TimeoutError, ConnectionError, OSError)
+
+
+def is_transient(e: BaseException) -> bool:
+    """A connection error, or a reply that a failover gives (``TRANSIENT_REPLIES``)."""
+    import redis.exceptions as rx
+
+    if isinstance(e, _transient()):
+        return True
+    return isinstance(e, rx.ResponseError) and str(e).startswith(TRANSIENT_REPLIES)
 
 
 async def cancellable(aw: Awaitable[T]) -> T:
@@ -281,7 +297,9 @@ async def retry(
     while True:
         try:
             return await cancellable(fn())
-        except _transient() as e:
+        except Exception as e:
+            if not is_transient(e):
+                raise
             if on_error is not None:
                 on_error(e)
             n += 1
@@ -306,8 +324,8 @@ def retry_blocking(
     while True:
         try:
             return fn()
-        except _transient() as e:
-            if stop():
+        except Exception as e:
+            if not is_transient(e) or stop():
                 raise
             n += 1
             log.warning("redis.retry", what=what, attempt=n, delay_s=round(delay, 3), error=str(e))
