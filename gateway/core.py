@@ -101,7 +101,10 @@ class GatewayCore:
         self.keys = self.shards[0]
         self.model = model
         self.name = name or model.name
-        self.max_model_len = model.max_model_len(args.max_model_len)
+        # --max-model-len caps every model's context (several models' contexts differ; one
+        # model's above it was refused by the gateway's flags)
+        cap = args.max_model_len
+        self.max_model_len = model.max_model_len(None if cap is None else min(cap, model.context_limit))
         self.args = args
         self.limits = limits or Limits()
         self.metrics = metrics or GatewayMetrics()

@@ -63,6 +63,8 @@ def served_models(models: Sequence[str] | str | None, served_names: Sequence[str
     entries: list[tuple[str, str]] = []
     for i, spec in enumerate(paths):
         name, sep, path = spec.partition("=")
+        if sep and not name:
+            raise ValueError(f"--model {spec!r}: no name before '=' (NAME=PATH, or PATH alone)")
         # NAME=PATH, a NAME such as Hugging Face's "org/model" too; a path with a "=" in it
         # (one that starts as paths do, or a folder that is there) is a PATH.
         if not sep or not name or name.startswith(("/", ".", "~")) or Path(spec).exists():

@@ -73,7 +73,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--shards", action="append", default=None, metavar="MODEL=SHARD[,SHARD...]",
                    help="the shards serving MODEL (its requests spread over them by id); default: the i-th "
                         "--model is served by shard s<i> (one model: s0)")
-    p.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="refuse prompt + max_tokens beyond this (with several models: caps each model's context)")
     p.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block of the workers: the prompt's block keys are computed with it "
                         "so the scheduler can place a request where its prefix is cached")
@@ -264,9 +265,17 @@ def main(argv: list[str]) -> int:
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
     try:
-        served_models(args.model, args.served_model_name, args.shards)
+        models = served_models(args.model, args.served_model_name, args.shards)
     except ValueError as e:
         parser.error(str(e))
+    if args.max_model_len is not None:
+        if args.max_model_len < 1:
+            parser.error(f"--max-model-len must be at least 1, got {args.max_model_len}")
+        if len(models) == 1:  # several: it caps each model's context
+            try:
+                load_model_spec(models[0].path).max_model_len(args.max_model_len)
+            except ValueError as e:
+                parser.error(f"--max-model-len: {e}")
     if args.processes < 1:
         parser.error(f"--processes must be at least 1, got {args.processes}")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:

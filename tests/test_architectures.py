@@ -225,3 +225,21 @@ def test_weights_of_another_shape_are_refused_naming_them(tmp_path, llama_dir):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="does not match its config.json: .*mlp"):
         Engine(str(path), device="cpu")
+
+
+def test_yarn_extends_the_context_as_the_model_cards_say(tmp_path):
+    """Qwen's model cards extend the context by adding a yarn rope_scaling and leaving
+    max_position_embeddings as it is: the context is original_max_position_embeddings x factor
+    (as vLLM derives it); it was refused past max_position_embeddings. Tokens past it equal
+    transformers' (which generates there too)."""
+    import json
+
+    path = make_arch_checkpoint(tmp_path / "ckpt", "qwen2-yarn")  # original 16 x factor 4
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 24
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_spec(str(path)).max_model_len() == 64
+    prompt = prompts_for("qwen2-yarn", 1)[0][:40]
+    engine = Engine(str(path), device="cpu")
+    assert engine.max_model_len == 64
+    assert engine.generate([prompt], GREEDY)[0].token_ids == hf_greedy(path, [prompt], MAX_TOKENS)[0]

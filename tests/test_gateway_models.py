@@ -29,6 +29,7 @@ def test_one_model_is_shard_s0_and_several_get_a_shard_each():
     (["a=tiny"], None, ["c=s1"], "expected MODEL=SHARD"),
     (["a=tiny"], None, ["a=bad{tag}"], "hash tag"),
     (["a="], None, None, "no checkpoint"),
+    (["=tiny"], None, None, "no name before"),
     (["tiny"], ["x", "y"], None, "--served-model-name given 2 times"),
 ])
 def test_bad_flags_say_what_is_wrong(models, names, shards, error):
@@ -105,3 +106,14 @@ def test_each_model_has_its_own_tokenizer_and_chat_template_at_one_gateway(tmp_p
         finally:
             gateway.terminate()
             gateway.wait(10)
+
+
+@pytest.mark.parametrize("flag, error", [("0", "--max-model-len must be at least 1"),
+                                          ("99999", "--max-model-len: max_model_len must be between 1 and 2048")])
+def test_a_bad_max_model_len_is_a_flag_error_not_a_traceback(flag, error):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "pagefleet", "gateway", "--port", "0", "--max-model-len", flag],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and error in run.stderr and "Traceback" not in run.stderr, run.stderr[-1500:]

@@ -267,8 +267,16 @@ class ModelSpec:
 
     @property
     def context_limit(self) -> int:
-        """The longest sequence the model handles: its own context (a sliding window slides)."""
-        return self.config.max_position_embeddings
+        """The longest sequence the model handles: its own context (a sliding window slides),
+        or YaRN's extended one (``original_max_position_embeddings`` x ``factor``, as vLLM
+        derives it): Qwen's model cards extend the context by adding a yarn ``rope_scaling``
+        and leaving ``max_position_embeddings`` as it is."""
+        cfg = self.config
+        scaling = cfg.rope_scaling or {}
+        if scaling.get("rope_type") == "yarn" and scaling.get("factor"):
+            extended = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+            return max(cfg.max_position_embeddings, extended)
+        return cfg.max_position_embeddings
 
     def max_model_len(self, requested: int | None = None) -> int:
         """``requested`` checked against the model's context (``None``: the whole context)."""
