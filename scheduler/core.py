@@ -122,6 +122,7 @@ class SchedulerConfig:
     placement: PlacementConfig = PlacementConfig()
     prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
     moves: MoveConfig = MoveConfig()  # KV moves between workers (moves.py; transfers.py runs them)
+    model: str | None = None  # the shard's model (--served-model-name): a worker of another is flagged
 
     def ledger_config(self) -> LedgerConfig:
         return LedgerConfig(policy=self.policy, aging_s=self.aging_s, headroom_tokens=self.headroom_tokens,
@@ -429,6 +430,12 @@ class ClusterScheduler:
                     if w is not None:
                         await self._worker_dead(w, "address changed" if w.address != row["address"] else "new stream")
                     self._steps[wid] = steps
+                    model = row.get("model")
+                    if self.cfg.model and model and model != self.cfg.model:
+                        # A worker started for another model on this shard: its tokens would
+                        # answer this model's requests. Placed on as before (a name may differ
+                        # from the path it serves), and said loudly.
+                        log.error("worker.model_mismatch", worker_id=wid, worker_model=model, shard_model=self.cfg.model)
                     self._add_worker(wid, row["address"], row.get("role", "both"))
             await asyncio.sleep(0.5)
 

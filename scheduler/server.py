@@ -256,7 +256,7 @@ async def serve(args) -> int:
             policy=args.policy, aging_s=args.aging_seconds, headroom_tokens=args.headroom_tokens,
             preempt_mode=args.preempt_mode, dead_after_s=args.dead_after, report_interval_s=args.report_interval,
             placement=placement_config(args),
-            prefix_index_size=args.prefix_index_size, moves=move_config(args),
+            prefix_index_size=args.prefix_index_size, moves=move_config(args), model=args.served_model_name,
         ), metrics=metrics, epoch=holder.epoch, lease_ok=holder.valid,
             dial=dialer(tls, args.worker_tls_name or None))
         servicer.core = core

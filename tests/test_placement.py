@@ -550,3 +550,37 @@ def test_a_round_sent_in_the_background_still_stops_a_stale_scheduler():
 
     with RedisServer() as server:
         asyncio.run(run(server.url))
+
+
+def test_a_worker_of_another_model_on_a_shard_is_flagged():
+    """A worker started for another model on this shard (a wrong --shard) would answer this
+    model's requests with that model's tokens: nothing said so. The scheduler of a named model
+    now logs each such worker (a worker of the shard's own model, and rows of workers that say
+    no model, pass quietly)."""
+    import json
+
+    from structlog.testing import capture_logs
+
+    from pagefleet.common.redis import Keys, RedisServer, connect
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+
+    async def run(url: str) -> list[dict]:
+        redis = connect(url)
+        keys = Keys("t")
+        for wid, model in (("w-llama", "llama"), ("w-tiny", "tiny"), ("w-old", None)):
+            row = {"address": "127.0.0.1:1", "beat": 1, "steps": ""} | ({"model": model} if model else {})
+            await redis.hset(keys.workers, wid, json.dumps(row))
+        core = ClusterScheduler(redis, keys, SchedulerConfig(model="llama"), epoch=1)
+        with capture_logs() as logs:
+            task = asyncio.create_task(core._discover())
+            await asyncio.sleep(0.3)
+            task.cancel()
+        for t in core._tasks:
+            t.cancel()
+        await redis.aclose()
+        return logs
+
+    with RedisServer() as server:
+        logs = asyncio.run(run(server.url))
+    flagged = [e for e in logs if e["event"] == "worker.model_mismatch"]
+    assert [(e["worker_id"], e["worker_model"], e["shard_model"]) for e in flagged] == [("w-tiny", "tiny", "llama")]

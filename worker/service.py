@@ -420,7 +420,7 @@ class Worker:
             self.beat += 1
             row = json.dumps({"address": self.address, "beat": self.beat, "pid": os.getpid(),
                               "ts_ms": int(time.time() * 1000), "steps": self.writer.fencing.steps_key,
-                              "role": self.args.role})
+                              "role": self.args.role, "model": self.args.served_model_name or self.args.model})
             if not self.draining:
                 await retry(lambda r=row: self.redis.hset(self.keys.workers, self.worker_id, r), what="register")
             with contextlib.suppress(TimeoutError):
