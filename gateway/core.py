@@ -276,9 +276,10 @@ class GatewayCore:
         with contextlib.suppress(Exception):
             await self.cancel(request_id, attempts=20)
 
-    async def cancel(self, request_id: str, attempts: int = _ATTEMPTS) -> None:
-        """Queue a cancel entry for ``request_id`` (Redis errors propagate)."""
-        keys = self.shard_of(request_id)
+    async def cancel(self, request_id: str, attempts: int = _ATTEMPTS, keys: Keys | None = None) -> None:
+        """Queue a cancel entry for ``request_id`` in its shard (``keys``: this one; Redis
+        errors propagate)."""
+        keys = keys or self.shard_of(request_id)
         await retry(lambda: self.redis.xadd(keys.requests, encode_cancel_entry(request_id)),
                     what="xadd_cancel", attempts=attempts)
 

@@ -122,9 +122,13 @@ class Router:
         return core
 
     async def cancel(self, request_id: str) -> bool:
-        """Queue a cancel entry in the shard of ``request_id``; False when no shard has it
-        (with one model it is always queued: its shard follows from the id)."""
-        if len(self.cores) == 1:
+        """Queue a cancel entry in the shard that holds ``request_id``; False when no shard has
+        it (with one model it is always queued: in its shard by the id, when none holds it).
+
+        Every shard of a model is looked in, not only the one the id maps to now: a shard added
+        to a model changes that map, and a gateway started since would queue the cancel of a
+        request in flight where no scheduler knows it (and answer True)."""
+        if len(self.cores) == 1 and len(self.default.shards) == 1:
             await self.default.cancel(request_id)
             return True
         for core in self.cores.values():
@@ -133,11 +137,14 @@ class Router:
                 return True
         found = False
         for core in self.cores.values():
-            keys = core.shard_of(request_id)
-            if await retry(lambda k=keys, c=core: c.redis.exists(k.idempotency(request_id)), what="cancel_lookup",
-                           attempts=CANCEL_LOOKUP_ATTEMPTS):  # then UNAVAILABLE, as one model's Cancel
-                await core.cancel(request_id)
-                found = True
+            for keys in core.shards:
+                if await retry(lambda k=keys, c=core: c.redis.exists(k.idempotency(request_id)),
+                               what="cancel_lookup", attempts=CANCEL_LOOKUP_ATTEMPTS):  # then UNAVAILABLE
+                    await core.cancel(request_id, keys=keys)
+                    found = True
+        if not found and len(self.cores) == 1:
+            await self.default.cancel(request_id)  # not queued yet: where it will be
+            return True
         return found
 
     async def stop(self) -> None:

@@ -86,3 +86,40 @@ def test_cancel_by_id_alone_reaches_the_requests_shard_through_another_gateway(f
 def test_a_single_shard_not_named_s0_is_given_to_the_gateway():
     cluster = LocalCluster(ClusterConfig(port=0, shard_names=["s2"]))
     assert cluster._model_flags() == ["--model", "tiny", "--shards", "tiny=s2"]
+
+
+def test_a_cancel_reaches_a_request_queued_before_its_model_gained_a_shard(fleet):
+    """A gateway started before the model gained its second shard queued the request on the
+    only shard it knew; a gateway started since maps the id to the other one, and queued the
+    cancel there, where no scheduler knew it: the Cancel answered True and the request ran to
+    its end. Every shard of the model is looked in now."""
+    import subprocess
+    import sys
+
+    from pagefleet.common.service import free_port
+
+    cluster, _ = fleet
+    rid = next(f"moved-{i}" for i in range(100) if _shard_of(f"moved-{i}") == SHARDS[1])
+    port = free_port()
+    old = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port), "--model", "tiny",
+                            "--shards", f"tiny={SHARDS[0]}", "--redis-url", cluster.component_redis_url,
+                            "--redis-cluster"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        got = []
+        import socket
+
+        def listening():
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_for(listening, 60, "the gateway of one shard to listen")
+        with Client(f"127.0.0.1:{port}") as c, Client(cluster.gateway_target) as now:
+            stream = c.generate_stream("cancel me", max_tokens=2000, ignore_eos=True, request_id=rid, timeout=120)
+            got.append(next(stream))
+            assert now.cancel(rid) is True
+            got.extend(stream)
+        assert got[-1].finish_reason == 3  # FINISH_REASON_ABORT
+        assert sum(len(m.token_ids) for m in got) < 2000
+    finally:
+        old.terminate()
+        old.wait(30)
