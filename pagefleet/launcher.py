@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from pagefleet.common.certs import ClusterMaterial
 
 METRICS_PORT_HELP = ("serve Prometheus /metrics, one port per component: the gateway on N, the scheduler "
-                     "on N+1, worker i on N+2+i (0: any free port for each; default: off)")
+                     "on N+1, worker i on N+2+i, then each other shard's scheduler (0: any free port for each; "
+                     "default: off)")
 
 
 @dataclass
@@ -314,6 +315,10 @@ class LocalCluster:
         port = self.scheduler_ports.setdefault(name, free_port())
         shard = self.scheduler_shards.setdefault(name, shard or self.shards[0][0])
         metrics = self._metrics_port("scheduler", 1) if name == "scheduler" else None
+        others = [s for s, _, _ in self.shards[1:]]
+        if name == f"scheduler-{shard}" and shard in others:  # each shard's first scheduler: after the workers'
+            num_models = len({m for _, m, _ in self.shards})
+            metrics = self._metrics_port(name, 2 + self.cfg.num_workers * num_models + others.index(shard))
         flags = ["--shard", shard] if len(self.shards) > 1 or shard != "s0" else []
         flags += ["--served-model-name", next(m for s, m, _ in self.shards if s == shard)]
         return self._spawn(name, ["scheduler", "--port", str(port), *flags, *self.cfg.scheduler_args],
@@ -530,10 +535,13 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.metrics_port is not None and args.metrics_port != 0:
-        last = args.metrics_port + 1 + args.workers * len(args.model or [0])  # worker i: N+2+i
+        num_models = len(args.model or [0])
+        workers, shards = args.workers * num_models, num_models * max(1, args.shards_per_model)
+        # gateway N, scheduler N+1, worker i N+2+i, then each other shard's scheduler
+        last = args.metrics_port + 1 + workers + shards - 1
         if args.metrics_port < 0 or last > 65535:
-            parser.error(f"--metrics-port {args.metrics_port}: the ports N..N+{1 + args.workers} "
-                         f"(gateway, scheduler, {args.workers} workers) must lie in 1..65535")
+            parser.error(f"--metrics-port {args.metrics_port}: the ports N..N+{last - args.metrics_port} "
+                         f"(gateway, {shards} schedulers, {workers} workers) must lie in 1..65535")
         for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
             if args.metrics_port <= port <= last:
                 parser.error(f"--metrics-port {args.metrics_port} takes ports {args.metrics_port}..{last}, "

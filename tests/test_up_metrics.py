@@ -109,3 +109,15 @@ def test_each_component_serves_metrics_on_its_own_port(tmp_path, monkeypatch):
         if Path("/proc/self/environ").exists():
             for name, proc in cluster.procs.items():
                 assert "PAGEFLEET_METRICS_PORT" not in _child_env(proc.pid), name
+
+
+def test_every_shards_scheduler_serves_metrics_after_the_workers(tmp_path):
+    """With several shards only the first shard's scheduler had a /metrics port: the others'
+    queues and decisions went unseen. Each shard's scheduler now gets one, after the workers'."""
+    base = free_port_run(5)  # gateway, scheduler, 2 workers, the second shard's scheduler
+    cfg = ClusterConfig(port=0, num_workers=2, shards_per_model=2, device="cpu", metrics_port=base,
+                        log_dir=str(tmp_path), worker_args=["--engine", "sim", "--time-scale", "1"])
+    with LocalCluster(cfg) as cluster:
+        assert cluster.metrics_ports["scheduler-s1"] == base + 4
+        status, body = scrape(cluster.metrics_url("scheduler-s1"))
+        assert status == 200 and 'shard="s1"' in body and COMPONENT_METRIC["scheduler"] in body
