@@ -81,9 +81,13 @@ def served_models(models: Sequence[str] | str | None, served_names: Sequence[str
         name, sep, rest = spec.partition("=")
         if not sep or name not in seen:
             raise ValueError(f"--shards {spec!r}: expected MODEL=SHARD[,SHARD...] with MODEL one of {seen}")
+        if name in table:
+            raise ValueError(f"--shards {spec!r}: {name!r}'s shards are given twice (list them in one --shards)")
         table[name] = tuple(check_shard(s.strip()) for s in rest.split(",") if s.strip())
         if not table[name]:
             raise ValueError(f"--shards {spec!r}: no shard")
+        if len(set(table[name])) != len(table[name]):
+            raise ValueError(f"--shards {spec!r}: a shard is named twice")
     out = [ServedModel(n, p, table.get(n) or (f"s{i}",)) for i, (n, p) in enumerate(entries)]
     owners: dict[str, str] = {}
     for m in out:

@@ -581,6 +581,8 @@ def main(argv: list[str]) -> int:
         from pagefleet.gateway.models import served_models
 
         models = [f"{args.served_model_name}={served_models(models)[0].path}"]
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     if args.shards_per_model < 1 or args.workers < args.shards_per_model:
         parser.error(f"--shards-per-model must be between 1 and --workers ({args.workers}), got {args.shards_per_model}")
     if args.secure and args.redis_cluster:

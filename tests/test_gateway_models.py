@@ -30,6 +30,8 @@ def test_one_model_is_shard_s0_and_several_get_a_shard_each():
     (["a=tiny"], None, ["a=bad{tag}"], "hash tag"),
     (["a="], None, None, "no checkpoint"),
     (["=tiny"], None, None, "no name before"),
+    (["a=tiny"], None, ["a=s1", "a=s2"], "given twice"),
+    (["a=tiny"], None, ["a=s1,s1"], "named twice"),
     (["tiny"], ["x", "y"], None, "--served-model-name given 2 times"),
 ])
 def test_bad_flags_say_what_is_wrong(models, names, shards, error):
