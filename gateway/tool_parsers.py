@@ -115,6 +115,12 @@ class Llama3JsonParser(ToolParser):
         stripped = text.lstrip()
         return 0 if self.marker.startswith(stripped) else len(text)  # calls only ever start the output
 
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, calls = super().parse(text)
+        # Calls only ever start the output: what came before them is whitespace, not content
+        # (as vLLM answers: no content beside the calls).
+        return ("" if calls and not content.strip() else content), calls
+
     def _calls(self, text: str) -> list[ToolCall]:
         body = text.strip().removeprefix(self.marker).strip()
         decoder, calls, at = json.JSONDecoder(), [], 0

@@ -32,6 +32,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
         ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"y": 2}}', "",
          [("a", {}), ("b", {"y": 2})]),
         ("llama3_json", "Hello {not a call}", "Hello {not a call}", []),
+        ("llama3_json", ' \n{"name": "a", "parameters": {}}', "", [("a", {})]),  # whitespace is no content
         ("mistral", 'ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]', "ok ",
          [("get_weather", {"city": "Rome"})]),
         ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Lima"}', "", [("get_weather", {"city": "Lima"})]),
