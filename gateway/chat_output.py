@@ -17,9 +17,9 @@ from .tool_parsers import ToolCall, ToolParser, parse_named, parse_required
 
 class ChatOutput:
     """``constrained``: structured output shapes the whole output from its first token (a
-    ``response_format``, ``required`` or a named function), so the output is reasoning only
-    where it opens with ``<think>``; ``deepseek_r1`` would otherwise read the constrained JSON
-    as reasoning. ``opened``: the prompt ends inside ``<think>`` (Qwen3's thinking models'
+    ``response_format``, ``required`` or a named function), so an output that would start as
+    reasoning is reasoning only if it closes ``</think>`` (``ThinkSplitter``); ``deepseek_r1``
+    read the constrained JSON as reasoning. ``opened``: the prompt ends inside ``<think>`` (Qwen3's thinking models'
     templates), so the output starts as reasoning. ``include_reasoning`` false (vLLM's
     parameter): the reasoning is split off and not sent."""
 

@@ -5,10 +5,12 @@ becomes ``reasoning_content``, the rest ``content``, streamed or not.
 tag to the model; with ``enable_thinking`` false there is none), or the prompt ends inside
 ``<think>`` (Qwen3's thinking models' templates open it: the output is then reasoning up to
 ``</think>``). ``deepseek_r1``: the output starts inside the reasoning (the template opens
-``<think>``; a leading ``<think>`` is dropped) until ``</think>``; under structured output
-(which shapes the output from its first token) only a leading ``<think>`` opens reasoning. ``ThinkSplitter.feed`` takes text as it comes and returns what can
-be sent now, holding back only what may be the start of a tag; the pieces of a stream join
-to what the whole text gives.
+``<think>``; a leading ``<think>`` is dropped) until ``</think>``. Under structured output
+(which shapes the output from its first token) an output that would start as reasoning is held
+until ``</think>`` comes (then it is reasoning) or the output ends (then it is content: a
+constrained JSON answer is not taken for reasoning). ``ThinkSplitter.feed`` takes text as it
+comes and returns what can be sent now, holding back only what may be the start of a tag; the
+pieces of a stream join to what the whole text gives.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import structlog
 import torch
 
 from pagefleet.common.sampling_params import SamplingParams
@@ -44,6 +45,8 @@ from .kv_transfer import KVTransport, Transfer
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+log = structlog.get_logger("worker.migration")
 
 FINAL_STAGE_BLOCKS = 16  # Llumnix: the last stage starts below 16 blocks
 MAX_STAGES = 3  # ... and it gives up past 3 stages
@@ -220,6 +223,8 @@ class MigrationReceiver:
             for t in self.transfers:
                 if not self.transport.cancel(t):
                     kv.set_aside(self.request_id, t.local_block_ids)
+                    log.error("migration.blocks_set_aside", request_id=self.request_id,
+                              num_blocks=len(t.local_block_ids), reason="a cancelled read did not end")
             kv.free(self.request_id)
             self.state = "aborted"
 
