@@ -76,6 +76,7 @@ class Queued:
     fresh: bool
     entry_id: str = ""
     fields: dict | None = None
+    client_id: bool = False  # the id is the client's own: its retry (through any gateway) is relayed
 
 
 def traceparent_or_new(value: str | None) -> str:
@@ -117,6 +118,9 @@ class GatewayCore:
         # Claim every request id in its shard (``req:<id>``), not only clients' own: set by a
         # gateway serving several models, whose Cancel looks a request's shard up by it.
         self.claim_every_id = False
+        # Set as the process shuts down (SIGTERM: a rolling restart): the streams it cuts did not
+        # lose their clients, who retry elsewhere; requests with the client's own id run on.
+        self.stopping = False
 
     def shard_of(self, request_id: str) -> Keys:
         """The shard of ``request_id``: its hash picks one of the model's shards, the same in
@@ -130,9 +134,23 @@ class GatewayCore:
         return request_id in self.readers[self.shard_of(request_id).shard].relays
 
     async def stop(self) -> None:
+        self.stopping = True
+        if self._cancels:  # the cancels of streams cut at shutdown go out before Redis is closed
+            await asyncio.wait(set(self._cancels), timeout=5.0)
         for r in self.readers.values():
             await r.stop()
         await self._admit_and_queue.aclose()
+
+    def leave(self, q: Queued) -> None:
+        """``q``'s caller went away: cancel its request, unless this process is shutting down and
+        the id is the client's own (the client retries it through another gateway, which relays
+        it: a cancel would end it as aborted)."""
+        if self.stopping and q.client_id:
+            log.info("request.left_for_retry", request_id=q.request_id)
+            self.readers[self.shard_of(q.request_id).shard].close(q.request_id)
+            return
+        log.info("request.client_gone", request_id=q.request_id)
+        self.cancel_soon(q.request_id)
 
     def check(self, request: pb.GenerateRequest, *, choice_id: bool = False) -> list[int]:
         """The prompt's token ids; ``BadField`` naming what is wrong (``choice_id``: see ``validate.check``)."""
@@ -212,12 +230,12 @@ class GatewayCore:
                 raise Shed(f"queue is full ({waiting} waiting to be placed, {length} requests in the system); "
                            "retry later", self.args.retry_after)
             if answer[0] == 0:
-                return Queued(rid, len(prompt_ids), fresh=False)
+                return Queued(rid, len(prompt_ids), fresh=False, client_id=client_id)
         self.metrics.queued_to(self.name, keys.shard)
         log.info("request.enqueued", request_id=rid, num_prompt_tokens=len(prompt_ids),
                  priority=request.priority, traceparent=msg.traceparent, model=self.name, shard=keys.shard)
         entry_id = answer[1].decode() if isinstance(answer[1], bytes) else str(answer[1])
-        return Queued(rid, len(prompt_ids), fresh=True, entry_id=entry_id, fields=fields)
+        return Queued(rid, len(prompt_ids), fresh=True, entry_id=entry_id, fields=fields, client_id=client_id)
 
     async def requeue_if_lost(self, q: Queued) -> None:
         """Queue ``q``'s entry again if Redis lost it: neither its entry nor an owner record is
@@ -257,8 +275,7 @@ class GatewayCore:
             if step_relay is not None:
                 reader.close(rid)
             if not finished:
-                log.info("request.client_gone", request_id=queued.request_id)
-                self.cancel_soon(queued.request_id)
+                self.leave(queued)
 
     def relay_all(self, queued: Sequence[Queued]) -> Relays:
         """The messages of several requests as they come (see ``Relays``)."""
@@ -341,8 +358,7 @@ class Relays:
         if self._relays is None:  # never read: nothing relays them, so nothing else cancels them
             self._relays = []
             for q in self._queued:
-                log.info("request.client_gone", request_id=q.request_id)
-                self._core.cancel_soon(q.request_id)
+                self._core.leave(q)
         pulls, self._pulls = list(self._pulls), {}
         for f in pulls:
             f.cancel()

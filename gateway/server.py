@@ -246,6 +246,8 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
                             else lambda: log.info("gateway.sighup", reloaded="nothing: no --api-keys-file"))
     await stop.wait()
     await set_serving(health, names, False)
+    for c in router.cores.values():  # streams cut from here on: their clients retry elsewhere
+        c.stopping = True
     if http is not None:
         await http.stop()
     if health_port is not None:

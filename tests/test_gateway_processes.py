@@ -173,3 +173,61 @@ def test_processes_share_the_health_port_pass_sighup_on_and_die_with_their_super
                 os.kill(pid, signal.SIGKILL)
             if sup.poll() is None:
                 sup.kill()
+
+
+def test_a_gateway_stopped_mid_stream_leaves_client_ids_for_their_retries(cluster, tmp_path):
+    """A rolling restart sends a gateway SIGTERM while it relays: its streams are cut, and each
+    client retries its id through another gateway. The cut streams were taken for clients gone
+    and their requests cancelled, so a retry got ABORT part way. A request with the client's own
+    id now runs on (a gateway-chosen id, which nobody can retry, is still cancelled)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from pagefleet.common.service import free_port
+
+    port = free_port()
+    log = open(tmp_path / "gateway-stopped.log", "w")  # noqa: SIM115 - closed below
+    gw = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port),
+                           "--redis-url", cluster.component_redis_url], stdout=log, stderr=subprocess.STDOUT)
+
+    def listening():
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    results: dict[str, tuple[int, int]] = {}
+
+    def client(rid: str) -> None:
+        req = pb.GenerateRequest(request_id=rid, prompt="z",
+                                 sampling=pb.SamplingParams(max_tokens=600, temperature=0, ignore_eos=True))
+        got: dict[int, int] = {}
+        for target in (f"127.0.0.1:{port}", cluster.gateway_target):  # the second: the retry
+            channel, stub = _stub(target)
+            try:
+                for m in stub.Generate(req, timeout=90):
+                    got.update({m.index + k: t for k, t in enumerate(m.token_ids)})
+                    last = m.finish_reason
+                results[rid] = (len(got), last)
+                return
+            except grpc.RpcError:
+                continue
+            finally:
+                channel.close()
+
+    try:
+        wait_for(listening, 60, "the extra gateway to listen")
+        threads = [threading.Thread(target=client, args=(f"rolling-{i}",)) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        gw.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert gw.wait(30) == 0
+        assert results == {f"rolling-{i}": (600, pb.FINISH_REASON_LENGTH) for i in range(3)}, results
+    finally:
+        if gw.poll() is None:
+            gw.kill()
+        log.close()
