@@ -139,3 +139,16 @@ def test_stop_strings_are_looked_for_only_past_min_tokens():
     # end (as vLLM, only a stop string that ends in the new text is one).
     assert stream("ab\ncdefgh", ("\n", "STOPXYZ"), min_tokens=3)[1:] == (False, "ab\ncdefgh")
     assert stream("ab\ncdefgh", ("\n", "STOPXYZ"))[2] == "ab"
+
+
+def test_two_stop_strings_in_one_token_cut_at_the_earlier(tmp_path):
+    """A token whose text holds two stop strings: the text was cut at the first in list order,
+    so it could hold the other, a stop string shown. It is cut at the earliest now."""
+    hf = _byte_level_bpe(tmp_path, [" cdcd cdcd cdcd"], 300)
+    ids = hf.encode(" cdcd")
+    assert len(ids) == 1, "the case needs one token for the whole text"
+    for stops in (("d", " c"), (" c", "d")):
+        d = IncrementalDetokenizer(hf, hf.encode("the"), stops)
+        assert d.push(ids[0]) is None
+        d.finish(flush=False)
+        assert d.text == "", stops

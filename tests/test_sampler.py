@@ -220,3 +220,20 @@ def test_token_masks_bias_allow_and_ban_bad_words():
     assert sample(x, reqs, gen).token_ids[2] not in (7, 9)
     assert banned_token_ids([1, 4], [[4, 9], [2, 9], [8]]) == [9, 8]
     assert banned_token_ids([], [[4, 9]]) == []
+
+
+def test_a_row_without_top_p_keeps_its_whole_vocabulary_beside_one_that_filters():
+    """In float32 the running mass of a sorted row reaches 1.0 before its tail's end: a row with
+    top_p 1 batched with a row that filters lost its rarest tokens, so a seeded request's draw
+    depended on what ran beside it."""
+    from pagefleet.worker.sampler import _filter_top_k_top_p
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 259) * 12  # peaked: a long tail of tiny probabilities
+    probs = torch.softmax(logits[0], -1).sort(descending=True).values
+    assert (probs.cumsum(-1) - probs >= 1.0).any(), "the case needs a mass that reaches 1 early"
+    out = _filter_top_k_top_p(logits.clone(), [0, 5], [1.0, 1.0])
+    assert torch.equal(out[0], logits[0])  # nothing dropped from the row that asks for nothing
+    assert (out[1] > float("-inf")).sum() == 5
+    out = _filter_top_k_top_p(logits.clone(), [0, 0], [1.0, 0.5])
+    assert torch.equal(out[0], logits[0]) and (out[1] == float("-inf")).any()

@@ -76,12 +76,15 @@ class IncrementalDetokenizer:
         before = len(self._tail)
         tail = self._tail + new
         if self._num_pushed > self._min_tokens:
-            for s in self._stops:
-                at = tail.find(s, max(0, before - len(s) + 1))  # one that ends in the new text
-                if at != -1:
-                    self._tail = tail[:at + len(s)] if self._include_stop else tail[:at]
-                    self._stopped = True
-                    return None
+            # The earliest of the stop strings that end in the new text: cut at a later one, the
+            # text would hold an earlier one (vLLM cuts at the first in list order).
+            found = [(at, s) for s in self._stops
+                     if (at := tail.find(s, max(0, before - len(s) + 1))) != -1]  # one that ends in the new text
+            if found:
+                at, s = min(found, key=lambda f: f[0])
+                self._tail = tail[:at + len(s)] if self._include_stop else tail[:at]
+                self._stopped = True
+                return None
         cut = len(tail) - self._hold
         if cut <= 0:
             self._tail = tail

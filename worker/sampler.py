@@ -183,7 +183,10 @@ def _filter_top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float])
     sorted_probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= ps[:, None]
+    # Only rows that ask for top-p: in float32 the running mass reaches 1.0 before the tail's
+    # end, and a row with top_p 1 (batched with one that filters) lost its rarest tokens, so a
+    # seeded request's draw depended on its neighbours.
+    drop |= (mass_before >= ps[:, None]) & (ps[:, None] < 1.0)
     drop[:, 0] = False
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
