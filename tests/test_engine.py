@@ -288,3 +288,25 @@ def test_resumed_request_with_stop_strings_keeps_its_held_back_text(tiny):
     while tiny.has_unfinished_requests():
         text += "".join(d.text for d in tiny.step())
     assert text == full.text
+
+
+@pytest.mark.parametrize("bad", [
+    dict(bad_words_token_ids=[["a"]]), dict(bad_words_token_ids=[5]), dict(bad_words_token_ids=[[-1]]),
+    dict(top_k=10**20), dict(allowed_token_ids=[1000]), dict(logit_bias={1000: 1.0}), dict(logit_bias=[1]),
+    dict(repetition_penalty=1e-300), dict(structured_outputs="json"),
+])
+def test_bad_sampling_params_are_refused_when_added_and_harm_no_other_request(bad):
+    """These passed the checks and broke inside a step (every later step of every request in
+    the engine raised), or were applied silently wrong (a negative id banned a token from the
+    end; an id past the vocabulary masked the whole row; a penalty of 1e-300 was 0 in float32).
+    Each is a ValueError naming its field when the request is added; the engine runs on."""
+    from pagefleet.common.sampling_params import SamplingParams
+
+    engine = Engine("tiny", device="cpu", num_blocks=32)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), request_id="good")
+    field = next(iter(bad)).removesuffix("_token_ids") if "bad_words" in next(iter(bad)) else next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, **bad), request_id="bad")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert "bad" not in engine.requests

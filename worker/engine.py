@@ -161,6 +161,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        for field, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("logit_bias", params.logit_bias or {}),
+                           ("bad_words", [t for w in params.bad_words_token_ids or () for t in w])):
+            self._token_ids(list(ids), field)  # within the vocabulary, as a prompt's (the gateway checks them too)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:

@@ -19,6 +19,7 @@ DEFAULT_MAX_TOKENS = 16
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_BAD_WORDS = 128
+MIN_REPETITION_PENALTY = 1e-6  # and at most its inverse
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +127,8 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, int | float) or math.isnan(p) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**32:
+            raise ValueError(f"top_k must be an integer in [0, 2^32) (0 disables it), got {self.top_k!r}")
         m = self.min_p
         if not isinstance(m, int | float) or math.isnan(m) or not (0.0 <= m <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {m!r}")
@@ -150,8 +151,11 @@ class SamplingParams:
             if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
         r = self.repetition_penalty
-        if not _is_number(r) or not 0 < r < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {r!r}")
+        # Bounded where float32 logits stay finite once divided or multiplied by it (1e-300 was
+        # 0 in float32: every logit inf or NaN).
+        if not _is_number(r) or not MIN_REPETITION_PENALTY <= r <= 1 / MIN_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{1 / MIN_REPETITION_PENALTY:g}] (1 is off), got {r!r}")
         m = self.min_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {m!r}")
@@ -164,6 +168,8 @@ class SamplingParams:
 
     def _validate_masks(self) -> None:
         bias = self.logit_bias or {}
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {type(bias).__name__}")
         if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries")
         for t_id, v in bias.items():
@@ -179,7 +185,12 @@ class SamplingParams:
             raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} token sequences, got {len(words)}")
         if any(not w for w in words):
             raise ValueError("bad_words: a word tokenizes to nothing")
+        for w in words:
+            if not isinstance(w, list | tuple) or not all(isinstance(t, int) and t >= 0 for t in w):
+                raise ValueError(f"bad_words: each word must be a list of token ids >= 0, got {w!r}")
         so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got {type(so).__name__}")
         if so is not None and so.num_set != 1:
             raise ValueError(f"structured_outputs: exactly one of json, regex, choice, grammar, json_object, "
                              f"got {so.num_set}")
