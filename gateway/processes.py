@@ -34,6 +34,7 @@ log = structlog.get_logger("gateway.processes")
 RESTART_S = 0.5
 RESTART_MAX_S = 10.0
 RESTART_RESET_S = 30.0  # a child that ran this long before it died starts the doubling afresh
+MAX_EARLY_EXITS = 3  # exits at start a child, none having run RESTART_RESET_S: the supervisor gives up
 
 
 def _parent_death_signal():
@@ -71,7 +72,17 @@ def _die_with_parent() -> None:
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
     """A socket bound to ``host:port`` with ``SO_REUSEPORT`` (port 0: a free one), held so the
     port stays ours while the children bind it too; and the bound port."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if port:
+        # Free, not only shareable: a port another supervisor (another cluster, perhaps) holds
+        # with SO_REUSEPORT would take it too, and the kernel would split the clients between them.
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                raise SystemExit(f"pagefleet gateway: error: port {port} on {host} is taken: {e.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
@@ -149,6 +160,10 @@ def supervise(args, argv: list[str]) -> int:
     delays = [RESTART_S] * args.processes
     next_start = [0.0] * args.processes
     started = [0.0] * args.processes
+    # Children that exit at start (a model that cannot load, a flag they refuse) would be
+    # restarted for ever: past a few exits each, with none ever having run a while, give up.
+    early_exits, ever_ran = 0, False
+    rc = 0
     log.info("gateway.supervising", processes=args.processes, port=port, http_port=http_port)
     try:
         while not stop:
@@ -160,6 +175,15 @@ def supervise(args, argv: list[str]) -> int:
                     children[i] = None
                     if now - started[i] > RESTART_RESET_S:  # it had run a while: not a crash loop
                         delays[i] = RESTART_S
+                        ever_ran = True
+                    elif not ever_ran:
+                        early_exits += 1
+                        if early_exits >= MAX_EARLY_EXITS * args.processes:
+                            log.error("gateway.processes_never_started", exits=early_exits,
+                                      hint="each exited at start: see its error above")
+                            rc = 1
+                            stop = True
+                            break
                     next_start[i] = now + delays[i]
                     delays[i] = min(delays[i] * 2, RESTART_MAX_S)
                 if children[i] is None and now >= next_start[i]:
@@ -182,4 +206,4 @@ def supervise(args, argv: list[str]) -> int:
             s.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     log.info("gateway.stopped", processes=args.processes)
-    return 0
+    return rc

@@ -252,6 +252,15 @@ class LocalCluster:
         return proc
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
+        """Start every process and wait until the cluster serves; whatever stops it part way (a
+        process that fails, a timeout, Ctrl-C or SIGTERM) stops what it started, then raises."""
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> LocalCluster:
         if not self.redis_url and self.cfg.redis_cluster:
             from pagefleet.common.redis_cluster import RedisClusterServer
 
@@ -375,11 +384,7 @@ class LocalCluster:
             self.redis = None
 
     def __enter__(self) -> LocalCluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

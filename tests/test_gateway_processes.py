@@ -231,3 +231,30 @@ def test_a_gateway_stopped_mid_stream_leaves_client_ids_for_their_retries(cluste
         if gw.poll() is None:
             gw.kill()
         log.close()
+
+
+def test_a_second_supervisor_is_refused_the_port_and_children_that_never_start_end_it():
+    """Two supervisors on one port both bound it (SO_REUSEPORT), and the kernel split the
+    clients between them, another cluster's perhaps: the second is refused now, as one gateway
+    process is. And children that exit at start (a model that cannot load) were restarted for
+    ever, leaving metrics files behind: the supervisor gives up with an error."""
+    import subprocess
+    import sys
+
+    from pagefleet.common.service import free_port
+
+    port = free_port()
+    args = [sys.executable, "-m", "pagefleet", "gateway", "--processes", "2", "--port", str(port),
+            "--redis-url", "redis://127.0.0.1:1/0"]  # nothing answers there: the children wait for it
+    first = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(2)
+        second = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and f"port {port}" in second.stderr and "taken" in second.stderr, \
+            second.stderr[-1500:]
+    finally:
+        first.terminate()
+        first.wait(30)
+    never = subprocess.run([sys.executable, "-m", "pagefleet", "gateway", "--processes", "2", "--port", "0",
+                            "--model", "/nonexistent/model"], capture_output=True, text=True, timeout=120)
+    assert never.returncode == 1 and "gateway.processes_never_started" in never.stdout + never.stderr

@@ -136,3 +136,54 @@ def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
                 ["--prompt-len", "100000", "--rounds", "1", "--batch", "1"]):  # past the model's length
         with pytest.raises(SystemExit):
             main(bad)
+
+
+@pytest.mark.parametrize("flag", ["--concurrency", "--connections", "--gateway-processes", "--stream-interval"])
+def test_token_path_bench_refuses_counts_below_one(flag, capsys):
+    """--concurrency 0 hung for good (a semaphore of 0), --connections 0 ended in a traceback,
+    --gateway-processes 0 ran one process and recorded 0."""
+    from pagefleet.bench.token_path import main
+
+    assert main(["--no-floor", flag, "0"]) == 2
+    assert f"{flag} must be at least 1" in capsys.readouterr().err
+
+
+def test_token_path_bench_stopped_by_sigterm_stops_its_cluster(tmp_path):
+    """SIGTERM ended the bench and left its whole cluster running, orphaned; it now stops it,
+    as Ctrl-C does."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def cluster_pids() -> set[int]:
+        out = set()
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.readlink(f"/proc/{pid}/cwd").startswith("/tmp/pagefleet-token-path-"):
+                    out.add(int(pid))
+            except OSError:
+                continue
+        return out - {os.getpid()}
+
+    before = cluster_pids()
+    bench = subprocess.Popen([sys.executable, "-m", "pagefleet", "bench", "token-path", "--no-floor", "--modes",
+                              "stream", "--workers", "1", "--requests", "64", "--max-tokens", "4000",
+                              "--concurrency", "2", "--json", str(tmp_path / "out.json")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(cluster_pids() - before - {bench.pid}) < 3:  # redis, scheduler, worker, gateway...
+            assert time.monotonic() < deadline and bench.poll() is None, "the bench's cluster never started"
+            time.sleep(0.5)
+        time.sleep(2)
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(60)
+        deadline = time.monotonic() + 20
+        while cluster_pids() - before:
+            assert time.monotonic() < deadline, f"left running: {cluster_pids() - before}"
+            time.sleep(0.5)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)

@@ -48,6 +48,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -438,12 +439,20 @@ def main(argv: list[str] | None = None) -> int:
     if error := shard_flags_error(args):
         print(error, file=sys.stderr)
         return 2
+    for flag in ("workers", "requests", "max_tokens", "concurrency", "connections", "gateway_processes",
+                 "stream_interval"):
+        if getattr(args, flag) < 1:
+            print(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
     if args.report_interval is not None and not 0 < args.report_interval <= DEAD_AFTER_S / 2:
         print(f"--report-interval must be above 0 and at most {DEAD_AFTER_S / 2} (half the bench's --dead-after), "
               f"got {args.report_interval}",
               file=sys.stderr)
         return 2
     sharded = args.redis_cluster or args.shards is not None
+    # SIGTERM ends the bench as Ctrl-C does: through every ``finally``, so the cluster it
+    # started is stopped (it was left running, its processes orphaned).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     results = []
     with tempfile.TemporaryDirectory(prefix="pagefleet-token-path-") as d:
         tmp = Path(d)
