@@ -40,6 +40,19 @@ def _shard_of(request_id: str) -> str:
     return SHARDS[zlib.crc32(request_id.encode()) % len(SHARDS)]
 
 
+def _cancelled_through_another(streams: str, cancels: str, rid: str) -> None:
+    """``rid`` streamed through gateway ``streams`` and cancelled by id through ``cancels``: the
+    stream ends aborted, long before its 2,000 tokens."""
+    got = []
+    with Client(streams) as c, Client(cancels) as c2:
+        stream = c.generate_stream("cancel me", max_tokens=2000, ignore_eos=True, request_id=rid, timeout=120)
+        got.append(next(stream))
+        assert c2.cancel(rid) is True
+        got.extend(stream)
+    assert got[-1].finish_reason == 3  # FINISH_REASON_ABORT
+    assert sum(len(m.token_ids) for m in got) < 2000
+
+
 def test_the_two_shards_live_on_two_primaries(fleet):
     _, redis_cluster = fleet
     assert len({redis_cluster.primary_port(Keys("pf", s).requests) for s in SHARDS}) == 2
@@ -71,14 +84,7 @@ def test_cancel_by_id_alone_reaches_the_requests_shard_through_another_gateway(f
     cluster, _ = fleet
     first, other = cluster.gateway_targets[:2]
     rid = next(f"cancel-{i}" for i in range(100) if _shard_of(f"cancel-{i}") == SHARDS[1])
-    got = []
-    with Client(first) as c, Client(other) as c2:
-        stream = c.generate_stream("cancel me", max_tokens=2000, ignore_eos=True, request_id=rid, timeout=120)
-        got.append(next(stream))
-        assert c2.cancel(rid) is True
-        got.extend(stream)
-    assert got[-1].finish_reason == 3  # FINISH_REASON_ABORT
-    assert sum(len(m.token_ids) for m in got) < 2000
+    _cancelled_through_another(first, other, rid)
     wait_for(lambda: cluster.scheduler_state(shard=SHARDS[1]).workers[0].report.num_running == 0, 30,
              "the cancelled request to leave its worker")
 
@@ -105,7 +111,6 @@ def test_a_cancel_reaches_a_request_queued_before_its_model_gained_a_shard(fleet
                             "--shards", f"tiny={SHARDS[0]}", "--redis-url", cluster.component_redis_url,
                             "--redis-cluster"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        got = []
         import socket
 
         def listening():
@@ -113,13 +118,7 @@ def test_a_cancel_reaches_a_request_queued_before_its_model_gained_a_shard(fleet
                 return sock.connect_ex(("127.0.0.1", port)) == 0
 
         wait_for(listening, 60, "the gateway of one shard to listen")
-        with Client(f"127.0.0.1:{port}") as c, Client(cluster.gateway_target) as now:
-            stream = c.generate_stream("cancel me", max_tokens=2000, ignore_eos=True, request_id=rid, timeout=120)
-            got.append(next(stream))
-            assert now.cancel(rid) is True
-            got.extend(stream)
-        assert got[-1].finish_reason == 3  # FINISH_REASON_ABORT
-        assert sum(len(m.token_ids) for m in got) < 2000
+        _cancelled_through_another(f"127.0.0.1:{port}", cluster.gateway_target, rid)
     finally:
         old.terminate()
         old.wait(30)
