@@ -116,7 +116,7 @@ class OpenAIDoor:
             raise
         if req.api == "responses":
             outputs = self.chat_outputs(req) or [ChatOutput(None, None, None)]
-            choices = ResponseOutput(req, base_id, self.served_model_name, outputs[0])
+            choices = ResponseOutput(req, base_id, self.served_model_name, outputs[0], self.pieces)
         else:
             choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req),
                               self.chat_outputs(req))
@@ -170,9 +170,10 @@ class OpenAIDoor:
     def render_messages(self, req: ApiRequest) -> None:
         """A chat's messages through the model's chat template into its one prompt."""
         if self.template is None:
-            raise BadParam("messages", "this model has no chat template; use /v1/completions")
+            raise BadParam(req.prompt_param, "this model has no chat template; use /v1/completions")
         if error := self.core.limits.prompt_error(sum(len(m["content"]) for m in req.messages)):
-            raise BadParam("messages", f"the messages' contents: {error}")
+            whose = "the input's" if req.api == "responses" else "the messages'"
+            raise BadParam(req.prompt_param, f"{whose} contents: {error}")
         try:
             ids = self.template.encode(self.core.model.tokenizer, req.messages,
                                        tools=req.tools.tools if req.tools is not None else None,
@@ -180,7 +181,7 @@ class OpenAIDoor:
                                        continue_final_message=req.continue_final_message,
                                        **req.chat_template_kwargs)
         except (ChatTemplateError, ValueError) as e:
-            raise BadParam("messages", f"the chat template refused the messages: {e}") from None
+            raise BadParam(req.prompt_param, f"the chat template refused the {req.prompt_param}: {e}") from None
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
         req.prompts = [ids]
@@ -273,6 +274,11 @@ class OpenAIDoor:
                 yield choices.sse(chunk)
             async for i, msg in relays:
                 call.message(msg)
+                if msg.finish_reason == pb.FINISH_REASON_ERROR and isinstance(choices, ResponseOutput):
+                    status = 500  # the Responses stream ends with its own event
+                    for event in [*choices.add(i, msg), *choices.failed()]:
+                        yield choices.sse(event)
+                    return
                 if msg.finish_reason == pb.FINISH_REASON_ERROR:
                     choices.add(i, msg)
                     status = 500

@@ -107,7 +107,7 @@ class ApiRequest:
 
     @property
     def prompt_param(self) -> str:
-        return "messages" if self.chat else "prompt"
+        return "input" if self.api == "responses" else "messages" if self.chat else "prompt"
 
     @property
     def num_choices(self) -> int:
@@ -305,7 +305,8 @@ def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
     req.stream = _bool("stream", p.get("stream", False))
     if "stream_options" in p:
         req.include_usage, req.continuous_usage = _stream_options(p["stream_options"], req.stream)
-    req.priority = _int("priority", p.get("priority", 0), -_INT32, _INT32 - 1)
+    # vLLM's priority: a lower value is served first; the cluster's (gRPC's): a larger one.
+    req.priority = -_int("priority", p.get("priority", 0), -(_INT32 - 1), _INT32 - 1)
     if "user" in p:
         req.user = _str("user", p["user"])
     return req

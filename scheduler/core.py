@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -65,6 +65,9 @@ log = structlog.get_logger("scheduler")
 # while the workers of the previous ones answer (a round would otherwise wait for its slowest
 # worker before the next is decided).
 _ROUNDS_IN_FLIGHT = 8
+# One Assign message's size at most: a worker takes messages of up to 64 MiB, and a round's
+# requests for one worker can be far more (hundreds of long prompts sharing a cached document).
+ASSIGN_MESSAGE_BYTES = 16 << 20
 _LEASE_POLL_S = 0.02  # how often a dispatcher unsure of its lease looks again
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 # A finish a worker reported and Redis does not hold after this long was refused: resumed.
@@ -102,6 +105,21 @@ def _carrying(msg: cluster_pb2.AssignRequest, metadata) -> cluster_pb2.AssignReq
     copy.CopyFrom(msg)
     copy.traceparent = traceparent
     return copy
+
+
+def _under(requests: list[cluster_pb2.AssignRequest], limit: int) -> Iterator[list[cluster_pb2.AssignRequest]]:
+    """``requests`` in order, in runs of at most ``limit`` bytes (one larger than it alone)."""
+    part: list[cluster_pb2.AssignRequest] = []
+    size = 0
+    for r in requests:
+        n = r.ByteSize() + 8  # with its field's tag and length
+        if part and size + n > limit:
+            yield part
+            part, size = [], 0
+        part.append(r)
+        size += n
+    if part:
+        yield part
 
 
 class StaleScheduler(RuntimeError):
@@ -640,7 +658,8 @@ class ClusterScheduler:
         return taken
 
     async def _send_to(self, w: WorkerEntry, items: list[tuple[Pending, Placement]]) -> list[bool]:
-        """Send fenced, claimed requests to ``w`` (one message on its assign stream: ``_assign``);
+        """Send fenced, claimed requests to ``w`` (one message on its assign stream: ``_assign``;
+        more, one after another, past ``ASSIGN_MESSAGE_BYTES``);
         for each, False if it went back to the queue (worker draining or dead) or was
         forgotten while it was being fenced (cancelled, or its worker declared dead)."""
         live = [self.ledger.is_placed(p.request_id, w.worker_id) for p, _ in items]
@@ -650,9 +669,11 @@ class ClusterScheduler:
         try:
             with contextlib.ExitStack() as spans:
                 # Each request's assign span goes on to the worker in its copy's traceparent.
-                batch = cluster_pb2.AssignBatchRequest(requests=[
-                    _carrying(p.assign, spans.enter_context(assign_span(p, w))) for p, _ in send])
-                responses = (await self._assign(w, batch)).responses
+                requests = [_carrying(p.assign, spans.enter_context(assign_span(p, w))) for p, _ in send]
+                responses = []
+                for part in _under(requests, ASSIGN_MESSAGE_BYTES):
+                    batch = cluster_pb2.AssignBatchRequest(requests=part)
+                    responses.extend((await self._assign(w, batch)).responses)
         except grpc.RpcError as e:
             if w.alive:  # else declared dead meanwhile (its channel closed under the stream)
                 await self._worker_dead(w, f"Assign failed: {e.code().name}")

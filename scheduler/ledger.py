@@ -55,7 +55,7 @@ import heapq
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pagefleet.protos import cluster_pb2
@@ -114,22 +114,31 @@ class Decision:
     refused: list[tuple[Pending, str]] = field(default_factory=list)
 
 
-def _fits_no_worker(p: Pending, limits: tuple[int, int]) -> str:
+# How long a dead worker's context and pool still count for what the fleet could take: one
+# restarted (a container, a pod) is back well within it; one scaled away stops counting.
+DEAD_WORKER_LIMITS_S = 300.0
+
+
+def _fits_no_worker(p: Pending, limits: Iterable[tuple[int, int]]) -> str:
     """Why no decoding worker seen could ever take ``p``, even empty ("" if one could, or if
-    none has reported yet): ``limits`` are the longest context and the largest pool (in tokens)
-    any decoding worker reported, whether or not it is up now (one may come back). The gateway
-    checks a request against its own ``--max-model-len``, which the workers' may be below."""
-    longest, pool = limits
-    if not longest:
+    none has reported yet): ``limits`` are each decoding worker's (context, whole pool in
+    tokens), of those up and of those dead for less than ``DEAD_WORKER_LIMITS_S`` (one may come
+    back). One worker must hold both: a long context on one and a large pool on another take
+    nothing neither takes alone. The gateway checks a request against its own
+    ``--max-model-len``, which the workers' may be below."""
+    limits = list(limits)
+    if not limits:
         return ""
     total = p.num_tokens + p.num_remaining_tokens
+    if any(total <= context and total <= pool for context, pool in limits):
+        return ""
+    longest = max(context for context, _ in limits)
     if total > longest:
         return (f"the request needs {total} tokens (its prompt and max_tokens); the longest any worker "
                 f"takes is {longest}: lower max_tokens or shorten the prompt")
-    if total > pool:
-        return (f"the request needs {total} tokens of KV cache; the largest worker's whole pool holds {pool}: "
-                "lower max_tokens or shorten the prompt")
-    return ""
+    pool = max(pool for context, pool in limits if context >= total)
+    return (f"the request needs {total} tokens of KV cache; the largest whole pool of a worker whose context "
+            f"takes it holds {pool}: lower max_tokens or shorten the prompt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +173,9 @@ class Ledger:
         self.where: dict[str, str] = {}  # request id -> the worker it is placed on
         self._in_hand: set[str] = set()
         self._deadlines: list[tuple[int, str]] = []  # (deadline_unix_ms, request id) of placed requests
-        # The longest context and the largest pool (tokens) any decoding worker has reported.
-        self._largest: tuple[int, int] = (0, 0)
+        # Each decoding worker's (context, whole pool in tokens, when it died or None while up):
+        # what a request must fit on one worker (``_fits_no_worker``).
+        self._limits: dict[str, tuple[int, int, float | None]] = {}
         self._done_recently: dict[str, float] = {}  # id -> when it finished; insertion-ordered: the oldest go first
         self._seq = itertools.count()
         self.num_preemptions = 0
@@ -311,7 +321,7 @@ class Ledger:
         while len(claims) < size and (p := self.queue.peek()) is not None:
             placement = choose(p, headroom)
             t0 = self._timed(t0)
-            if placement is None and (why := _fits_no_worker(p, self._largest)):
+            if placement is None and (why := _fits_no_worker(p, self._fleet_limits())):
                 self.queue.remove(p.request_id)
                 self._in_hand.add(p.request_id)
                 refused.append((p, why))
@@ -610,8 +620,7 @@ class Ledger:
             if self.where.get(rid) == w.worker_id:
                 self.index.release(rid)
         if decodes(w):  # what a request must fit, on some worker it can finish on (``_fits_no_worker``)
-            self._largest = (max(self._largest[0], w.max_model_len),
-                             max(self._largest[1], w.pool_size * w.block_size))
+            self._limits[w.worker_id] = (w.max_model_len, w.pool_size * w.block_size, None)
         self.index.apply_events(w.worker_id, report.stored_block_hashes, report.evicted_block_hashes,
                                 report.block_hashes_reset)
         for rid in vanished:
@@ -674,6 +683,8 @@ class Ledger:
         if self.workers.get(w.worker_id) is w:
             del self.workers[w.worker_id]
             self.index.remove_worker(w.worker_id)
+            if (limits := self._limits.get(w.worker_id)) is not None:
+                self._limits[w.worker_id] = (*limits[:2], self.clock())
         for rid in [rid for rid, t in self.transfers.items() if w in (t.source, t.target)]:
             self._call_off(rid)
         resume = []
@@ -686,6 +697,16 @@ class Ledger:
                 resume.append(pl.pending)
         self.num_reassigned += len(resume)
         return resume
+
+    def _fleet_limits(self) -> Iterator[tuple[int, int]]:
+        """(context, pool) of each decoding worker up, or dead for less than ``DEAD_WORKER_LIMITS_S``
+        (the others are forgotten here)."""
+        now = self.clock()
+        for worker_id, (context, pool, died) in list(self._limits.items()):
+            if died is not None and now - died > DEAD_WORKER_LIMITS_S:
+                del self._limits[worker_id]
+                continue
+            yield context, pool
 
     # -- time ------------------------------------------------------------------------------------
     def silent_workers(self, dead_after_s: float) -> list[WorkerEntry]:

@@ -32,7 +32,7 @@ Occupancy is ``1 - num_available_blocks / pool_size``: blocks in use, swapped ou
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from .queue import Pending
@@ -160,13 +160,13 @@ def drains_by_migration(w: WorkerEntry) -> bool:
 
 
 def drain_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: Container[str], sending: dict[str, int],
-                headroom_tokens: int) -> list[tuple[Placed, WorkerEntry, WorkerEntry]]:
+                headroom_tokens: int) -> Iterator[tuple[Placed, WorkerEntry, WorkerEntry]]:
     """Moves off the workers draining by migration: ``(request, source, target)``, the requests
     with the most blocks first (the most to recompute), each to the decoding worker with the most
     room left after taking it; at most ``DRAIN_TRANSFERS_PER_SOURCE`` in flight out of a source
-    (``sending``: in flight by source id). Targets are checked against the table as it is: the
-    caller records each move (its reservation) before the next is chosen."""
-    out = []
+    (``sending``: in flight by source id). One at a time: each target is checked against the
+    table as it is when the move is asked for, so the caller records each move (its
+    reservation) before it asks for the next, and a target is not promised the same room twice."""
     for src in workers:
         if not drains_by_migration(src):
             continue
@@ -176,6 +176,5 @@ def drain_moves(workers: list[WorkerEntry], owned: dict[str, str], moving: Conta
                 break
             tgt = best_target(workers, pl.pending, src, headroom_tokens)
             if tgt is not None:
-                out.append((pl, src, tgt))
+                yield pl, src, tgt
                 room -= 1
-    return out

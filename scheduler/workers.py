@@ -330,7 +330,8 @@ def pick_victims(
     workers: list[WorkerEntry], p: Pending, headroom_tokens: int, cooldown_s: float = 1.0,
     now: float | None = None,
 ) -> tuple[WorkerEntry, list[Placed]] | None:
-    """The worker where preempting the fewest lower-priority running sequences makes room.
+    """The worker where preempting the fewest lower-priority running sequences makes room: the
+    blocks ``p`` needs, and a seat where all ``max_num_seqs`` are taken.
 
     Victims go lowest priority first, then most recently placed (least work lost).
     ``now``: the clock ``Placed.preempted_at`` is on (default ``time.monotonic()``).
@@ -350,9 +351,10 @@ def pick_victims(
              and w.held.get(pl.pending.request_id, 0) > 0),
             key=lambda pl: (pl.pending.priority, -pl.placed_at),
         )
+        seat_needed = len(w.placed) >= w._limits[1]  # every seat taken: a victim must give one up
         chosen: list[Placed] = []
         for pl in candidates:
-            if avail >= need:
+            if avail >= need and (chosen or not seat_needed):
                 break
             chosen.append(pl)
             rid = pl.pending.request_id

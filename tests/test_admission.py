@@ -91,6 +91,26 @@ def test_victims_make_room_for_what_they_hold_and_what_they_were_owed():
     assert pick_victims([w], same, HEADROOM, cooldown_s=0.0) is None, "never for an equal priority"
 
 
+def test_a_worker_with_every_seat_taken_gives_one_up_for_a_higher_priority():
+    """Blocks to spare but all ``max_num_seqs`` seats running lower priorities: preempting one
+    of them is what makes room (before, no victim was picked and the request waited for a
+    long one to end)."""
+    seats = cluster_pb2.OccupancyReport(worker_id="w", num_blocks=1000, num_free_blocks=1000, block_size=16,
+                                        max_num_seqs=2, max_model_len=8192)
+    w = WorkerEntry("w", "addr", report=seats)
+    for rid in ("lo1", "lo2"):
+        w.place(pending(rid, 60, 3000, priority=0), HEADROOM)
+    seats.blocks_per_request.update({"lo1": 5, "lo2": 5})
+    seats.request_ids[:] = ["lo1", "lo2"]
+    seats.num_free_blocks = 990
+    w.apply_report(seats)
+    high = pending("hi", 60, 8, priority=100)
+    assert not w.fits(high, HEADROOM), "no seat"
+    found = pick_victims([w], high, HEADROOM, cooldown_s=0.0)
+    assert found is not None and [v.pending.request_id for v in found[1]] == ["lo2"]
+    assert pick_victims([w], pending("eq", 60, 8, priority=0), HEADROOM, cooldown_s=0.0) is None
+
+
 def test_blocks_shared_with_running_requests_cost_nothing_but_unused_cached_ones_count():
     """An unused cached block is among the worker's free blocks and stops being free when
     reused: only the blocks shared with a request in flight there are not taken again."""

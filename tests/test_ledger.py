@@ -221,6 +221,38 @@ def test_deadlines_take_waiting_requests_out_and_name_running_ones():
     assert ledger.expired() == ([], ["run"]) and "run" in ledger.where
 
 
+def test_a_request_no_single_worker_takes_is_refused_and_the_queue_goes_on():
+    """A long context on one worker and a large pool on another take nothing neither takes
+    alone: such a head is refused, not left to hold the queue; a dead worker's limits count
+    while it may come back, then no more."""
+    clock = Clock()
+    ledger = Ledger(LedgerConfig(headroom_tokens=HEADROOM), clock=clock, wall_clock=clock)
+    for wid, blocks, context in [("long", 100, 8192), ("wide", 10_000, 2048)]:  # 1,600 tokens; 160,000
+        ledger.add_worker(WorkerEntry(wid, f"{wid}-addr"))
+        ledger.on_report(ledger.workers[wid], cluster_pb2.OccupancyReport(
+            worker_id=wid, num_blocks=blocks, num_free_blocks=blocks, block_size=BS, max_num_seqs=256,
+            max_model_len=context))
+    ledger.take("big", "e0", assign("big", [1] * 2000, max_tokens=100))  # 2,100 tokens
+    for i in range(3):
+        ledger.take(f"small{i}", f"e{i + 1}", assign(f"small{i}", [2 + i] * 10, max_tokens=10))
+    d = ledger.decide_round()
+    assert [(p.request_id, "2100 tokens of KV cache" in why) for p, why in d.refused] == [("big", True)]
+    assert sorted(p.request_id for p, _ in d.claims) == ["small0", "small1", "small2"]
+    ledger.forget("big")
+    # the one worker that takes a long request dies: it is waited for, then not
+    ledger.add_worker(WorkerEntry("huge", "huge-addr"))
+    ledger.on_report(ledger.workers["huge"], cluster_pb2.OccupancyReport(
+        worker_id="huge", num_blocks=10_000, num_free_blocks=10_000, block_size=BS, max_num_seqs=256,
+        max_model_len=8192))
+    ledger.worker_dead(ledger.workers["huge"])
+    ledger.worker_dead(ledger.workers["long"])
+    ledger.take("long", "e9", assign("long", [9] * 3000, max_tokens=100))
+    assert ledger.decide_round().refused == []
+    clock.now += 301
+    (refused,) = ledger.decide_round().refused
+    assert refused[0].request_id == "long" and "the longest any worker takes is 2048" in refused[1]
+
+
 def test_a_silent_worker_is_named_on_the_ledgers_clock():
     clock = Clock()
     ledger = ledger_with("a", "b", clock=clock)
@@ -531,6 +563,25 @@ def test_a_worker_draining_by_migration_sheds_its_requests_to_workers_with_room(
         assert ledger.transfer_done(t.request_id)
     ledger.check_integrity()
     assert all(ledger.where[t.request_id] == "b" for t in moves)
+
+
+def test_a_drain_promises_a_target_no_more_than_its_room():
+    """Each drain move's reservation is in the table before the next target is chosen: a target
+    with room for one request gets one, not every request of the draining worker."""
+    ledger = ledger_with("s")
+    rids = [f"r{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        ledger.take(rid, f"e{i}", assign(rid, [i + 1] * 320, max_tokens=64))  # 24 blocks each, with headroom
+    assert len(place_all(ledger)) == 4
+    ledger.on_report(ledger.workers["s"], report("s", free=256 - 80, request_ids=rids,
+                                                 blocks_per_request={r: 20 for r in rids}, draining=True,
+                                                 drain_by_migration=True))
+    ledger.add_worker(WorkerEntry("t", "t-addr"))
+    ledger.on_report(ledger.workers["t"], report("t", free=30))  # room for one
+    moves = ledger.decide_moves()
+    assert [(m.source.worker_id, m.target.worker_id) for m in moves] == [("s", "t")]
+    assert ledger.workers["t"].num_available_blocks >= 0
+    ledger.check_integrity()
 
 
 def test_an_overloaded_worker_sheds_its_smallest_running_request_to_the_emptiest_worker():

@@ -475,20 +475,105 @@ def test_responses_refuse_state_by_name(client):
     assert e.value.body["message"].startswith("max_output_tokens"), e.value.body  # the name the client sent
 
 
+def test_priority_is_vllms_lower_first():
+    """vLLM serves a lower ``priority`` first; the cluster's gRPC ``priority`` ranks a larger one
+    first, so the door negates it (a vLLM client's urgent request was the last served)."""
+    from pagefleet.gateway.limits import Limits
+    from pagefleet.gateway.openai_request import BadParam, parse_chat, parse_completion
+
+    urgent = parse_chat({"messages": [{"role": "user", "content": "x"}], "priority": -10}, Limits())
+    background = parse_completion({"prompt": "x", "priority": 10}, Limits())
+    assert urgent.priority > 0 > background.priority
+    assert parse_completion({"prompt": "x"}, Limits()).priority == 0
+    with pytest.raises(BadParam) as e:
+        parse_completion({"prompt": "x", "priority": -2**31}, Limits())  # its negation is past int32
+    assert e.value.param == "priority"
+
+
 def test_responses_refuse_what_they_would_ignore():
-    """store: true (nothing is stored here), and values of the wrong type (a "no" that streamed,
-    a text or metadata that is not an object), are refused by name; their off values pass."""
+    """Values of the wrong type (a "no" that streamed, a text or metadata that is not an
+    object) are refused by name; store: true is taken as vLLM takes it when it keeps no
+    responses (the answer says store false), and so are truncation and service_tier."""
     from pagefleet.gateway.limits import Limits
     from pagefleet.gateway.openai_request import BadParam
     from pagefleet.gateway.responses_api import parse_responses
 
-    for body, param in [({"store": True}, "store"), ({"stream": "no"}, "stream"), ({"text": "json"}, "text"),
-                        ({"metadata": ["a"]}, "metadata"), ({"stream_options": 1}, "stream_options")]:
+    for body, param in [({"stream": "no"}, "stream"), ({"text": "json"}, "text"),
+                        ({"metadata": ["a"]}, "metadata"), ({"stream_options": 1}, "stream_options"),
+                        ({"store": "yes"}, "store"), ({"truncation": "middle"}, "truncation"),
+                        ({"include": ["everything"]}, "include[0]"), ({"reasoning": {"effort": "max"}},
+                                                                        "reasoning.effort"),
+                        ({"input": []}, "input"), ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+                                                   "input[0].content[0]")]:
         with pytest.raises(BadParam) as e:
             parse_responses({"input": "x", **body}, Limits())
         assert e.value.param == param, body
+        assert "messages" not in e.value.message, e.value.message  # a response's names, not a chat's
     req = parse_responses({"input": "x", "store": False, "stream": False, "metadata": {"k": "v"}}, Limits())
     assert req.stream is False
+    req = parse_responses({"input": "x", "store": True, "truncation": "auto", "service_tier": "default",
+                           "include": ["reasoning.encrypted_content"]}, Limits())
+    assert req.messages == [{"role": "user", "content": "x"}]
+
+
+def test_responses_input_items_reach_the_template_as_vllm_builds_them():
+    """A response's own output replayed as input is one assistant turn (its text, then its
+    calls); a tool's output given as text parts is their text; empty instructions are no system
+    turn; an assistant message left incomplete is continued; reasoning.effort reaches the
+    template; calls without their ids are refused by name."""
+    from pagefleet.gateway.limits import Limits
+    from pagefleet.gateway.openai_request import BadParam
+    from pagefleet.gateway.responses_api import parse_responses
+
+    req = parse_responses({"instructions": "", "reasoning": {"effort": "low"}, "input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me look"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "sunny"}]},
+        {"type": "function_call_output", "call_id": "c2", "output": "noon"}]}, Limits())
+    assert [m["role"] for m in req.messages] == ["user", "assistant", "tool", "tool"]
+    assert req.messages[1]["content"] == "let me look"
+    assert [c["id"] for c in req.messages[1]["tool_calls"]] == ["c1", "c2"]
+    assert [m["content"] for m in req.messages[2:]] == ["sunny", "noon"]
+    assert req.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert (req.continue_final_message, req.add_generation_prompt) == (False, True)
+    req = parse_responses({"input": [{"role": "user", "content": "count"},
+                                     {"type": "message", "role": "assistant", "status": "incomplete",
+                                      "content": [{"type": "output_text", "text": "1 2"}]}]}, Limits())
+    assert (req.continue_final_message, req.add_generation_prompt) == (True, False)
+    for item, param in [({"type": "function_call_output", "output": "x"}, "input[0].call_id"),
+                        ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[0].call_id"),
+                        ({"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]},
+                         "input[0].output[0]")]:
+        with pytest.raises(BadParam) as e:
+            parse_responses({"input": [item]}, Limits())
+        assert e.value.param == param, item
+
+
+def test_responses_usage_counts_reasoning_and_logprobs_are_sent_when_included(client):
+    steer = {"structured_outputs": {"choice": ["<think>mulling it over</think>done"]}}
+    r = client.responses.create(model=MODEL, input="think", max_output_tokens=40, extra_body=steer)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    details = r.usage.output_tokens_details
+    assert 0 < details.reasoning_tokens < r.usage.output_tokens, r.usage
+    kwargs = dict(model=MODEL, input="hi", max_output_tokens=12, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"], extra_body={"structured_outputs": {"choice": ["sunny"]}})
+    r = client.responses.create(**kwargs)
+    (part,) = r.output[0].content
+    assert part.text == "sunny" and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs).startswith("sunny")  # (and the end of text's, if any)
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in part.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs][:len(streamed)]
+    # a byte-level token that is part of a character comes with the text that completes it
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=6, temperature=0,
+                                include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})
+    assert len(r.output[0].content[0].logprobs) == r.usage.output_tokens == 6
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=True)
+    assert plain.store is False and plain.output[0].content[0].logprobs == []
 
 
 # -- malformed bodies: 400, never 5xx ----------------------------------------------------------
@@ -617,3 +702,50 @@ def test_guidellm_runs_unmodified(cluster, checkpoint, tmp_path, route):
         assert status == 200, tokenized
         assert r["input_metrics"]["text_tokens"] == tokenized["count"]
         assert r["output_metrics"]["text_tokens"] == 5
+
+
+def test_a_responses_stream_that_fails_part_way_ends_with_response_failed():
+    """A generation that fails mid-stream (a worker lost, a deadline) ends a Responses stream
+    with its typed ``response.failed`` (the error named in the response), not a chat's error line."""
+    import asyncio
+
+    from openai.types.responses import ResponseFailedEvent
+
+    from pagefleet.gateway.chat_output import ChatOutput
+    from pagefleet.gateway.limits import Limits
+    from pagefleet.gateway.openai_door import OpenAIDoor
+    from pagefleet.gateway.responses_api import ResponseOutput, parse_responses
+    from pagefleet.protos import generation_pb2 as pb
+
+    class Relays:
+        async def _gen(self):
+            yield 0, pb.GenerateResponse(text="ab", token_ids=[97, 98])
+            yield 0, pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ERROR, error="worker lost")
+
+        def __aiter__(self):
+            return self._gen()
+
+        async def aclose(self):
+            pass
+
+    class Call:
+        def message(self, msg):
+            pass
+
+        def end(self, *args, **kwargs):
+            pass
+
+    req = parse_responses({"model": MODEL, "input": "hi", "stream": True}, Limits())
+    output = ResponseOutput(req, "resp_x", MODEL, ChatOutput(None, None, None))
+    door = OpenAIDoor.__new__(OpenAIDoor)
+
+    async def events() -> list[bytes]:
+        return [chunk async for chunk in door._events(output, Relays(), Call())]
+
+    chunks = asyncio.run(events())
+    last = chunks[-1].decode()
+    assert last.startswith("event: response.failed\n"), last
+    failed = ResponseFailedEvent.model_validate_json(last.split("data: ", 1)[1])
+    assert failed.response.status == "failed" and failed.response.error.message == "worker lost"
+    seqs = [json.loads(c.decode().split("data: ", 1)[1])["sequence_number"] for c in chunks]
+    assert seqs == list(range(len(chunks)))

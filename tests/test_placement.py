@@ -552,6 +552,57 @@ def test_a_round_sent_in_the_background_still_stops_a_stale_scheduler():
         asyncio.run(run(server.url))
 
 
+def test_a_round_too_large_for_one_message_goes_to_its_worker_in_several(monkeypatch):
+    """Hundreds of long prompts sharing one cached document fit a worker's pool in one round,
+    but not in one gRPC message (a worker takes 64 MiB: past it the call failed and the worker
+    was declared dead). A worker's share of a round goes in messages under
+    ``ASSIGN_MESSAGE_BYTES``, in order, every request once."""
+    from pagefleet.common.redis import Keys, RedisServer, connect
+    from pagefleet.scheduler import core as core_module
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+
+    limit = 4096
+    monkeypatch.setattr(core_module, "ASSIGN_MESSAGE_BYTES", limit)
+
+    class Recording(FakeWorkerStub):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_bytes: list[int] = []
+
+        async def AssignBatch(self, request, timeout=None, metadata=None):
+            self.batch_bytes.append(request.ByteSize())
+            return await super().AssignBatch(request, timeout, metadata)
+
+    async def run(url: str) -> Recording:
+        redis = connect(url)
+        await redis.set(Keys("t").scheduler_epoch, 1)
+        core = ClusterScheduler(redis, Keys("t"), SchedulerConfig(headroom_tokens=HEADROOM), epoch=1)
+        core.ledger.adopting = False
+        stub = Recording()
+        core.ledger.add_worker(WorkerEntry("a", "a-addr", stub=stub))
+        tasks = [asyncio.create_task(core._watch(core.ledger.workers["a"])), asyncio.create_task(core._dispatch())]
+        stub.reports.put_nowait(report("a", free=4096, num_blocks=4096))
+        await settle()
+        for i in range(12):  # about 1 KB each
+            p = pending(f"r{i}", SYSTEM + [100 + i] * 8)
+            core.ledger.take(p.request_id, "", p.assign)
+        core._wake.set()
+        for _ in range(20):
+            await settle()
+            if len(stub.assigned) == 12:
+                break
+        assert core.ledger.workers["a"].alive
+        for t in tasks:
+            t.cancel()
+        await redis.aclose()
+        return stub
+
+    with RedisServer() as server:
+        stub = asyncio.run(run(server.url))
+    assert stub.assigned == [f"r{i}" for i in range(12)]
+    assert len(stub.batch_bytes) > 1 and max(stub.batch_bytes) <= limit, stub.batch_bytes
+
+
 def test_a_worker_of_another_model_on_a_shard_is_flagged():
     """A worker started for another model on this shard (a wrong --shard) would answer this
     model's requests with that model's tokens: nothing said so. The scheduler of a named model
