@@ -126,6 +126,8 @@ def observed_generate(method):
                 model=_model_name(self, request),
                 max_tokens=request.sampling.max_tokens,
                 temperature=request.sampling.temperature if request.sampling.HasField("temperature") else None,
+                top_p=request.sampling.top_p if request.sampling.HasField("top_p") else None,
+                request_id=request.request_id or None,
                 prompt=request.prompt if request.WhichOneof("input") == "prompt" else None,
             )
             attrs.update({"rpc.system": "grpc", "rpc.service": GRPC_SERVICE, "rpc.method": "Generate"})

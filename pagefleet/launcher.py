@@ -537,8 +537,13 @@ def _demo(target: str, prompt: str, max_tokens: int, material: ClusterMaterial |
 
 
 def main(argv: list[str]) -> int:
+    from pagefleet.common import telemetry
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    telemetry.set_traces_endpoint(args.otlp_traces_endpoint)  # every process started here inherits it
+    if error := telemetry.configuration_error():
+        parser.error(f"tracing: {error}")
     if args.metrics_port is not None and args.metrics_port != 0:
         num_models = len(args.model or [0])
         workers, shards = args.workers * num_models, num_models * max(1, args.shards_per_model)

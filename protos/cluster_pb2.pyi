@@ -380,7 +380,7 @@ class MigratePollResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[KvTransferState, str]] = ...) -> None: ...
 
 class MigrateCommitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "num_computed_tokens", "final_block_ids", "final_checksums", "epoch", "source_worker_id", "entry_id", "reply_to", "record")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "num_computed_tokens", "final_block_ids", "final_checksums", "epoch", "source_worker_id", "entry_id", "reply_to", "record", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +394,7 @@ class MigrateCommitRequest(_message.Message):
     ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -407,7 +408,8 @@ class MigrateCommitRequest(_message.Message):
     entry_id: str
     reply_to: str
     record: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., final_block_ids: _Optional[_Iterable[int]] = ..., final_checksums: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., source_worker_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., reply_to: _Optional[str] = ..., record: _Optional[bytes] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., final_block_ids: _Optional[_Iterable[int]] = ..., final_checksums: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., source_worker_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., reply_to: _Optional[str] = ..., record: _Optional[bytes] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class MigrateCommitResponse(_message.Message):
     __slots__ = ("committed", "epoch", "error")

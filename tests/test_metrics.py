@@ -39,6 +39,56 @@ def delta(rid, n, finish=None):
     return SimpleNamespace(request_id=rid, token_ids=[7] * n, finish_reason=finish)
 
 
+def test_a_request_that_moves_between_workers_counts_once():
+    """A request resumed on another worker (migrated, handed back, its worker lost) made its
+    first token elsewhere: no prompt tokens, time to first token or end-to-end latency here;
+    the worker it left counts no finish for it. Summed over the workers it counts as one
+    request of its prompt (before: two, with a false time to first token)."""
+    source, target = WorkerMetrics(), WorkerMetrics()
+    source.request_added("r", num_prompt_tokens=100, arrival_time=10.0)
+    source.observe_step([delta("r", 1)], None, 100, now=10.5)
+    source.observe_step([delta("r", 1)], None, 1, now=10.52)
+    source.request_removed("r", "migrated")
+    target.request_added("r", num_prompt_tokens=100, arrival_time=11.0, resumed=True)
+    target.observe_step([delta("r", 1)], None, 1, now=11.02)
+    target.observe_step([delta("r", 1, "length")], None, 1, now=11.04)
+    for reason in ("handed_back", "fenced_off"):
+        source.request_added(reason, num_prompt_tokens=1, arrival_time=12.0)
+        source.request_removed(reason, reason)
+
+    def total(name, labels=None):
+        return sum(m.registry.get_sample_value(name, labels) or 0 for m in (source, target))
+
+    assert total("pagefleet:prompt_tokens_total") == 102
+    assert total("pagefleet:time_to_first_token_seconds_count") == 1
+    assert total("pagefleet:e2e_request_latency_seconds_count") == 0  # the target saw only its end
+    assert total("pagefleet:inter_token_latency_seconds_count") == 3
+    assert total("pagefleet:request_success_total", {"finished_reason": "length"}) == 1
+    for reason in ("migrated", "handed_back", "fenced_off"):
+        assert total("pagefleet:request_success_total", {"finished_reason": reason}) == 0
+    assert total("pagefleet:generation_tokens_total") == 4
+
+
+def test_a_process_of_several_workers_serves_every_workers_metrics():
+    """``pagefleet worker --count N`` (and the simulated fleet's processes) served the first
+    worker's registry alone: the others' preemptions, tokens and finishes were nowhere. Every
+    worker's samples are served, each with its ``worker``, one family a name."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagefleet.common.metrics import with_labels
+
+    workers = {"w-0": WorkerMetrics(), "w-1": WorkerMetrics()}
+    workers["w-0"].request_added("a", 5)
+    workers["w-1"].request_added("b", 7)
+    registry = with_labels([(m.registry, {"worker": wid}) for wid, m in workers.items()], model="tiny", shard="s0")
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    prompt = families["pagefleet:prompt_tokens"].samples
+    assert sorted((s.labels["worker"], s.value) for s in prompt if s.name.endswith("_total")) == [
+        ("w-0", 5.0), ("w-1", 7.0)]
+    assert all(s.labels["model"] == "tiny" and s.labels["shard"] == "s0" for s in prompt)
+
+
 def test_worker_metrics_follow_the_engine():
     m = WorkerMetrics()
     m.request_added("a", num_prompt_tokens=5, arrival_time=10.0)

@@ -46,6 +46,40 @@ def test_tracing_configured_from_otel_env(env, on):
     assert telemetry.tracing_configured(env) is on
 
 
+def test_the_exporter_is_the_one_the_variables_name():
+    """OTLP over gRPC by default, over HTTP when the protocol says so (before, the gRPC exporter
+    spoke to an HTTP collector and every span was lost), the console when asked; a protocol or
+    exporter the SDK does not have is a start-up error, not silence."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcExporter,
+    )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    endpoint = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:1"}
+    assert isinstance(telemetry._make_exporter(endpoint), GrpcExporter)
+    for protocol in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        assert isinstance(telemetry._make_exporter({**endpoint, protocol: "http/protobuf"}), HttpExporter)
+    console = {"OTEL_TRACES_EXPORTER": "console"}
+    assert telemetry.tracing_configured(console) and isinstance(telemetry._make_exporter(console), ConsoleSpanExporter)
+    assert telemetry.configuration_error({**endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    assert telemetry.configuration_error({"OTEL_TRACES_EXPORTER": "zipkin"})
+    assert telemetry.configuration_error(endpoint) == ""
+    env: dict[str, str] = {}
+    telemetry.set_traces_endpoint("http://collector:4317", env)  # --otlp-traces-endpoint
+    assert telemetry.tracing_configured(env)
+
+
+def test_every_component_takes_otlp_traces_endpoint():
+    from pagefleet.common.service import EnvArgumentParser, add_common_flags
+
+    parser = EnvArgumentParser()
+    add_common_flags(parser)
+    assert parser.parse_args(["--otlp-traces-endpoint", "http://c:4317"]).otlp_traces_endpoint == "http://c:4317"
+
+
 def test_off_without_endpoint_costs_nothing(monkeypatch):
     monkeypatch.setattr(telemetry, "_enabled", False)
     assert telemetry.inject() == {}
@@ -131,6 +165,82 @@ def test_worker_spans_form_a_tree_with_linked_forward_passes(spans):
         requests["a"].context.span_id, requests["b"].context.span_id
     }
     assert forwards[0].attributes["pagefleet.num_tokens"] == 8
+
+
+def test_an_unsampled_request_gets_no_forward_spans(spans):
+    """A request whose trace is not sampled (``-00``) is in no ``forward`` span's links, and a
+    step of such requests alone makes none (before, each step exported a root span of its own:
+    hundreds of one-span traces per request)."""
+    unsampled = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-00"}
+    tracer = telemetry.get_tracer("test")
+    with tracer.start_as_current_span("assign"):
+        sampled = telemetry.inject()
+    worker = telemetry.WorkerSpans("w0")
+    worker.start("quiet", unsampled)
+    for _ in range(5):
+        worker.after_step(worker.before_step(), [("quiet", 1, 0)])
+    worker.start("loud", sampled)
+    worker.after_step(worker.before_step(), [("quiet", 1, 0), ("loud", 1, 0)])
+    worker.finish_all("done")
+    forwards = [s for s in spans() if s.name == "forward"]
+    assert len(forwards) == 1 and len(forwards[0].links) == 1
+
+
+def test_a_migrated_request_continues_its_trace_on_the_target(spans):
+    """The source's request span travels with the handover (``MigrateCommitRequest.traceparent``,
+    copied into the target's ``AssignRequest`` as ``worker/migration_rpc.py`` builds it): the
+    target's spans are in the request's trace, under the source's (before: a new root trace)."""
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.worker.observe import WorkerObserver
+
+    tp = "00-" + "e1" * 16 + "-" + "f1" * 8 + "-01"
+    source, target = WorkerObserver("src", model="tiny"), WorkerObserver("dst", model="tiny")
+    source.assigned(cluster_pb2.AssignRequest(request_id="r1", prompt_token_ids=[1, 2, 3], traceparent=tp))
+    source.spans.on_tokens("r1", 1)
+    commit = cluster_pb2.MigrateCommitRequest(request_id="r1", prompt_token_ids=[1, 2, 3], output_token_ids=[5, 6],
+                                              traceparent=source.spans.traceparent("r1"))
+    source.removed("r1", "migrated", 2)
+    target.assigned(cluster_pb2.AssignRequest(request_id="r1", prompt_token_ids=commit.prompt_token_ids,
+                                              output_token_ids=commit.output_token_ids,
+                                              traceparent=commit.traceparent))
+    target.spans.finish("r1", "length", 4)
+    requests = {s.attributes["pagefleet.worker_id"]: s for s in spans() if s.name == "worker.request"}
+    assert {format(s.context.trace_id, "032x") for s in requests.values()} == {"e1" * 16}
+    assert requests["dst"].parent.span_id == requests["src"].context.span_id
+    assert requests["src"].attributes["gen_ai.usage.output_tokens"] == 2
+
+
+def test_requests_a_stopping_worker_still_holds_end_their_spans(spans):
+    """A worker that hands its requests back as it drains, or whose engine loop stops with
+    requests in it, ends their spans (a span never ended is never exported)."""
+    from pagefleet.common.sampling_params import SamplingParams
+    from pagefleet.common.sampling_proto import to_proto
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.worker.engine_loop import EngineLoop
+    from pagefleet.worker.observe import WorkerObserver
+    from pagefleet.worker.sim import SimEngine
+
+    with telemetry.get_tracer("test").start_as_current_span("assign"):
+        carrier = telemetry.inject()
+
+    def loop_holding(rids):
+        loop = EngineLoop(SimEngine(time_scale=float("inf"), max_num_seqs=8), emit=lambda w: None,
+                          notify=lambda: None, observer=WorkerObserver("w", model="tiny"))
+        for rid in rids:
+            loop.assign(cluster_pb2.AssignRequest(request_id=rid, entry_id="1-0", prompt_token_ids=[1, 2, 3],
+                                                  sampling=to_proto(SamplingParams(max_tokens=100)), epoch=1,
+                                                  reply_to="g", **carrier))
+        return loop
+
+    loop = loop_holding(["handed"])
+    loop.pause()  # a drain hands them back
+    loop = loop_holding(["left"])
+    loop._stop.set()
+    loop._run()  # the engine thread's loop ends (stopped) with it in the engine
+    ended = {s.attributes["pagefleet.request_id"]: s for s in spans() if s.name == "worker.request"}
+    assert set(ended) == {"handed", "left"}
+    assert ended["handed"].attributes["gen_ai.response.finish_reasons"] == ("handed_back",)
+    assert ended["left"].status.status_code == telemetry.StatusCode.ERROR
 
 
 def _log_lines(component: str, emit) -> list[dict]:

@@ -196,6 +196,9 @@ class EngineLoop:
             mig.fail()
             del self._migrations[rid]
             fut.set_result(mig.stats)
+        if self.observer:  # their spans here end: they go on elsewhere
+            for rid, req in list(self.engine.requests.items()):
+                self.observer.removed(rid, "handed_back", req.num_output_tokens)
 
     def _run(self) -> None:
         name_os_thread("engine")
@@ -227,6 +230,8 @@ class EngineLoop:
                 continue
             if not deltas:
                 time.sleep(0.001)  # nothing schedulable this step (e.g. waiting for swap-in room)
+        if self.observer:
+            self.observer.stopped()
 
     def _run_commands(self, block: bool) -> None:
         if not block and self._commands.empty():  # most steps: nothing queued (no exception raised for it)
@@ -486,7 +491,7 @@ class EngineLoop:
         if self.engine.abort_request(request_id) is not None:
             self.held.pop(request_id, None)
             if self.observer:
-                self.observer.removed(request_id, "abort")
+                self.observer.removed(request_id, "fenced_off")
             log.warning("request.fenced_off", request_id=request_id)
 
     def drop_all(self) -> None:
@@ -495,7 +500,7 @@ class EngineLoop:
         (the reports then show each gone unfinished: whoever still has it placed here resumes it)."""
         for rid in list(self.engine.requests):
             if self.engine.abort_request(rid) is not None and self.observer:
-                self.observer.removed(rid, "abort")
+                self.observer.removed(rid, "fenced_off")
             self.held.pop(rid, None)
         log.warning("worker.fenced_off", num_requests=len(self.engine.requests))
 

@@ -238,7 +238,8 @@ class Migrations:
             sampling=to_proto(h.params), priority=h.priority, num_computed_tokens=h.num_computed_tokens,
             final_block_ids=h.final_block_ids, final_checksums=h.final_checksums, epoch=epoch,
             source_worker_id=self.w.worker_id, entry_id=entry_id, reply_to=field[2:] if field.startswith("o:") else "",
-            record=loop.record_piece(h.request_id))
+            record=loop.record_piece(h.request_id),
+            traceparent=loop.observer.spans.traceparent(h.request_id) if loop.observer else "")
 
     def _settle(self, rid: str) -> bool:
         """The commit of ``rid`` went unanswered (on the engine thread): take it back in Redis.
@@ -359,7 +360,7 @@ class Migrations:
             assign = cluster_pb2.AssignRequest(
                 request_id=rid, entry_id=msg.entry_id, prompt_token_ids=msg.prompt_token_ids,
                 output_token_ids=msg.output_token_ids, sampling=msg.sampling, priority=msg.priority, epoch=epoch,
-                reply_to=msg.reply_to)
+                reply_to=msg.reply_to, traceparent=msg.traceparent)
             field = steps_field(msg.reply_to)
             await asyncio.wrap_future(call(lambda: (recv.adopt(req), w.loop.adopt(rid, msg.entry_id, epoch, field,
                                                                                  assign))))

@@ -27,7 +27,7 @@ class WorkerObserver:
     def assigned(self, msg: Any, parent: Any = None) -> None:
         """An ``AssignRequest`` the engine accepted; ``parent`` the caller's trace context."""
         rid = msg.request_id
-        self.metrics.request_added(rid, len(msg.prompt_token_ids))
+        self.metrics.request_added(rid, len(msg.prompt_token_ids), resumed=bool(msg.output_token_ids))
         if not telemetry.enabled():
             return
         if telemetry.span_context_of(parent) is None and msg.traceparent:
@@ -82,9 +82,15 @@ class WorkerObserver:
 
     def removed(self, request_id: str, reason: str = "abort", num_output_tokens: int = 0,
                 error: str | None = None) -> None:
-        """A request left without a finishing delta (cancel, hand-back, failure)."""
+        """A request left without a finishing delta: cancelled (``abort``), failed (``error``),
+        or gone on elsewhere (``metrics.NOT_FINISHED``: ``migrated``, ``handed_back``,
+        ``fenced_off``)."""
         self.metrics.request_removed(request_id, reason)
         self.spans.finish(request_id, reason, num_output_tokens, error)
+
+    def stopped(self) -> None:
+        """The engine loop ended: what it still held ends its spans (an unended span is never exported)."""
+        self.spans.finish_all("worker stopped")
 
     def event(self, request_id: str, name: str, **attributes: Any) -> None:
         self.spans.event(request_id, name, **attributes)

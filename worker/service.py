@@ -459,8 +459,9 @@ async def serve(args) -> int:
     workers = [Worker(args, e, worker_id=wid, redis=redis) for e, wid in zip(engines, worker_ids(args), strict=True)]
     tls = cluster_tls(args)
     metrics_tls = tls.server_context(verify_clients=not open_to_all(args, "metrics")) if tls else None
-    # The first worker's, with --count; every sample labelled with the model and shard.
-    registry = with_labels(workers[0].metrics.registry, model=args.served_model_name or args.model, shard=args.shard)
+    # Every sample labelled with the model and shard; with --count, each worker's with its id too.
+    parts = [(w.metrics.registry, {"worker": w.worker_id} if len(workers) > 1 else {}) for w in workers]
+    registry = with_labels(parts, model=args.served_model_name or args.model, shard=args.shard)
     serve_metrics(args, registry, "worker", tls=metrics_tls)
     await retry(redis.ping, what="ping")
     loop = asyncio.get_running_loop()

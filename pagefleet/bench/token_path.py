@@ -13,9 +13,9 @@ and prints, per output token:
   (``worker_cpu_us_by_thread``: ``engine``, ``output-writer``, ``main``: the event loop, grpc's)
   and less the simulated model's (``worker_cpu_us_outside_model``: the workers' host path, the
   model's cost model and token draw left out as a real worker's forward pass and sampler are;
-  the model's share is worker-0's, ``pagefleet:sim_model_cpu_seconds_total``);
+  the model's share is the workers' ``pagefleet:sim_model_cpu_seconds_total``);
 * delivered tokens/s, TTFT and ITL p50/p99 (the client's clocks), how many streams came back
-  whole (``token_client``), the workers' steps per output write (worker-0's) and output tokens
+  whole (``token_client``), the workers' steps per output write and output tokens
   per write (every worker's writes, as Redis counts them): a write is a Redis command, so
   Redis's CPU a token follows the tokens a write, 16 at 16 running a worker and fewer when
   requests wait to start (``redis_cpu_us_per_write``: Redis's CPU over those writes);
@@ -48,6 +48,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -134,12 +135,21 @@ def redis_cpu(r) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+_WORKER_LABEL = re.compile(r'worker="(?:[^"\\]|\\.)*",?')
+
+
 def scrape(url: str) -> dict[str, float]:
-    """A component's metrics; empty when it does not answer."""
+    """A component's metrics, a process's workers summed (its samples carry each one's
+    ``worker``); empty when it does not answer."""
     try:
-        return prometheus.scrape(url)
+        samples = prometheus.scrape(url)
     except OSError:
         return {}
+    out: dict[str, float] = {}
+    for name, value in samples.items():
+        name = _WORKER_LABEL.sub("", name).replace(",}", "}").replace("{}", "")
+        out[name] = out.get(name, 0.0) + value
+    return out
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -283,7 +293,8 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
     calls = sum(stats.values())
     steps = _delta(w0, w1, "pagefleet:iteration_tokens_total_count")
     # The simulated model's CPU (its cost model and token draw: a real worker's forward pass and
-    # sampler) a token, worker-0's (a process of several workers serves its first one's metrics).
+    # sampler) a token, over the tokens of the workers that report it (a tree before the workers of
+    # one process each served their metrics reports its first worker's alone).
     model_s = _delta(w0, w1, "pagefleet:sim_model_cpu_seconds_total")
     generated = _delta(w0, w1, "pagefleet:generation_tokens_total")
     sim_model_us = model_s / generated * 1e6 * s["num_tokens"] / per if model_s is not None and generated else None

@@ -70,26 +70,34 @@ def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.
 
 
 class _Labelled:
-    """A collector: every sample of ``registry`` with ``labels`` added."""
+    """A collector: every sample of each registry with its labels added, one family a name."""
 
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        self.registry = registry
-        self.labels = labels
+    def __init__(self, parts: list[tuple[CollectorRegistry, dict[str, str]]]) -> None:
+        self.parts = parts
 
     def collect(self):
         from prometheus_client.metrics_core import Metric
 
-        for family in self.registry.collect():
-            out = Metric(family.name, family.documentation, family.type, family.unit)
-            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
-            yield out
+        families: dict[str, Metric] = {}
+        for registry, labels in self.parts:
+            for family in registry.collect():
+                out = families.get(family.name)
+                if out is None:
+                    out = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                out.samples += [s._replace(labels={**s.labels, **labels}) for s in family.samples]
+        yield from families.values()
 
 
-def with_labels(registry: CollectorRegistry, **labels: str) -> CollectorRegistry:
+def with_labels(registry: CollectorRegistry | list[tuple[CollectorRegistry, dict[str, str]]],
+                **labels: str) -> CollectorRegistry:
     """A registry serving every sample of ``registry`` with ``labels`` added: a scheduler's or
-    worker's ``model`` and ``shard``, so a dashboard sums ``by (model, shard)``."""
+    worker's ``model`` and ``shard``, so a dashboard sums ``by (model, shard)``. Given several
+    ``(registry, labels)`` (the workers of one process, each its ``worker``), it serves them all,
+    each sample with its own registry's labels too."""
+    common = {k: v for k, v in labels.items() if v is not None}
+    parts = registry if isinstance(registry, list) else [(registry, {})]
     outer = CollectorRegistry(auto_describe=False)
-    outer.register(_Labelled(registry, {k: v for k, v in labels.items() if v is not None}))
+    outer.register(_Labelled([(r, {**own, **common}) for r, own in parts]))
     return outer
 
 
@@ -118,6 +126,10 @@ class _CountOf:
         from prometheus_client.core import CounterMetricFamily
 
         yield CounterMetricFamily(self.name, self.documentation)
+
+
+# Why a request leaves a worker without finishing there (it goes on elsewhere): not a finish.
+NOT_FINISHED = frozenset({"migrated", "handed_back", "fenced_off"})
 
 
 class WorkerMetrics:
@@ -216,17 +228,30 @@ class WorkerMetrics:
         )
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
+        self._resumed: set[str] = set()  # resumed here after tokens elsewhere (``request_added``)
         self._totals: dict[str, float] = {}
 
-    def request_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float | None = None) -> None:
-        """``arrival_time`` is a ``time.monotonic()`` reading (default: now)."""
-        self._arrival[request_id] = time.monotonic() if arrival_time is None else arrival_time
-        self.prompt_tokens.inc(num_prompt_tokens)
+    def request_added(self, request_id: str, num_prompt_tokens: int, arrival_time: float | None = None,
+                      resumed: bool = False) -> None:
+        """``arrival_time`` is a ``time.monotonic()`` reading (default: now). ``resumed``: it
+        made tokens elsewhere before (moved, handed back, its worker lost): its prompt was
+        counted there, its first token came there (no time to first token here), and its
+        latency from here would be a part of it (no end-to-end either); its finish counts here."""
+        now = time.monotonic() if arrival_time is None else arrival_time
+        self._arrival[request_id] = now
+        if resumed:
+            self._last_token[request_id] = now  # its next token is a gap, not a first token
+            self._resumed.add(request_id)
+        else:
+            self.prompt_tokens.inc(num_prompt_tokens)
 
     def request_removed(self, request_id: str, finish_reason: str = "abort") -> None:
-        if self._arrival.pop(request_id, None) is not None:
+        """It left without a finishing token: cancelled or failed (a finish), or gone on
+        elsewhere (``NOT_FINISHED``: counted where it ends)."""
+        if self._arrival.pop(request_id, None) is not None and finish_reason not in NOT_FINISHED:
             self.request_success.labels(finish_reason).inc()
         self._last_token.pop(request_id, None)
+        self._resumed.discard(request_id)
 
     def observe_step(self, deltas: Iterable[Any], stats: Any, num_scheduled_tokens: int = 0,
                      now: float | None = None) -> None:
@@ -260,7 +285,10 @@ class WorkerMetrics:
                 arrival = arrivals.pop(rid, None)
                 last_token.pop(rid, None)
                 if arrival is not None:
-                    self.e2e.observe(now - arrival)
+                    if rid in self._resumed:
+                        self._resumed.discard(rid)
+                    else:
+                        self.e2e.observe(now - arrival)
                     self.request_success.labels(d.finish_reason).inc()
         if generated:
             self.generation_tokens.inc(generated)

@@ -94,11 +94,15 @@ METRICS_PORT_HELP = "serve Prometheus /metrics on this port (0: any free port; d
 
 
 def add_common_flags(parser: argparse.ArgumentParser, metrics_help: str = METRICS_PORT_HELP) -> None:
-    """``--log-level``, ``--log-format`` and ``--metrics-port`` (``metrics_help``: its help text)."""
+    """``--log-level``, ``--log-format``, ``--metrics-port`` (``metrics_help``: its help text) and
+    ``--otlp-traces-endpoint``."""
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"),
                         help="json for machines; auto picks console on a terminal")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="N", help=metrics_help)
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="export OpenTelemetry traces to this OTLP endpoint (as OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; "
+                             "gRPC unless OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf; the other OTEL_* variables apply)")
 
 
 def setup_logging(component: str, args) -> None:
@@ -109,6 +113,7 @@ def setup_logging(component: str, args) -> None:
     from pagefleet.common.log import configure_logging
 
     configure_logging(component, level=args.log_level, fmt=args.log_format)
+    telemetry.set_traces_endpoint(getattr(args, "otlp_traces_endpoint", None))
     telemetry.setup_tracing(component, attributes=shard_attributes(args))
 
 

@@ -1,8 +1,11 @@
 """OpenTelemetry tracing for every pagefleet process.
 
-Configured only by the standard ``OTEL_*`` environment variables. Tracing is on when an
-OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``)
-and neither ``OTEL_SDK_DISABLED=true`` nor ``OTEL_TRACES_EXPORTER=none`` says otherwise.
+Configured by the standard ``OTEL_*`` environment variables (and ``--otlp-traces-endpoint``,
+vLLM's flag, which sets ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``). Tracing is on when an OTLP
+endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``;
+over gRPC, or HTTP with ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL=http/protobuf``) or
+``OTEL_TRACES_EXPORTER=console`` prints spans, and neither ``OTEL_SDK_DISABLED=true`` nor
+``OTEL_TRACES_EXPORTER=none`` says otherwise.
 When it is off, :func:`enabled` is False, the tracer is OpenTelemetry's no-op tracer, and
 hot loops that check :func:`enabled` first pay nothing at all.
 
@@ -86,18 +89,75 @@ def _env_true(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "").strip().lower() in _TRUE
 
 
+EXPORTERS = ("otlp", "console", "none")
+PROTOCOLS = ("grpc", "http/protobuf")
+
+
+def _exporter_name(env: Mapping[str, str]) -> str:
+    """``OTEL_TRACES_EXPORTER``'s first name (``otlp`` unless set)."""
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if n.strip()]
+    return names[0] if names else "none"
+
+
+def _protocol(env: Mapping[str, str]) -> str:
+    return (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "").strip()
+            or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip() or "grpc").lower()
+
+
 def tracing_configured(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the ``OTEL_*`` variables in ``env`` ask for traces to be exported."""
+    """Whether the ``OTEL_*`` variables in ``env`` ask for traces to be exported: to an OTLP
+    endpoint, or to standard output (``OTEL_TRACES_EXPORTER=console``)."""
     env = os.environ if env is None else env
     if _env_true(env, "OTEL_SDK_DISABLED"):
         return False
-    exporters = env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
-    if exporters in ("", "none"):
+    name = _exporter_name(env)
+    if name == "console":
+        return True
+    if name != "otlp":
         return False
     return bool(
         env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
         or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
     )
+
+
+def configuration_error(env: Mapping[str, str] | None = None) -> str:
+    """What is wrong with the ``OTEL_*`` tracing variables ("" if nothing): checked at start-up,
+    so a process does not serve for hours exporting nowhere."""
+    env = os.environ if env is None else env
+    if _env_true(env, "OTEL_SDK_DISABLED"):
+        return ""
+    name = _exporter_name(env)
+    if name not in EXPORTERS:
+        return f"OTEL_TRACES_EXPORTER={env.get('OTEL_TRACES_EXPORTER')!r}: one of {', '.join(EXPORTERS)}"
+    if name == "otlp" and tracing_configured(env) and _protocol(env) not in PROTOCOLS:
+        return (f"OTEL_EXPORTER_OTLP_PROTOCOL {_protocol(env)!r}: one of {', '.join(PROTOCOLS)} "
+                "(OpenTelemetry's Python exporters have no http/json)")
+    return ""
+
+
+def _make_exporter(env: Mapping[str, str]) -> Any:
+    """The span exporter the variables name: OTLP over gRPC (the default) or HTTP, or the console."""
+    if _exporter_name(env) == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if _protocol(env) == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
+
+        return HttpExporter()
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def set_traces_endpoint(endpoint: str | None, env: MutableMapping[str, str] | None = None) -> None:
+    """``--otlp-traces-endpoint`` (vLLM's flag): the OTLP endpoint for traces, as
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (so processes started from here inherit it)."""
+    if endpoint:
+        (os.environ if env is None else env)["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = endpoint
 
 
 def setup_tracing(component: str, env: Mapping[str, str] | None = None, *, exporter: Any = None,
@@ -117,6 +177,8 @@ def setup_tracing(component: str, env: Mapping[str, str] | None = None, *, expor
         return _enabled
     if exporter is None and not tracing_configured(env):
         return False
+    if exporter is None and (error := configuration_error(env)):
+        raise SystemExit(f"tracing: {error}")
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -130,9 +192,7 @@ def setup_tracing(component: str, env: Mapping[str, str] | None = None, *, expor
     )
     provider = TracerProvider(resource=resource)
     if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter()
+        exporter = _make_exporter(env)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _provider = provider
@@ -354,7 +414,9 @@ class WorkerSpans:
             spans = self._requests.get(request_id)
             if spans is None:
                 continue
-            links.append(Link(spans.request.get_span_context()))
+            context = spans.request.get_span_context()
+            if context.trace_flags.sampled:  # an unsampled request's trace gets no forward spans
+                links.append(Link(context))
             if n > 1 or not spans.decoding:
                 spans.num_chunks += 1
                 spans.phase.add_event(
@@ -371,6 +433,16 @@ class WorkerSpans:
             attributes={WORKER_ID: self.worker_id, NUM_REQUESTS: len(links), NUM_TOKENS: num_tokens},
         )
         span.end()
+
+    def traceparent(self, request_id: str) -> str:
+        """W3C ``traceparent`` of the request's span ("" when it is not traced here): what
+        another process continues its trace from (a migration's target)."""
+        spans = self._requests.get(request_id) if _enabled else None
+        if spans is None:
+            return ""
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(spans.request))
+        return carrier.get("traceparent", "")
 
     def on_tokens(self, request_id: str, num_new_tokens: int) -> None:
         """Tokens came out for the request: the first ones close ``prefill`` and open ``decode``."""
