@@ -42,7 +42,7 @@ from .openai_response import Choices, TokenPieces, sse
 from .reasoning import START as THINK_START
 from .responses_api import ResponseOutput
 from .tool_parsers import tool_parser
-from .validate import REQUEST_ID_RULE, BadField, valid_request_id
+from .validate import REQUEST_ID_RULE, BadField, compile_ahead, valid_request_id
 
 log = structlog.get_logger("gateway")
 
@@ -150,6 +150,7 @@ class OpenAIDoor:
             call.describe(_request_attributes(req, self.served_model_name, base_id))
             self._tokenize_bad_words(req)
             requests = fan_out(req, base_id)
+            await compile_ahead(requests[0].sampling, self.core.model)  # the choices share it
             checked = [(r, self._check(r, req)) for r in requests]
         except BadParam as e:
             raise ApiError.bad(e) from None

@@ -276,4 +276,5 @@ def _completion_logprobs(entries: list[tuple[str, float, dict[str, float], int]]
 
 
 def _finite(logprob: float) -> float:
-    return max(float(logprob), MIN_LOGPROB)
+    value = float(logprob)
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN too: JSON has no NaN

@@ -47,6 +47,7 @@ from .validate import (
     REQUEST_ID_RULE,
     BadField,
     bad_request_metadata,
+    compile_ahead,
     retry_metadata,
     valid_request_id,
 )
@@ -168,6 +169,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             yield msg
 
     async def _generate(self, core: GatewayCore, request, context):
+        await compile_ahead(request.sampling, core.model)
         try:
             prompt_ids = core.check(request)
         except BadField as e:

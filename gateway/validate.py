@@ -7,8 +7,12 @@ details that grpcio-status clients read.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -66,7 +70,7 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         if ids and max(ids) >= model.vocab_size:  # most requests have neither: no generator a request
             bad = next(t for t in ids if t >= model.vocab_size)
             raise BadField(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
-    if params.structured_outputs is not None and (error := _grammar_error(params.structured_outputs)):
+    if params.structured_outputs is not None and (error := grammar_error(params.structured_outputs, model)):
         raise BadField(f"sampling.structured_outputs.{error.field}", error.reason)
     which = req.WhichOneof("input")
     if which is None:
@@ -95,14 +99,71 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
     return ids
 
 
+# A constraint is compiled off the event loop, at most this long (``compile_ahead``): one that
+# takes longer is refused as too complex, and no other request waits for it meanwhile.
+GRAMMAR_CHECK_S = 5.0
+_GRAMMAR_POOL = ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
+_TOO_SLOW_MAX = 256
+_too_slow: OrderedDict[tuple[StructuredOutputs, int], grammar.GrammarError] = OrderedDict()
+_ll_tokenizers: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (it, llguidance's view of it)
+_ll_lock = threading.Lock()
+
+
+def _ll_tokenizer_key(model: ModelSpec) -> int:
+    """A key for ``model``'s tokenizer as llguidance sees it (built once a tokenizer)."""
+    key = id(model.tokenizer)
+    with _ll_lock:
+        if key not in _ll_tokenizers:
+            try:
+                ll = grammar.ll_tokenizer(model.tokenizer, model.vocab_size, model.config.eos_token_ids)
+            except Exception:  # a tokenizer llguidance cannot read: grammars are checked without it
+                ll = None
+            _ll_tokenizers[key] = (model.tokenizer, ll)
+    return key
+
+
+def grammar_error(so: StructuredOutputs, model: ModelSpec) -> grammar.GrammarError | None:
+    """Why ``so`` does not compile for ``model`` (llguidance, with its tokenizer, no torch), or
+    None; once per constraint (cached), or the refusal ``compile_ahead`` recorded."""
+    key = _ll_tokenizer_key(model)
+    if (slow := _too_slow.get((so, key))) is not None:
+        return slow
+    return _grammar_error(so, key)
+
+
 @functools.lru_cache(maxsize=256)
-def _grammar_error(so: StructuredOutputs) -> grammar.GrammarError | None:
-    """Why ``so`` does not compile (llguidance, no tokenizer, no torch), or None; once per constraint."""
+def _grammar_error(so: StructuredOutputs, tokenizer_key: int) -> grammar.GrammarError | None:
     try:
-        grammar.check(so)
+        grammar.check(so, _ll_tokenizers[tokenizer_key][1])
     except grammar.GrammarError as e:
         return e
     return None
+
+
+async def compile_ahead(sampling: pb.SamplingParams, model: ModelSpec) -> None:
+    """Check the request's constraint in a thread of its own, before ``check`` (which then finds
+    it cached): a constraint that takes long to compile holds no other request, and one not
+    compiled within ``GRAMMAR_CHECK_S`` is refused as too complex (its compile runs on, once)."""
+    if not sampling.HasField("structured_outputs"):
+        return
+    try:
+        so = from_proto(sampling).structured_outputs
+    except ValueError:
+        return  # ``check`` names what is wrong
+    if so is None:
+        return
+    key = _ll_tokenizer_key(model)
+    if (so, key) in _too_slow:
+        return
+    work = asyncio.get_running_loop().run_in_executor(_GRAMMAR_POOL, _grammar_error, so, key)
+    try:
+        await asyncio.wait_for(asyncio.shield(work), GRAMMAR_CHECK_S)
+    except TimeoutError:
+        _too_slow[(so, key)] = grammar.GrammarError(
+            grammar.kind_of(so), f"too complex: not compiled within {GRAMMAR_CHECK_S:g} s (fewer alternatives, "
+                                 "patterns or nesting compile faster)")
+        while len(_too_slow) > _TOO_SLOW_MAX:
+            _too_slow.popitem(last=False)
 
 
 def _status_metadata(status: status_pb2.Status) -> tuple[tuple[str, bytes], ...]:

@@ -113,10 +113,99 @@ def test_the_gateway_check_names_what_does_not_compile(so, kind):
 
 
 def test_good_grammars_compile_lark_and_gbnf():
-    for so in (StructuredOutputs(regex=" "), StructuredOutputs(regex="\n"),  # not empty: one characterStructuredOutputs(grammar='start: "x" NUM\nNUM: /[0-9]+/'),
+    for so in (StructuredOutputs(regex=" "), StructuredOutputs(regex="\n"),  # not empty: one character
+               StructuredOutputs(grammar='start: "x" NUM\nNUM: /[0-9]+/'),
+               StructuredOutputs(grammar='start: "x ::= y"'),  # Lark, though "::=" is in it
+               StructuredOutputs(grammar='// a ::= b\nstart: "x"'),
                StructuredOutputs(grammar='root ::= "x" [0-9]+'), StructuredOutputs(choice=('a "quoted"', "b\\n")),
                StructuredOutputs(json_object=True), StructuredOutputs(json=json.dumps(SCHEMA))):
         assert grammar.check(so)
+
+
+def test_a_schema_of_many_pattern_properties_is_refused_not_compiled_for_seconds():
+    """A 19 KB schema of 450 patternProperties held the gateway's event loop for 20 s (and a
+    worker's batch for 14): past ``MAX_PATTERN_PROPERTIES`` it is refused by name."""
+    many = {"type": "object", "patternProperties": {f"^p{i}[a-z]{{2,40}}$": {"type": "integer"}
+                                                    for i in range(grammar.MAX_PATTERN_PROPERTIES + 1)}}
+    with pytest.raises(grammar.GrammarError) as e:
+        grammar.check(StructuredOutputs(json=json.dumps({"type": "object", "properties": {"x": many}})))
+    assert "patternProperties" in e.value.reason
+    few = {"type": "object", "patternProperties": {f"^p{i}$": {"type": "integer"} for i in range(8)}}
+    assert grammar.check(StructuredOutputs(json=json.dumps(few)))
+
+
+def test_the_gateway_compiles_off_its_loop_and_refuses_what_takes_too_long(monkeypatch):
+    """``compile_ahead`` runs the check in a thread: a constraint not compiled within
+    ``GRAMMAR_CHECK_S`` is refused as too complex (the loop went on meanwhile), and the
+    gateway's check then finds that refusal; a quick one is cached for the check."""
+    import asyncio
+
+    from pagefleet.common.model_config import load_model_spec
+    from pagefleet.common.sampling_proto import to_proto
+    from pagefleet.gateway import validate
+
+    model = load_model_spec("tiny")
+    slow = StructuredOutputs(json=json.dumps({"type": "object", "patternProperties": {
+        f"^q{i}[a-z]{{2,40}}$": {"type": "integer"} for i in range(60)}}))
+    monkeypatch.setattr(validate, "GRAMMAR_CHECK_S", 1e-4)
+
+    async def main() -> int:
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await validate.compile_ahead(to_proto(SamplingParams(structured_outputs=slow)), model)
+        ticker.cancel()
+        return ticks
+
+    assert asyncio.run(main()) > 0
+    error = validate.grammar_error(slow, model)
+    assert error is not None and "too complex" in error.reason
+    quick = StructuredOutputs(regex="[ab]{3}")
+    monkeypatch.setattr(validate, "GRAMMAR_CHECK_S", 30.0)
+    asyncio.run(validate.compile_ahead(to_proto(SamplingParams(structured_outputs=quick)), model))
+    assert validate.grammar_error(quick, model) is None
+
+
+def test_token_references_are_checked_against_the_models_vocabulary():
+    """A grammar naming a token the model does not have passed the gateway's check (made
+    without a tokenizer) and ended at the worker as an empty "stop": it is refused at the door,
+    and an engine given one ends the request with an error, not a silent stop."""
+    from pagefleet.common.model_config import load_model_spec
+    from pagefleet.gateway import validate
+
+    model = load_model_spec("tiny")
+    bad = StructuredOutputs(grammar='start: "a" <[99999]>')
+    error = validate.grammar_error(bad, model)
+    assert error is not None and error.field == "grammar"
+    assert validate.grammar_error(StructuredOutputs(grammar='start: "a" <[65]>'), model) is None
+    engine = Engine("tiny", num_blocks=64)
+    out = engine.generate(["hello"], SamplingParams(max_tokens=8, structured_outputs=bad))[0]
+    assert (out.finish_reason, out.token_ids) == ("error", [])
+
+
+def test_the_grammar_wins_over_masks_that_leave_it_nothing():
+    """``min_tokens`` holding back the end the grammar asks for, bad words or allowed ids that
+    remove every token it allows, ``ignore_eos`` past its end: the output stays in the grammar
+    (before, a token of no probability, byte 0, came out, and its log-probability was NaN)."""
+    import math
+
+    engine = Engine("tiny", num_blocks=64)
+    choice = StructuredOutputs(choice=("yes", "no"))
+    cases = [dict(min_tokens=5), dict(bad_words_token_ids=[[ord("y")], [ord("n")]]), dict(allowed_token_ids=[120]),
+             dict(ignore_eos=True, max_tokens=8), dict(min_tokens=5, logprobs=2)]
+    for kw in cases:
+        params = SamplingParams(**{"max_tokens": 12, **kw, "structured_outputs": choice})
+        out = engine.generate(["hello"], params)[0]
+        assert out.text in ("yes", "no") and "\x00" not in out.text, (kw, out.text)
+        assert 0 not in out.token_ids, (kw, out.token_ids)
+        for lp in out.logprobs or []:
+            assert not math.isnan(lp.logprob), kw
 
 
 def test_a_choice_holds_through_preemptions_and_aborts_in_any_order():

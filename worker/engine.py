@@ -326,6 +326,8 @@ class Engine:
 
     def _append(self, req: Request, token: int, logprobs: TokenLogprobs | None = None) -> TokenDelta:
         """Record a sampled token; the request's delta. Runs for every running request every step."""
+        if req.grammar is not None and req.grammar.error is not None:
+            return self._failed(req, f"structured output: {req.grammar.error}")
         out_ids = req.output_token_ids
         out_ids.append(token)
         req.all_token_ids.append(token)
@@ -358,6 +360,15 @@ class Engine:
         req.num_emitted_tokens = len(out_ids)
         return TokenDelta(req.request_id, out_ids[index:], text, index, req.finish_reason,
                           None if lps is None else lps[len(lps) - len(out_ids) + index:])
+
+    def _failed(self, req: Request, error: str) -> TokenDelta:
+        """``req`` cannot go on (its constraint does not compile for this model's vocabulary): it
+        ends with an error, the token this step drew for it dropped."""
+        req.status = RequestStatus.FINISHED_ERROR
+        self.requests.pop(req.request_id, None)
+        self.scheduler.remove(req)
+        return TokenDelta(req.request_id, [], req.detokenizer.finish(flush=False), req.num_emitted_tokens,
+                          req.finish_reason, None, error)
 
     # -- the batch API -----------------------------------------------------------------
     def generate(

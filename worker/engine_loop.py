@@ -260,7 +260,8 @@ class EngineLoop:
         held = self.held
         for d in deltas:
             if d.finish_reason:
-                entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason, logprobs=d.logprobs)
+                entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason, d.error or "",
+                                 logprobs=d.logprobs)
                 enc.finish(self._final(d.request_id, entry))
                 continue
             token_ids, text = d.token_ids, d.text

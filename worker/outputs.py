@@ -38,6 +38,7 @@ class TokenDelta:
     index: int
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # with finish_reason "error": why
 
     @property
     def finished(self) -> bool:

@@ -57,7 +57,7 @@ class GrammarCompiler:
 
     def request_grammar(self, so: StructuredOutputs) -> RequestGrammar:
         """A new request's grammar (its compile started, or shared with an earlier request's)."""
-        return RequestGrammar(self.submit(so), self.executor, self.vocab_size)
+        return RequestGrammar(self.submit(so), self.executor, self.vocab_size, self._eos)
 
     def submit(self, so: StructuredOutputs) -> Future:
         """A future of the compiled matcher for ``so`` (shared: deep-copy it before use)."""
@@ -90,16 +90,21 @@ class GrammarCompiler:
 class RequestGrammar:
     """One request's matcher, kept in step with its output tokens."""
 
-    __slots__ = ("_future", "_matcher", "num_consumed", "failed", "executor", "vocab_size", "prepared")
+    __slots__ = ("_future", "_matcher", "num_consumed", "failed", "error", "executor", "vocab_size", "prepared",
+                 "eos_token_ids")
 
-    def __init__(self, future: Future, executor: LLExecutor, vocab_size: int) -> None:
+    def __init__(self, future: Future, executor: LLExecutor, vocab_size: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self._future = future
         self.executor = executor
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids  # the model's: what a failed matcher lets through
         self.prepared: tuple[Future, int] | None = None  # (this step's bitmask, its row) when started early
         self._matcher: LLMatcher | None = None
         self.num_consumed = 0
         self.failed = False
+        # Why its constraint did not compile for this model (the engine ends it with this error).
+        self.error: str | None = None
 
     def matcher(self, output_token_ids: list[int]) -> LLMatcher | None:
         """The matcher after every output token so far; None if it failed."""
@@ -108,8 +113,9 @@ class RequestGrammar:
         if self._matcher is None:
             try:
                 self._matcher = self._future.result().deep_copy()
-            except Exception:
+            except Exception as e:
                 self.failed = True
+                self.error = (e.reason if isinstance(e, GrammarError) else str(e)) or type(e).__name__
                 return None
         n = len(output_token_ids)
         if n > self.num_consumed:
@@ -160,7 +166,7 @@ def grammar_bitmask(reqs: list[Request], vocab: int) -> np.ndarray:
         if m is None:  # only end-of-sequence
             bitmask[j] = 0
             words = bitmask.view(np.uint32)
-            for t in r.eos_token_ids or r.finish_token_ids:
+            for t in r.eos_token_ids or r.finish_token_ids or r.grammar.eos_token_ids:
                 if t < vocab:
                     words[j, t // 32] |= np.uint32(1 << (t % 32))
         else:
@@ -171,11 +177,14 @@ def grammar_bitmask(reqs: list[Request], vocab: int) -> np.ndarray:
 
 
 def logits_masked(logits: torch.Tensor, rows: list[int], allowed: np.ndarray) -> None:
-    n = len(rows)
+    """Mask ``logits[rows]`` to ``allowed``. The grammar wins: a row whose every allowed token an
+    earlier mask took (``min_tokens`` holding back the end the grammar asks for, bad words,
+    ``allowed_token_ids``) gets its allowed tokens back, evenly, instead of drawing a token of
+    no probability that the grammar forbids. No read of the device."""
     dev = logits.device
     blocked = torch.from_numpy(allowed).to(dev) == 0
-    if n == 1:
-        logits[rows[0]].masked_fill_(blocked[0], float("-inf"))
-        return
     idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(blocked, float("-inf")))
+    x = logits.index_select(0, idx).masked_fill_(blocked, float("-inf"))
+    dead = torch.isneginf(x).all(dim=-1, keepdim=True)
+    x = torch.where(dead & ~blocked, torch.zeros((), dtype=x.dtype, device=dev), x)
+    logits.index_copy_(0, idx, x)

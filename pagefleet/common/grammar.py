@@ -6,12 +6,13 @@ Each kind becomes one llguidance grammar: ``json`` (a JSON schema) and ``json_ob
 (``{"type": "object"}``) through llguidance's JSON-schema compiler with no free whitespace
 (``{"a":1}``, as the output then always ends where the value does); ``regex``; ``choice``
 as a Lark grammar of string literals; ``grammar`` as Lark (llguidance's dialect) or GBNF
-(recognised by ``::=``, converted to Lark).
+(recognised by a line that starts a ``name ::=`` rule, converted to Lark).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
@@ -44,6 +45,27 @@ def kind_of(so: StructuredOutputs) -> str:
 # 7 s) and each distinct one is cached, so a request may not bring more than this.
 MAX_CONSTRAINT_CHARS = 128 * 1024
 MAX_CHOICES = 1024
+# ``patternProperties`` entries in one schema: llguidance works out the keys none of them match,
+# and that grows steeply with their number (64: 14 ms; 200: 1 s; 400: 21 s on one core).
+MAX_PATTERN_PROPERTIES = 64
+# A GBNF grammar: a rule ``name ::= ...`` starts a line (Lark's rules are ``name: ...``; a
+# ``::=`` inside a Lark string or comment does not make it GBNF).
+_GBNF_RULE = re.compile(r"^\s*<?[A-Za-z_][\w-]*>?\s*::=", re.MULTILINE)
+
+
+def _count_pattern_properties(schema: Any) -> int:
+    """``patternProperties`` entries anywhere in ``schema`` (iteratively: no depth limit)."""
+    count, todo = 0, [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            pp = node.get("patternProperties")
+            if isinstance(pp, dict):
+                count += len(pp)
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return count
 
 
 def grammar_of(so: StructuredOutputs) -> str:
@@ -61,13 +83,16 @@ def grammar_of(so: StructuredOutputs) -> str:
             schema: Any = json.loads(so.json) if kind == "json" else {"type": "object"}
             if not isinstance(schema, dict | bool):
                 raise GrammarError(kind, "a JSON schema must be an object")
+            if (n := _count_pattern_properties(schema)) > MAX_PATTERN_PROPERTIES:
+                raise GrammarError(kind, f"at most {MAX_PATTERN_PROPERTIES} patternProperties entries in a schema "
+                                         f"(their cost to compile grows steeply), got {n}")
             return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(so.regex)
         if kind == "choice":
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
         text = so.grammar
-        if "::=" in text:
+        if _GBNF_RULE.search(text):
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             text = gbnf_to_lark(text)
@@ -78,10 +103,12 @@ def grammar_of(so: StructuredOutputs) -> str:
         raise GrammarError(kind, str(e) or type(e).__name__) from None
 
 
-def check(so: StructuredOutputs) -> str:
-    """The grammar of ``so`` if it compiles (no tokenizer needed); ``GrammarError`` naming it if not."""
+def check(so: StructuredOutputs, tokenizer: LLTokenizer | None = None) -> str:
+    """The grammar of ``so`` if it compiles; ``GrammarError`` naming it if not. With the model's
+    ``tokenizer`` (``ll_tokenizer``) its token references are checked too (``<[99999]>`` past
+    the vocabulary, a special token the model does not have), as the worker will compile it."""
     grammar = grammar_of(so)
-    error = LLMatcher.validate_grammar(grammar, None)
+    error = LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise GrammarError(kind_of(so), error.strip())
     return grammar
