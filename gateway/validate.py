@@ -19,7 +19,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from pagefleet.common import grammar
 from pagefleet.common.model_config import ModelSpec
-from pagefleet.common.sampling_params import StructuredOutputs
+from pagefleet.common.sampling_params import StructuredOutputs, only_finish_tokens_allowed
 from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import generation_pb2 as pb
 
@@ -70,6 +70,10 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         if ids and max(ids) >= model.vocab_size:  # most requests have neither: no generator a request
             bad = next(t for t in ids if t >= model.vocab_size)
             raise BadField(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    if params.min_tokens and params.allowed_token_ids:
+        finish = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(model.config.eos_token_ids))
+        if error := only_finish_tokens_allowed(params, finish):
+            raise BadField("sampling.allowed_token_ids", error)
     if params.structured_outputs is not None and (error := grammar_error(params.structured_outputs, model)):
         raise BadField(f"sampling.structured_outputs.{error.field}", error.reason)
     which = req.WhichOneof("input")

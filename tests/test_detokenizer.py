@@ -105,6 +105,22 @@ def test_a_cut_character_flushes_as_decode_gives(tmp_path):
             assert text == d.text == hf.decode(out, skip_special_tokens=skip), (cut, skip)
 
 
+def test_a_prompt_cut_inside_a_character_leaks_nothing_into_the_output(tmp_path):
+    """A prompt of token ids that ends inside a multi-byte character: the output's text is the
+    decode of the output's tokens (it carried the prompt's text before: ``DecodeStream``
+    hands back its whole context when that ends in U+FFFD), streamed or flushed at the end."""
+    hf = _byte_level_bpe(tmp_path, ["plain ascii words only"], 300)
+    euro = hf.encode("€", add_special_tokens=False)  # three byte tokens
+    assert len(euro) == 3
+    for cut in (1, 2):
+        prompt = hf.encode("hello") + euro[:cut]
+        for out in ([euro[cut]], [euro[cut]] * 2, euro[cut:], [euro[cut]] + hf.encode(" ok", add_special_tokens=False)):
+            d = IncrementalDetokenizer(hf, prompt, ())
+            text = "".join(d.push(t) for t in out) + d.finish(flush=True)
+            assert text == hf.decode(out), (cut, out, text)
+            assert "hello" not in text
+
+
 def test_a_long_output_streams_as_decode_gives(tmp_path):
     """Hundreds of tokens (the stream keeps only the last ones it may need), multi-byte
     characters and special tokens among them, cut anywhere: the text sent equals ``decode``."""

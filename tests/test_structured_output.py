@@ -277,3 +277,25 @@ def test_masks_computed_in_line_wait_for_the_mask_thread():
     first = {engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in so.choice}
     assert allowed[0] == allowed[1] and first <= allowed[0]
     assert a.grammar.num_consumed == b.grammar.num_consumed == 0
+
+
+def test_min_tokens_with_only_end_tokens_allowed_is_refused_at_the_door_and_by_the_engine():
+    """``allowed_token_ids`` of end-of-sequence alone with ``min_tokens``: nothing may be drawn
+    before ``min_tokens`` (byte 0, outside the allowed set, came out). Refused by name."""
+    from pagefleet.common.model_config import load_model_spec
+    from pagefleet.common.sampling_proto import to_proto
+    from pagefleet.gateway.validate import BadField, check
+    from pagefleet.protos import generation_pb2 as pb
+
+    model = load_model_spec("tiny")
+    eos = model.config.eos_token_ids[0]
+    params = SamplingParams(max_tokens=4, min_tokens=3, allowed_token_ids=[eos])
+    with pytest.raises(BadField) as e:
+        check(pb.GenerateRequest(prompt="hi", sampling=to_proto(params)), model, 512)
+    assert e.value.field == "sampling.allowed_token_ids"
+    engine = Engine("tiny", num_blocks=64)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        engine.add_request([1, 2, 3], params)
+    fine = SamplingParams(max_tokens=4, min_tokens=3, allowed_token_ids=[eos, 65])
+    assert check(pb.GenerateRequest(prompt="hi", sampling=to_proto(fine)), model, 512)
+    assert engine.generate([[1, 2, 3]], fine)[0].token_ids[:3] == [65, 65, 65]

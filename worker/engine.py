@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from pagefleet.common.logprobs import TokenLogprobs
 from pagefleet.common.model_config import ModelSpec, load_model_spec
-from pagefleet.common.sampling_params import SamplingParams
+from pagefleet.common.sampling_params import SamplingParams, only_finish_tokens_allowed
 
 from .batch_scheduler import BatchScheduler
 from .continuous_scheduler import ContinuousScheduler
@@ -206,6 +206,8 @@ class Engine:
             detokenizer=detok,
             output_token_ids=resumed,
         )
+        if error := only_finish_tokens_allowed(params, req.finish_token_ids):
+            raise ValueError(error)
         if params.structured_outputs is not None:  # compiles off this thread while the prompt is prefilled
             req.grammar = self._grammars().request_grammar(params.structured_outputs)
         return req

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 GREEDY_TEMPERATURE = 1e-5
@@ -199,3 +200,16 @@ class SamplingParams:
 def _is_number(v) -> bool:
     """A real number (int or float, not bool), not NaN."""
     return isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def only_finish_tokens_allowed(params: SamplingParams, finish_token_ids: Iterable[int]) -> str:
+    """Why ``params`` leave nothing to sample before ``min_tokens`` ("" if they do not): every id
+    ``allowed_token_ids`` keeps ends the output (``finish_token_ids``: end-of-sequence and stop
+    tokens), and ``min_tokens`` holds each of them back."""
+    if not params.min_tokens or not params.allowed_token_ids:
+        return ""
+    finish = set(finish_token_ids)
+    if finish and set(params.allowed_token_ids) <= finish:
+        return (f"allowed_token_ids: every allowed token ends the output (end-of-sequence or a stop token), "
+                f"which min_tokens {params.min_tokens} holds back: allow another token or drop min_tokens")
+    return ""

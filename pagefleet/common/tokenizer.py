@@ -102,7 +102,13 @@ class _HFStream:
 
         self._tok = tok
         self._skip = skip_special_tokens
-        self._ids = list(prompt_token_ids[-self._CONTEXT:])  # the context, then the tokens stepped
+        context = list(prompt_token_ids[-self._CONTEXT:])
+        # A prompt that ends inside a character (token ids cut mid-UTF-8): the context ends
+        # before it, or the output's first text would carry the prompt's (DecodeStream hands
+        # back the whole context when it ends in U+FFFD); the output's bytes decode on their own.
+        while context and tok.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        self._ids = context  # the context, then the tokens stepped
         self._num_pending = 0  # the last ones of ``_ids`` whose text is not out yet
         self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=skip_special_tokens)
 
@@ -127,7 +133,9 @@ class _HFStream:
         before = self._tok.decode(context, skip_special_tokens=self._skip)
         after = self._tok.decode(context + pending, skip_special_tokens=self._skip)
         self._num_pending = 0
-        return after[len(before):] if after.startswith(before) else after
+        if after.startswith(before):
+            return after[len(before):]
+        return self._tok.decode(pending, skip_special_tokens=self._skip)  # never the context's text
 
 
 class NoTokenizer:
