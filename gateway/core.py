@@ -142,15 +142,18 @@ class GatewayCore:
         await self._admit_and_queue.aclose()
 
     def leave(self, q: Queued) -> None:
-        """``q``'s caller went away: cancel its request, unless this process is shutting down and
-        the id is the client's own (the client retries it through another gateway, which relays
-        it: a cancel would end it as aborted)."""
-        if self.stopping and q.client_id:
-            log.info("request.left_for_retry", request_id=q.request_id)
+        """``q``'s caller went away: cancel its request, unless another call relays it. Not when
+        this process is shutting down and the id is the client's own (the client retries it
+        through another gateway, which relays it: a cancel would end it as aborted); not for a
+        call that relayed a request queued before (a retry: the call that queued it, or another
+        retry, may be reading it); and the first caller's cancel of a client's id is dropped
+        when a retry of that id came meanwhile (the claim counts them)."""
+        if (self.stopping and q.client_id) or not q.fresh:
+            log.info("request.left_for_retry" if q.fresh else "request.retry_gone", request_id=q.request_id)
             self.readers[self.shard_of(q.request_id).shard].close(q.request_id)
             return
         log.info("request.client_gone", request_id=q.request_id)
-        self.cancel_soon(q.request_id)
+        self.cancel_soon(q.request_id, unless_retried=q.client_id)
 
     def check(self, request: pb.GenerateRequest, *, choice_id: bool = False) -> list[int]:
         """The prompt's token ids; ``BadField`` naming what is wrong (``choice_id``: see ``validate.check``)."""
@@ -281,16 +284,23 @@ class GatewayCore:
         """The messages of several requests as they come (see ``Relays``)."""
         return Relays(self, queued)
 
-    def cancel_soon(self, request_id: str) -> None:
+    def cancel_soon(self, request_id: str, unless_retried: bool = False) -> None:
         """Queue a cancel entry in the background (the caller may be gone already); nothing
-        relays the request from here on."""
+        relays the request from here on. ``unless_retried``: not if its claim counts a retry
+        (another call relays it)."""
         self.readers[self.shard_of(request_id).shard].close(request_id)
-        task = asyncio.ensure_future(self._send_cancel(request_id))
+        task = asyncio.ensure_future(self._send_cancel(request_id, unless_retried))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
-    async def _send_cancel(self, request_id: str) -> None:
+    async def _send_cancel(self, request_id: str, unless_retried: bool = False) -> None:
         with contextlib.suppress(Exception):
+            if unless_retried:
+                keys = self.shard_of(request_id)
+                claims = await retry(lambda: self.redis.get(keys.idempotency(request_id)), what="get_claim")
+                if claims is not None and int(claims) > 1:
+                    log.info("request.left_to_its_retry", request_id=request_id)
+                    return
             await self.cancel(request_id, attempts=20)
 
     async def cancel(self, request_id: str, attempts: int = _ATTEMPTS, keys: Keys | None = None) -> None:

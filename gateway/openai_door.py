@@ -261,6 +261,7 @@ class OpenAIDoor:
             if field.startswith("structured_outputs"):
                 raise BadParam(req.structured_param, f"{req.structured_param} does not compile: {e.reason}") from None
             param = {"prompt": req.prompt_param, "prompt_token_ids": req.prompt_param, "request_id": "X-Request-Id",
+                     "bad_words_token_ids": "bad_words",
                      "max_tokens": req.max_tokens_param, "logprobs": "top_logprobs" if req.chat else "logprobs",
                      "sampling": None}.get(field, field)
             reason = e.reason

@@ -163,8 +163,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             core = self.core_for(request)
         except UnknownModel as e:
-            code = grpc.StatusCode.NOT_FOUND if e.requested else grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, str(e))
+            if e.requested:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            missing = BadField("model", str(e))  # none named while several are served: a field to set
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(missing),
+                                trailing_metadata=bad_request_metadata(missing))
         async for msg in self._generate(core, request, context):
             yield msg
 

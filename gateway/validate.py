@@ -34,6 +34,8 @@ _DEFAULT_LIMITS = Limits()
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
                     "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs")
+# Where SamplingParams' name for a field is not the proto's.
+_PROTO_NAMES = {"bad_words": "bad_words_token_ids"}
 
 
 def valid_request_id(request_id: str, choice_id: bool = False) -> bool:
@@ -65,9 +67,11 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
     except ValueError as e:
         msg = str(e)
         name = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), "sampling")
+        name = _PROTO_NAMES.get(name, name)
         raise BadField(f"sampling.{name}" if name != "sampling" else name, msg) from None
-    for name, ids in (("logit_bias", req.sampling.logit_bias), ("allowed_token_ids", req.sampling.allowed_token_ids)):
-        if ids and max(ids) >= model.vocab_size:  # most requests have neither: no generator a request
+    for name, ids in (("logit_bias", req.sampling.logit_bias), ("allowed_token_ids", req.sampling.allowed_token_ids),
+                      ("bad_words_token_ids", [t for w in req.sampling.bad_words_token_ids for t in w.ids])):
+        if ids and max(ids) >= model.vocab_size:  # most requests have none: no generator a request
             bad = next(t for t in ids if t >= model.vocab_size)
             raise BadField(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
     if params.min_tokens and params.allowed_token_ids:

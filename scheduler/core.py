@@ -50,7 +50,7 @@ from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
 from .assign_stream import AssignStream, NotServed
-from .ledger import Ledger, LedgerConfig
+from .ledger import DEADLINE_WAITING, Ledger, LedgerConfig
 from .moves import MoveConfig
 from .observe import assign_span
 from .placement import Placement, PlacementConfig
@@ -396,14 +396,21 @@ class ClusterScheduler:
 
     async def _finish(self, rid: str, reason: str, error: str) -> bool:
         """Write ``rid``'s final message (and acknowledge its entry) under a new epoch, then
-        forget it; False if it had finished already."""
+        forget it; False if it had finished already. The tokens it emitted before (on a worker
+        that runs it, or ran it) are recorded first (``take_over``: its worker writes no more of
+        it past the new epoch), and the final comes after them: a retry of its id relays them
+        and then the finish, as its first caller saw them."""
         p = self.ledger.known.get(rid)
         while True:
-            epoch = await self._fence(rid, "scheduler")
+            epoch = await self._fence(rid, "")  # the last worker stays named: its output is read next
             if epoch == 0:
                 self.ledger.forget(rid)
                 return False
-            entry = OutEntry(len(p.assign.output_token_ids) if p else 0, [], "", reason, error)
+            emitted, finish = await take_over(self.redis, self.keys, rid)
+            if finish:  # its worker's own final landed before the fence
+                self.ledger.forget(rid)
+                return False
+            entry = OutEntry(len(emitted), [], "", reason, error)
             write = Write(rid, epoch, entry, p.entry_id if p else "", field=steps_field(p.assign.reply_to if p else ""))
             if (await retry(lambda w=write: self.fencing.write([w]), what="finish"))[0]:
                 break
@@ -567,7 +574,7 @@ class ClusterScheduler:
                 await self._worker_dead(w, f"no report for {self.cfg.dead_after_s}s")
             waited, running = self.ledger.expired()
             for p in waited:
-                await self._finish(p.request_id, "error", "deadline exceeded while waiting")
+                await self._finish(p.request_id, "error", DEADLINE_WAITING)
             for rid in running:
                 if rid in self.ledger.where:  # still running: cut it off
                     await self._cancel(rid, "error", "deadline exceeded while running")
@@ -593,8 +600,9 @@ class ClusterScheduler:
                 while not self.lease_ok():  # unsure of the lease: place nothing until it is renewed (or lost)
                     await asyncio.sleep(_LEASE_POLL_S)
                 decision = self.ledger.decide_round()
-                for p, why in decision.refused:  # no worker could ever take it: it must not hold the queue
-                    log.warning("request.fits_no_worker", request_id=p.request_id, reason=why)
+                for p, why in decision.refused:  # past its deadline, or no worker could ever take it
+                    if why != DEADLINE_WAITING:
+                        log.warning("request.fits_no_worker", request_id=p.request_id, reason=why)
                     await self._finish(p.request_id, "error", why)
                 if decision.victims:
                     # Assign first, then preempt: the request is already waiting on the worker

@@ -114,6 +114,8 @@ class Decision:
     refused: list[tuple[Pending, str]] = field(default_factory=list)
 
 
+# A request whose deadline passed before it was placed is finished with this error.
+DEADLINE_WAITING = "deadline exceeded while waiting"
 # How long a dead worker's context and pool still count for what the fleet could take: one
 # restarted (a container, a pod) is back well within it; one scaled away stops counting.
 DEAD_WORKER_LIMITS_S = 300.0
@@ -317,8 +319,14 @@ class Ledger:
         refused: list[tuple[Pending, str]] = []
         headroom = self.cfg.headroom_tokens
         size = max(ROUND, ROUND_PER_WORKER * len(self.workers))
+        now_ms = int(self.wall_clock() * 1000)
         t0 = time.perf_counter()
         while len(claims) < size and (p := self.queue.peek()) is not None:
+            if p.deadline_unix_ms and p.deadline_unix_ms <= now_ms:  # its time ran out in the queue: never run
+                self.queue.remove(p.request_id)
+                self._in_hand.add(p.request_id)
+                refused.append((p, DEADLINE_WAITING))
+                continue
             placement = choose(p, headroom)
             t0 = self._timed(t0)
             if placement is None and (why := _fits_no_worker(p, self._fleet_limits())):

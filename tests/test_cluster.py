@@ -153,6 +153,66 @@ def test_idempotent_request_id_relays_the_same_output(cluster):
     assert a.token_ids == b.token_ids and b.finish_reason == "length"
 
 
+def _drain(stream, first=None) -> Completion:
+    done = Completion()
+    if first is not None:
+        done.add(first)
+    for msg in stream:
+        done.add(msg)
+    return done
+
+
+def test_a_caller_of_an_id_that_hangs_up_leaves_the_others_reading_it(cluster):
+    """Two calls relay one client id (a retry while the first stream stalls). Either one hanging
+    up ended the request as aborted for the other (its relay cancelled it): now the call that
+    queued it cancels only while no retry of it came, and a retry's call never cancels."""
+    with Client(cluster.gateway_target) as c:
+        kwargs = dict(max_tokens=120, temperature=0, ignore_eos=True, timeout=60)
+        # the retry hangs up: the first caller reads on to the end
+        first = c.generate_stream("two readers " * 3, request_id="two-readers", **kwargs)
+        head = next(first)
+        retry = c.generate_stream("two readers " * 3, request_id="two-readers", **kwargs)
+        next(retry)
+        retry.cancel()
+        time.sleep(1.0)  # its cancel would have landed by now
+        done = _drain(first, head)
+        assert (done.finish_reason, done.completion_tokens) == ("length", 120)
+        # the first caller hangs up while a retry reads: the retry reads on to the end
+        first = c.generate_stream("first goes " * 3, request_id="first-goes", **kwargs)
+        next(first)
+        retry = c.generate_stream("first goes " * 3, request_id="first-goes", **kwargs)
+        head = next(retry)
+        first.cancel()
+        done = _drain(retry, head)
+        assert (done.finish_reason, done.completion_tokens) == ("length", 120)
+        # alone, a caller that hangs up still frees its blocks
+        alone = c.generate_stream("alone " * 3, request_id="alone", **kwargs)
+        next(alone)
+        wait_for(lambda: any(r.request_ids for r in worker_reports(cluster).values()), 10, "a running request")
+        alone.cancel()
+        wait_for(lambda: _idle(cluster), 10, "blocks freed after the caller left")
+
+
+def test_a_retry_of_a_cancelled_request_replays_the_tokens_its_caller_saw(cluster):
+    """The scheduler's abort came with no tokens: a retry of a cancelled id relayed 0 tokens
+    and ABORT. The tokens emitted before the cancel are recorded first, and the finish after them."""
+    with Client(cluster.gateway_target) as c:
+        stream = c.generate_stream("cancel then retry " * 3, max_tokens=1500, temperature=0, ignore_eos=True,
+                                   request_id="cancel-retry", timeout=60)
+        head = next(stream)
+        wait_for(lambda: any(r.blocks_per_request.get("cancel-retry") for r in worker_reports(cluster).values()),
+                 10, "the request to hold blocks")
+        time.sleep(0.3)
+        assert c.cancel("cancel-retry")
+        seen = _drain(stream, head)
+        again = c.generate("cancel then retry " * 3, max_tokens=1500, temperature=0, ignore_eos=True,
+                           request_id="cancel-retry", timeout=60)
+    assert seen.finish_reason == again.finish_reason == "abort"
+    assert 0 < len(again.token_ids) <= len(seen.token_ids)
+    assert again.token_ids == seen.token_ids[:len(again.token_ids)]
+    assert len(seen.token_ids) - len(again.token_ids) <= 2  # only what raced the cancel on the worker
+
+
 def test_queue_past_its_limit_is_resource_exhausted(cluster, tmp_path):
     """A gateway on a namespace no scheduler serves: the first request waits, the second is shed."""
     from pagefleet.common.service import free_port

@@ -253,6 +253,21 @@ def test_a_request_no_single_worker_takes_is_refused_and_the_queue_goes_on():
     assert refused[0].request_id == "long" and "the longest any worker takes is 2048" in refused[1]
 
 
+def test_a_request_whose_deadline_passed_in_the_queue_is_never_placed():
+    """Deadlines were looked at on the scheduler's tick: one that passed while the scheduler
+    was held up (stopped, busy) was placed and run first, then cut as "while running"."""
+    clock = Clock()
+    ledger = ledger_with("a", clock=clock)
+    ledger.take("late", "e1", assign("late", [1] * 8, deadline_s=clock.now + 1))
+    ledger.take("fine", "e2", assign("fine", [2] * 8, deadline_s=clock.now + 60))
+    clock.now += 2
+    d = ledger.decide_round()
+    assert [(p.request_id, why) for p, why in d.refused] == [("late", "deadline exceeded while waiting")]
+    assert [p.request_id for p, _ in d.claims] == ["fine"]
+    ledger.forget("late")
+    ledger.check_integrity()
+
+
 def test_a_silent_worker_is_named_on_the_ledgers_clock():
     clock = Clock()
     ledger = ledger_with("a", "b", clock=clock)
@@ -724,6 +739,8 @@ class World:
 
     def round(self, accept: bool) -> None:
         d = self.ledger.decide_round()
+        for p, _ in d.refused:  # past its deadline, or too large for any worker: finished by the caller
+            self.end(p.request_id)
         for p, pl in d.claims:
             assert self.ended.get(p.request_id, 0) == 0, f"{p.request_id} placed after it ended"
             wid = pl.worker.worker_id

@@ -119,6 +119,12 @@ def test_an_unknown_model_is_not_found_naming_the_served_ones(fleet):
         with pytest.raises(grpc.RpcError) as e:  # several models: a request must name one
             c.generate("hi", max_tokens=2, timeout=30)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "llama" in e.value.details()
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status  # the field to set, as every INVALID_ARGUMENT names one
+
+        (detail,) = rpc_status.from_call(e.value).details
+        violations = error_details_pb2.BadRequest()
+        assert detail.Unpack(violations) and violations.field_violations[0].field == "model"
 
 
 def test_cancel_by_id_alone_reaches_the_shard_through_another_gateway(fleet):

@@ -268,6 +268,9 @@ def test_bad_values_are_refused_by_name(field, kwargs):
     ("min_tokens", pb.SamplingParams(max_tokens=4, min_tokens=5)),
     ("min_tokens", pb.SamplingParams(min_tokens=17)),  # past the default max_tokens
     ("logprobs", pb.SamplingParams(logprobs=21)),
+    # past the vocabulary: it passed the door and failed at the worker (the proto's name)
+    ("bad_words_token_ids", pb.SamplingParams(bad_words_token_ids=[pb.TokenIds(ids=[1_000_000])])),
+    ("bad_words_token_ids", pb.SamplingParams(bad_words_token_ids=[pb.TokenIds(ids=[])])),
 ])
 def test_gateway_refuses_bad_values_by_name(field, sampling):
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6]), sampling=sampling)

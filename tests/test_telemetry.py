@@ -243,6 +243,33 @@ def test_requests_a_stopping_worker_still_holds_end_their_spans(spans):
     assert ended["left"].status.status_code == telemetry.StatusCode.ERROR
 
 
+def test_the_gauges_show_an_engine_its_cancels_left_idle():
+    """Requests cancelled between steps, none left: no step runs to set the gauges, which kept
+    showing them running (53 of 100 cancelled, for good)."""
+    from pagefleet.common.sampling_params import SamplingParams
+    from pagefleet.common.sampling_proto import to_proto
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.worker.engine_loop import EngineLoop
+    from pagefleet.worker.observe import WorkerObserver
+    from pagefleet.worker.sim import SimEngine
+
+    observer = WorkerObserver("w", model="tiny")
+    loop = EngineLoop(SimEngine(time_scale=float("inf"), max_num_seqs=8), emit=lambda w: None, notify=lambda: None,
+                      observer=observer)
+    for rid in ("a", "b"):
+        loop.assign(cluster_pb2.AssignRequest(request_id=rid, entry_id="1-0", prompt_token_ids=[1, 2, 3], epoch=1,
+                                              sampling=to_proto(SamplingParams(max_tokens=100)), reply_to="g"))
+    loop.observer.after_step(loop.observer.before_step(loop.engine), loop.engine, loop.engine.step(),
+                             loop.engine.stats())
+    gauge = observer.metrics.registry.get_sample_value
+    assert gauge("pagefleet:num_requests_running") == 2
+    for rid in ("a", "b"):
+        loop.call(lambda r=rid: loop.cancel(r, notify_client=False))
+    loop._run_commands(block=False)
+    assert gauge("pagefleet:num_requests_running") == 0
+    assert gauge("pagefleet:kv_cache_usage_perc") == 0
+
+
 def _log_lines(component: str, emit) -> list[dict]:
     stream = io.StringIO()
     log.configure_logging(component, fmt="json", stream=stream)

@@ -251,7 +251,10 @@ class EngineLoop:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self._refresh()
+        if self._refresh() and self.observer and not self.engine.has_unfinished_requests():
+            # No step follows to set the gauges (the last requests were cancelled or dropped):
+            # they show the engine as it is, not as its last step left it.
+            self.observer.metrics.observe_stats(self.snapshot)
 
     def _encode(self, deltas) -> StepWrite | None:
         """The step's messages as one write (None if it has none); each request's marks (``Held``)

@@ -15,7 +15,9 @@ messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (`
 #   gateways racing each other (or one gateway's concurrent calls) never admit past it;
 # * a client-chosen id is claimed with its entry, by one ``SET NX`` once the bound is met:
 #   taken already, the request was queued before (a retry after a lost reply answers 0, and is
-#   relayed even when the queue is full now: a full queue looks the claim up). A claim never
+#   relayed even when the queue is full now: a full queue looks the claim up), and counted in
+#   the claim (its value: 1, and 1 more for each such call), so a first caller that hangs up
+#   while a retry relays the request does not cancel it (``GatewayCore.leave``). A claim never
 #   stays without its entry (every retry would wait for output that never comes): a failing
 #   XADD deletes it again, in the same atomic step. Nothing is written before the bound's reads.
 # KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
@@ -26,10 +28,16 @@ local claim = #KEYS == 3
 local length = redis.call('XLEN', KEYS[1])
 local waiting = tonumber(redis.call('GET', KEYS[2]) or length)
 if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then
-  if claim and redis.call('EXISTS', KEYS[3]) == 1 then return {0} end
+  if claim and redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('INCR', KEYS[3])
+    return {0}
+  end
   return {-1, waiting, length}
 end
-if claim and not redis.call('SET', KEYS[3], 1, 'NX', 'EX', tonumber(ARGV[3])) then return {0} end
+if claim and not redis.call('SET', KEYS[3], 1, 'NX', 'EX', tonumber(ARGV[3])) then
+  redis.call('INCR', KEYS[3])
+  return {0}
+end
 local fields = {}
 for i = 4, #ARGV do fields[i - 3] = ARGV[i] end
 local id = redis.pcall('XADD', KEYS[1], '*', unpack(fields))
