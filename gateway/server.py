@@ -19,6 +19,7 @@ import uuid
 
 import grpc
 import structlog
+from google.rpc import code_pb2
 from redis.exceptions import RedisError
 
 from pagefleet.common.metrics import GatewayMetrics, serve_metrics
@@ -55,6 +56,8 @@ from .validate import (
 SERVICE = GRPC_SERVICE
 
 log = structlog.get_logger("gateway")
+# When Redis does not answer: the RetryInfo a client's retry policy reads (about one failover).
+UNAVAILABLE_RETRY_S = 1.0
 
 
 def build_parser() -> EnvArgumentParser:
@@ -186,7 +189,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
                                 trailing_metadata=retry_metadata(str(e), e.retry_after_s))
         except QueueUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
+                                trailing_metadata=retry_metadata(str(e), UNAVAILABLE_RETRY_S, code_pb2.UNAVAILABLE))
         async for msg in core.relay(queued):
             yield msg
             if msg.finish_reason == pb.FINISH_REASON_ERROR and msg.error.startswith(DEADLINE_ERROR):
@@ -202,7 +206,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             accepted = await self.router.cancel(request.request_id)
         except (OSError, RedisError) as e:  # Redis unreachable (retries spent): as Generate answers then
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the request queue (Redis) is unreachable: {e}")
+            message = f"the request queue (Redis) is unreachable: {e}"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message,
+                                trailing_metadata=retry_metadata(message, UNAVAILABLE_RETRY_S, code_pb2.UNAVAILABLE))
         log.info("request.cancel_requested", request_id=request.request_id, accepted=accepted)
         return pb.CancelResponse(accepted=accepted)
 

@@ -186,9 +186,12 @@ def bad_request_metadata(e: BadField) -> tuple[tuple[str, bytes], ...]:
     return _status_metadata(status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(e), details=[detail]))
 
 
-def retry_metadata(message: str, retry_after_s: float) -> tuple[tuple[str, bytes], ...]:
+def retry_metadata(message: str, retry_after_s: float,
+                   code: int = code_pb2.RESOURCE_EXHAUSTED) -> tuple[tuple[str, bytes], ...]:
+    """A ``google.rpc.RetryInfo`` for a call that ends with ``code`` (the call's own status code:
+    grpcio-status refuses details of another)."""
     detail = any_pb2.Any()
     delay = duration_pb2.Duration()
     delay.FromMilliseconds(int(retry_after_s * 1000))
     detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-    return _status_metadata(status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail]))
+    return _status_metadata(status_pb2.Status(code=code, message=message, details=[detail]))

@@ -255,6 +255,37 @@ def test_queue_past_its_limit_is_resource_exhausted(cluster, tmp_path):
         log.close()
 
 
+def test_redis_gone_is_unavailable_with_retry_info(tmp_path):
+    """A gateway whose Redis does not answer: Generate and Cancel are UNAVAILABLE, and say when
+    to retry (a RetryInfo, as a shed call's RESOURCE_EXHAUSTED does), so a client's retry
+    policy backs off instead of hammering."""
+    from pagefleet.common.redis import RedisServer
+    from pagefleet.common.service import free_port
+
+    port = free_port()
+    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115
+    redis = RedisServer().start()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet", "gateway", "--host", "127.0.0.1", "--port", str(port),
+         "--redis-url", redis.url], stdout=log, stderr=log, start_new_session=True)
+    try:
+        with Client(f"127.0.0.1:{port}") as c:
+            grpc.channel_ready_future(c.channel).result(timeout=30)
+            redis.stop()
+            for call in (lambda: c.generate("hi", max_tokens=2, timeout=30), lambda: c.cancel("some-id")):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                info = error_details_pb2.RetryInfo()
+                assert any(d.Unpack(info) for d in rpc_status.from_call(e.value).details)
+                assert info.retry_delay.seconds == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
+        redis.stop()
+
+
 # -- pressure: a full cluster, priorities -------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory):
