@@ -28,6 +28,8 @@ import time
 
 import structlog
 
+from pagefleet.common.service import die_with_parent
+
 log = structlog.get_logger("gateway.processes")
 
 # A child that dies is restarted after this long (doubling to RESTART_MAX_S while it keeps dying).
@@ -37,36 +39,14 @@ RESTART_RESET_S = 30.0  # a child that ran this long before it died starts the d
 MAX_EARLY_EXITS = 3  # exits at start a child, none having run RESTART_RESET_S: the supervisor gives up
 
 
-def _parent_death_signal():
-    """Linux's ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, bound here (None elsewhere): a child
-    this process starts is sent SIGTERM when this process dies, however it dies (a child left
-    behind serves on, with keys and metrics no one manages)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-
-
-_PDEATHSIG = _parent_death_signal()
-
-
 _SUPERVISOR = os.getpid()  # set again by ``supervise`` (the process that forks the children)
 
 
 def _die_with_parent() -> None:
-    """Run in the child before it execs (``preexec_fn``): the call bound above; and SIGHUP
-    ignored until the gateway installs its own handler (passed on while a child starts, its
-    default action would end it). A supervisor gone before the call: the child goes too."""
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    if _PDEATHSIG is not None:
-        _PDEATHSIG()
-        if os.getppid() != _SUPERVISOR:
-            os._exit(1)
+    """Run in the child before it execs (``preexec_fn``): ``die_with_parent``'s, for the
+    supervisor (SIGHUP ignored until the gateway installs its own handler: passed on while a
+    child starts, its default action would end it)."""
+    die_with_parent(ignore_sighup=True, parent=_SUPERVISOR)()
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:

@@ -277,6 +277,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--block-size must be at least 1, got {args.block_size}")
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be between 0 and 65535, got {args.port}")
     try:
         models = served_models(args.model, args.served_model_name, args.shards)
     except ValueError as e:
@@ -304,4 +306,7 @@ def main(argv: list[str]) -> int:
         from .processes import supervise
 
         return supervise(args, argv)
-    return asyncio.run(serve(args, doors))
+    try:
+        return asyncio.run(serve(args, doors))
+    except KeyboardInterrupt:  # Ctrl-C before its handlers were installed (e.g. while Redis is awaited)
+        return 130

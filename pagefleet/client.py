@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ def build_request(
     sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     if structured_outputs is not None:
         sampling.structured_outputs.CopyFrom(structured_outputs)
+    if seed is not None and -(1 << 63) <= seed < 0:  # vLLM's int64 seeds: a negative one as its two's complement
+        seed += 1 << 64
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("min_p", min_p), ("seed", seed)):
         if value is not None:
@@ -195,15 +198,28 @@ class AsyncClient:
         await self.close()
 
 
+def _ranged(low: int, high: int):
+    """An argparse type: an integer in [low, high], else the flag's error (not a traceback)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
 def main(argv: list[str]) -> int:
     """``pagefleet generate "text"``: stream one generation to stdout."""
     p = EnvArgumentParser(prog="pagefleet generate", description="Stream a generation from a running gateway.")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--target", default="localhost:50051", help="gateway host:port")
-    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--max-tokens", type=_ranged(1, (1 << 32) - 1), default=64, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the server's 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
-    p.add_argument("--priority", type=int, default=0, help="larger is more important")
+    p.add_argument("--seed", type=_ranged(-(1 << 63), (1 << 64) - 1), default=None,
+                   help="seed of this request's sampling (any int64, as vLLM's, or up to 2^64-1)")
+    p.add_argument("--priority", type=_ranged(-(1 << 31), (1 << 31) - 1), default=0, help="larger is more important")
     p.add_argument("--model", default=None, help="the model to run (needed when the gateway serves several)")
     p.add_argument("--show-tokens", action="store_true", help="print token ids instead of text")
     p.add_argument("--api-key", default=None, help="the gateway's API key (sent as `authorization: Bearer`)")
@@ -224,6 +240,12 @@ def main(argv: list[str]) -> int:
     except grpc.RpcError as e:
         print(f"\npagefleet generate: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    except (ValueError, OSError) as e:  # a certificate or key that cannot be read, a bad target
+        print(f"pagefleet generate: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
     print(f"\n[{done.finish_reason}{': ' + done.error if done.error else ''}; "
           f"{done.prompt_tokens} prompt + {done.completion_tokens} completion tokens]", file=sys.stderr)
     return 0 if done.finish_reason != "error" else 1

@@ -27,13 +27,16 @@ between scheduler and workers, Redis with a password; metrics over TLS too.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pagefleet.common.redis import RedisServer, redacted
-from pagefleet.common.service import EnvArgumentParser, add_common_flags, free_port
+from pagefleet.common.service import EnvArgumentParser, add_common_flags, die_with_parent, free_port
 from pagefleet.scheduler.placement import PLACEMENTS
 
 if TYPE_CHECKING:
@@ -244,8 +247,10 @@ class LocalCluster:
                   *self._secure_flags(args[0]), *(["--redis-cluster"] if self.cfg.redis_cluster else [])]
         if metrics_port is not None:
             common += ["--metrics-port", str(metrics_port)]
+        # Each dies with this process, however it dies (a closed terminal, SIGKILL): none serves on.
         proc = subprocess.Popen([self.cfg.python or sys.executable, "-m", "pagefleet", *args, *common], env=env,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                preexec_fn=die_with_parent())
         if out is not None:
             out.close()
         self.procs[name] = proc
@@ -264,11 +269,11 @@ class LocalCluster:
         if not self.redis_url and self.cfg.redis_cluster:
             from pagefleet.common.redis_cluster import RedisClusterServer
 
-            self.redis = RedisClusterServer().start()
+            self.redis = RedisClusterServer(die_with_parent=True).start()
             self.redis_url = self.redis.url
         elif not self.redis_url:
             password = self.cfg.material.redis_password if self.cfg.material else None
-            self.redis = RedisServer(password=password, unix_socket=self.cfg.redis_socket).start()
+            self.redis = RedisServer(password=password, unix_socket=self.cfg.redis_socket, die_with_parent=True).start()
             self.redis_url = self.redis.url
         # A Redis started here with a socket (``redis_socket``) is reached there; any other over its URL.
         self.component_redis_url = getattr(self.redis, "socket_url", None) or self.redis_url
@@ -495,7 +500,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--kv-transfer", default="off", choices=("nixl", "off"),
                    help="nixl: workers move KV between them (NIXL over UCX): a drained worker's requests move to "
                         "the others with their KV (see `pagefleet worker --help`)")
-    p.add_argument("--policy", default="fcfs", help="scheduler queue policy: fcfs | priority | deadline")
+    p.add_argument("--policy", default="fcfs", choices=("fcfs", "priority", "deadline"),
+                   help="scheduler queue policy")
     p.add_argument("--placement", default="prefix", choices=PLACEMENTS,
                    help="scheduler placement policy (see `pagefleet scheduler --help`)")
     p.add_argument("--gateway-processes", type=int, default=1, metavar="N",
@@ -522,18 +528,93 @@ def _metrics_summary(ports: dict[str, int]) -> str:
 
 def _demo(target: str, prompt: str, max_tokens: int, material: ClusterMaterial | None = None,
           model: str | None = None) -> int:
+    import grpc
+
     from pagefleet.client import Client, Completion
 
     done = Completion()
     secure = {"api_key": material.api_key, "ca": material.ca} if material else {}
     with Client(target, **secure) as c:
-        for msg in c.generate_stream(prompt, max_tokens=max_tokens, temperature=0, model=model):
-            done.add(msg)
-            sys.stdout.write(msg.text)
-            sys.stdout.flush()
+        try:
+            for msg in c.generate_stream(prompt, max_tokens=max_tokens, temperature=0, model=model):
+                done.add(msg)
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+        except grpc.RpcError as e:  # refused (e.g. --demo-tokens past the context): said in one line
+            print(f"pagefleet up: the demo request failed: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
     print(f"\n[{done.finish_reason}; {done.prompt_tokens} prompt + {done.completion_tokens} completion tokens, "
           f"streamed through gateway -> redis -> scheduler -> worker]")
     return 0 if done.finish_reason in ("stop", "length") else 1
+
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _check_values(parser: EnvArgumentParser, args) -> None:
+    """What a child would refuse only after Redis and every other process started (a traceback
+    and "exited with 1"): said here, by the flag, before anything starts."""
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be between 0 and 65535, got {args.port}")
+    if not _DEVICE.match(args.device):
+        parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        parser.error(f"--num-blocks must be at least 1, got {args.num_blocks}")
+    if args.demo is not None and args.demo_tokens < 1:
+        parser.error(f"--demo-tokens must be at least 1, got {args.demo_tokens}")
+    if args.workers_per_process is not None and args.workers_per_process < 1:
+        parser.error(f"--workers-per-process must be at least 1, got {args.workers_per_process}")
+    if args.engine == "model":  # a checkpoint that cannot be read fails here, not in every worker
+        from pagefleet.common.model_config import load_model_spec
+        from pagefleet.gateway.models import served_models
+
+        try:
+            for m in served_models(args.model or ["tiny"]):
+                load_model_spec(m.path)
+        except (ValueError, OSError) as e:
+            parser.error(f"--model: {e}")
+    if args.redis_url:
+        scheme = urllib.parse.urlsplit(args.redis_url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            parser.error(f"--redis-url must be redis://HOST:PORT (or rediss://, unix://), got {args.redis_url!r}")
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if port and (error := _taken(args.host, port)):
+            parser.error(f"{flag} {port}: {error}")
+
+
+def _taken(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound now ("" if it can)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"{host}: {e}"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return "address already in use" if e.errno == errno.EADDRINUSE else str(e)
+    return ""
+
+
+def _redis_answers(url: str) -> str:
+    """Why the Redis at ``url`` does not answer a PING within a few seconds ("" if it does)."""
+    import redis as sync_redis
+
+    try:
+        client = sync_redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except sync_redis.AuthenticationError:
+        return ""  # it answers; the components are given its password
+    except Exception as e:  # refused, timed out, a name that does not resolve
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def main(argv: list[str]) -> int:
@@ -558,6 +639,7 @@ def main(argv: list[str]) -> int:
                              f"which include the gateway's {flag} {port}")
     if not 0 <= args.http_port <= 65535:
         parser.error(f"--http-port must be between 0 and 65535, got {args.http_port}")
+    _check_values(parser, args)
     if args.http_port and args.http_port == args.port:
         parser.error(f"--http-port {args.http_port} is the gateway's --port too")
     worker_args = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
@@ -610,6 +692,9 @@ def main(argv: list[str]) -> int:
         cluster = LocalCluster(cfg)
     except ValueError as e:
         parser.error(str(e))
+    if args.redis_url and (error := _redis_answers(args.redis_url)):
+        print(f"pagefleet up: --redis-url {redacted(args.redis_url)} does not answer: {error}", file=sys.stderr)
+        return 1
     stopping = False
 
     def on_signal(signum, frame):
@@ -618,7 +703,8 @@ def main(argv: list[str]) -> int:
             stopping = True
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal closed
+        signal.signal(sig, on_signal)
     rc = 0
     try:
         cluster.start()
@@ -645,8 +731,8 @@ def main(argv: list[str]) -> int:
         print(f"pagefleet up: {e}", file=sys.stderr)
         rc = 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         cluster.stop()
         if material is not None:
             shutil.rmtree(material.dir, ignore_errors=True)

@@ -340,4 +340,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         parser.error(str(e))
     setup_logging("scheduler", args)
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except KeyboardInterrupt:  # Ctrl-C before its handlers were installed (e.g. while Redis is awaited)
+        return 130

@@ -447,9 +447,13 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, binary: str | None = None, *, appendonly: bool = False,
-                 password: str | None = None, extra_args: list[str] | None = None, unix_socket: bool = False) -> None:
+                 password: str | None = None, extra_args: list[str] | None = None, unix_socket: bool = False,
+                 die_with_parent: bool = False) -> None:
+        """``die_with_parent``: the server is stopped when the process that starts it dies, however
+        (``pagefleet up``'s: a cluster nobody stops must not serve on)."""
         from pagefleet.common.service import free_port
 
+        self.die_with_parent = die_with_parent
         self.port = port or free_port()
         self.binary = binary or redis_server_binary()
         self.appendonly = appendonly
@@ -490,7 +494,10 @@ class RedisServer:
             args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+        from pagefleet.common.service import die_with_parent
+
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=die_with_parent() if self.die_with_parent else None)
         deadline = time.monotonic() + timeout_s
         import redis as sync_redis
 

@@ -90,7 +90,7 @@ class RedisClusterServer:
     """
 
     def __init__(self, num_primaries: int = 3, replicas: int = 1, *, node_timeout_ms: int = 2000,
-                 auto_failover: bool = True) -> None:
+                 auto_failover: bool = True, die_with_parent: bool = False) -> None:
         if num_primaries < 1 or num_primaries == 2:
             raise ValueError(f"a Redis Cluster here has 1 primary or at least 3 (redis-cli --cluster create "
                              f"wants 3), got {num_primaries}")
@@ -108,7 +108,7 @@ class RedisClusterServer:
         for _ in range(num_primaries * (1 + replicas)):
             port = cluster_port(taken)
             taken |= {port, port + 10000}
-            self.servers.append(RedisServer(port, extra_args=args))
+            self.servers.append(RedisServer(port, extra_args=args, die_with_parent=die_with_parent))
 
     @property
     def url(self) -> str:

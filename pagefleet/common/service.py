@@ -12,10 +12,11 @@ import contextlib
 import functools
 import os
 import random
+import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 ENV_PREFIX = "PAGEFLEET_"
 _PR_SET_NAME = 15
@@ -44,6 +45,10 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
 
 
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
 class EnvArgumentParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose optional flags default to ``PAGEFLEET_<FLAG>`` when set.
 
@@ -59,24 +64,30 @@ class EnvArgumentParser(argparse.ArgumentParser):
         raw = os.environ.get(var)
         if raw is not None:
             action = kwargs.get("action")
+            # A bad value is the flag's error, as on the command line (usage, exit 2), not a traceback.
             if action in ("store_true", argparse.BooleanOptionalAction):
-                kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
+                word = raw.strip().lower()
+                if word not in _TRUE_WORDS + _FALSE_WORDS:
+                    self.error(f"{var}={raw!r}: one of {', '.join(_TRUE_WORDS + _FALSE_WORDS)}")
+                kwargs["default"] = word in _TRUE_WORDS
             elif action == "append":  # a comma-separated list, which values on the command line replace
                 conv = kwargs.get("type", str)
                 try:
                     kwargs["default"] = [conv(v.strip()) for v in raw.split(",") if v.strip()]
-                except (TypeError, ValueError) as e:
-                    raise SystemExit(f"{var}={raw!r}: {e}") from None
+                except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                    self.error(f"{var}={raw!r}: {e}")
                 bad = [v for v in kwargs["default"] if kwargs.get("choices") and v not in kwargs["choices"]]
                 if bad:
-                    raise SystemExit(f"{var}={raw!r}: {bad[0]!r} is not one of {', '.join(kwargs['choices'])}")
+                    self.error(f"{var}={raw!r}: {bad[0]!r} is not one of {', '.join(kwargs['choices'])}")
                 kwargs["action"] = _AppendOverDefault
             else:
                 conv = kwargs.get("type", str)
                 try:
                     kwargs["default"] = conv(raw)
-                except (TypeError, ValueError) as e:
-                    raise SystemExit(f"{var}={raw!r}: {e}") from None
+                except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                    self.error(f"{var}={raw!r}: {e}")
+                if kwargs.get("choices") and kwargs["default"] not in kwargs["choices"]:
+                    self.error(f"{var}={raw!r}: not one of {', '.join(map(str, kwargs['choices']))}")
         return super().add_argument(*names, **kwargs)
 
 
@@ -96,7 +107,8 @@ METRICS_PORT_HELP = "serve Prometheus /metrics on this port (0: any free port; d
 def add_common_flags(parser: argparse.ArgumentParser, metrics_help: str = METRICS_PORT_HELP) -> None:
     """``--log-level``, ``--log-format``, ``--metrics-port`` (``metrics_help``: its help text) and
     ``--otlp-traces-endpoint``."""
-    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=("debug", "info", "warning", "error", "critical"), help="how much to log")
     parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"),
                         help="json for machines; auto picks console on a terminal")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="N", help=metrics_help)
@@ -290,3 +302,39 @@ async def set_serving(health_servicer, names: Iterable[str], serving: bool) -> N
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *names):
         await health_servicer.set(name, status)
+
+
+def _parent_death_signal() -> Callable[[], object] | None:
+    """Linux's ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, bound here (None elsewhere): a child a
+    process starts is sent SIGTERM when that process dies, however it dies (SIGKILL, a closed
+    terminal): a child left behind serves on, with ports, keys and metrics no one manages."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+PARENT_DEATH_SIGNAL = _parent_death_signal()
+
+
+def die_with_parent(ignore_sighup: bool = False, parent: int | None = None) -> Callable[[], None]:
+    """A ``preexec_fn`` for children of this process (started from its main thread: the signal
+    follows the thread that started the child): each gets SIGTERM when this process dies, and
+    one whose parent (``parent``, this process by default) died before the call exits at once.
+    ``ignore_sighup``: SIGHUP ignored until the child installs its own handler."""
+    parent = os.getpid() if parent is None else parent
+
+    def preexec() -> None:
+        if ignore_sighup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if PARENT_DEATH_SIGNAL is not None:
+            PARENT_DEATH_SIGNAL()
+            if os.getppid() != parent:
+                os._exit(1)
+
+    return preexec

@@ -109,8 +109,14 @@ def dialer(tls: Tls | None, server_name: str | None = None):
 
 
 def add_port(server, address: str, tls: Tls | None) -> int:
-    """Listen on ``address`` with TLS (``tls``) or in plaintext (None); the bound port."""
-    return server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.server_credentials())
+    """Listen on ``address`` with TLS (``tls``) or in plaintext (None); the bound port. One that
+    cannot be bound (taken by another process) ends this one with a line naming it, not grpc's
+    traceback."""
+    try:
+        return server.add_insecure_port(address) if tls is None else \
+            server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError as e:
+        raise SystemExit(f"{address}: cannot listen there (in use by another process?): {e}") from None
 
 
 # -- flags ---------------------------------------------------------------------------------------

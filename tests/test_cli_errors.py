@@ -1,0 +1,112 @@
+"""The commands as a stranger runs them: a bad flag or variable is one line naming it (exit 2,
+no traceback) before anything starts; `pagefleet up` leaves no process behind however it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagefleet", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize(("args", "env", "says"), [
+    (["up", "--device", "tpu"], {}, "--device"),
+    (["up", "--num-blocks", "-1"], {}, "--num-blocks"),
+    (["up", "--port", "70000"], {}, "--port"),
+    (["up", "--model", "/nonexistent/model"], {}, "--model"),
+    (["up", "--redis-url", "localhost:6379"], {}, "--redis-url"),
+    (["up", "--policy", "bogus"], {}, "--policy"),
+    (["up", "--log-level", "bogus"], {}, "--log-level"),
+    (["up", "--demo", "hi", "--demo-tokens", "0"], {}, "--demo-tokens"),
+    (["up"], {"PAGEFLEET_WORKERS": "abc"}, "PAGEFLEET_WORKERS"),
+    (["up"], {"PAGEFLEET_LOG_FORMAT": "bogus"}, "PAGEFLEET_LOG_FORMAT"),
+    (["up"], {"PAGEFLEET_REDIS_SOCKET": "maybe"}, "PAGEFLEET_REDIS_SOCKET"),
+    (["gateway", "--port", "-1"], {}, "--port"),
+    (["generate", "hi", "--max-tokens", "-1"], {}, "--max-tokens"),
+    (["generate", "hi", "--priority", "99999999999"], {}, "--priority"),
+])
+def test_a_bad_value_is_one_line_naming_it_before_anything_starts(args, env, says):
+    t0 = time.monotonic()
+    out = _run(*args, env=env)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert time.monotonic() - t0 < 30  # refused before a cluster started
+
+
+def test_generate_says_what_is_wrong_in_one_line():
+    """A CA that cannot be read is a line (exit 2); a negative seed is vLLM's int64 (the
+    gateway being down is then what is said)."""
+    out = _run("generate", "hi", "--ca", "/nonexistent.pem")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "nonexistent" in out.stderr, out.stderr
+    out = _run("generate", "hi", "--seed", "-1", "--target", "127.0.0.1:1")
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "UNAVAILABLE" in out.stderr, out.stderr
+
+
+def test_up_with_a_redis_that_does_not_answer_says_so_at_once():
+    t0 = time.monotonic()
+    out = _run("up", "--redis-url", "redis://127.0.0.1:1")
+    assert out.returncode == 1 and "does not answer" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 30  # not the 120 s of a cluster that never gets ready
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
+def test_up_leaves_no_process_behind_when_its_terminal_closes_or_it_is_killed(sig):
+    """SIGHUP (the terminal closed) ended `up` without its cleanup, and SIGKILL cannot be
+    caught: Redis, the scheduler, the workers and the gateway served on, orphaned. `up` stops
+    them on SIGHUP, and each dies with it however it dies."""
+    proc = subprocess.Popen([sys.executable, "-m", "pagefleet", "up", "--port", "0", "--http-port", "0",
+                             "--workers", "1", "--engine", "sim", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("pagefleet ready") or not line:
+                break
+        assert line.startswith("pagefleet ready"), line
+        children = _children(proc.pid)
+        assert len(children) >= 4, children  # redis, scheduler, worker, gateway
+        proc.send_signal(sig)
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(c) for c in children):
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for c in _children(proc.pid):
+            os.kill(c, signal.SIGKILL)
