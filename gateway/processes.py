@@ -175,7 +175,7 @@ def supervise(args, argv: list[str]) -> int:
         for c in live:
             with contextlib.suppress(ProcessLookupError):
                 c.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 8
+        deadline = time.monotonic() + getattr(args, "shutdown_grace", 0) + 8  # their streams' grace, then stop
         for c in live:
             try:
                 c.wait(max(0.1, deadline - time.monotonic()))

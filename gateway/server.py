@@ -58,6 +58,9 @@ SERVICE = GRPC_SERVICE
 log = structlog.get_logger("gateway")
 # When Redis does not answer: the RetryInfo a client's retry policy reads (about one failover).
 UNAVAILABLE_RETRY_S = 1.0
+# Streams in flight when a gateway is told to stop get this long to end (``--shutdown-grace``):
+# within a Kubernetes pod's default 30 s of grace and the manifests' 60.
+SHUTDOWN_GRACE_S = 25.0
 
 
 def build_parser() -> EnvArgumentParser:
@@ -88,6 +91,10 @@ def build_parser() -> EnvArgumentParser:
                    help="most requests in the system (the requests stream's length): past it new ones are "
                         "refused like past --max-queue (the stream is never trimmed: that would drop requests)")
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds a refused client is told to wait")
+    p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S, metavar="S",
+                   help="on SIGTERM (a rolling restart), new calls are refused and health says NOT_SERVING at "
+                        "once; streams in flight get up to S seconds to end before they are cut (a client's "
+                        "own request id then runs on for its retry through another gateway)")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="send a stream's tokens N at a time (its last message whenever it ends); a client "
                         "that falls behind gets what waits in one message whatever N is")
@@ -259,11 +266,13 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
     await set_serving(health, names, False)
     for c in router.cores.values():  # streams cut from here on: their clients retry elsewhere
         c.stopping = True
+    grace = max(0.0, args.shutdown_grace)
     if http is not None:
-        await http.stop()
-    if health_port is not None:
-        await health_port.stop(grace=0.5)
-    await server.stop(grace=2.0)
+        http.server.config.timeout_graceful_shutdown = grace
+    # New calls are refused from here on; the streams in flight end, or are cut past the grace.
+    await asyncio.gather(*(x for x in (http.stop() if http is not None else None, server.stop(grace=grace),
+                                       health_port.stop(grace=0.5) if health_port is not None else None)
+                           if x is not None))
     await router.stop()
     await redis.aclose()
     log.info("gateway.stopped")
@@ -279,6 +288,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
+    if not 0 <= args.shutdown_grace <= 3600:
+        parser.error(f"--shutdown-grace must be between 0 and 3600 seconds, got {args.shutdown_grace}")
     try:
         models = served_models(args.model, args.served_model_name, args.shards)
     except ValueError as e:

@@ -318,7 +318,8 @@ class LocalCluster:
         http = ["--http-port", str(self.http_port)] if first and self.http_port is not None else []
         return self._spawn(self.gateway_name(i),
                            ["gateway", "--host", self.cfg.host, "--port", str(self.gateway_ports[i]), *http,
-                            *self._model_flags(), *self.cfg.gateway_args],
+                            # a local cluster stops when told (Ctrl-C): 2 s for streams in flight
+                            "--shutdown-grace", "2", *self._model_flags(), *self.cfg.gateway_args],
                            self._metrics_port("gateway", 0) if first else None)
 
     def start_scheduler(self, name: str = "scheduler", redis_url: str | None = None,

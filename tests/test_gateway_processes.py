@@ -190,7 +190,7 @@ def test_a_gateway_stopped_mid_stream_leaves_client_ids_for_their_retries(cluste
 
     port = free_port()
     log = open(tmp_path / "gateway-stopped.log", "w")  # noqa: SIM115 - closed below
-    gw = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port),
+    gw = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port), "--shutdown-grace", "0",
                            "--redis-url", cluster.component_redis_url], stdout=log, stderr=subprocess.STDOUT)
 
     def listening():
@@ -227,6 +227,51 @@ def test_a_gateway_stopped_mid_stream_leaves_client_ids_for_their_retries(cluste
             t.join(120)
         assert gw.wait(30) == 0
         assert results == {f"rolling-{i}": (600, pb.FINISH_REASON_LENGTH) for i in range(3)}, results
+    finally:
+        if gw.poll() is None:
+            gw.kill()
+        log.close()
+
+
+def test_a_gateway_told_to_stop_lets_its_streams_end_and_refuses_new_calls(cluster, tmp_path):
+    """SIGTERM cut every stream after 2 s, though the manifests promise streams time to end: a
+    client without its own id (which cannot retry) lost its request. Within ``--shutdown-grace``
+    the streams in flight end where they are; new calls are refused meanwhile."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from pagefleet.common.service import free_port
+
+    port = free_port()
+    log = open(tmp_path / "gateway-graceful.log", "w")  # noqa: SIM115 - closed below
+    gw = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port), "--shutdown-grace", "60",
+                           "--redis-url", cluster.component_redis_url], stdout=log, stderr=subprocess.STDOUT)
+
+    def listening():
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        wait_for(listening, 60, "the gateway to listen")
+        channel, stub = _stub(f"127.0.0.1:{port}")
+        req = pb.GenerateRequest(prompt="z", sampling=pb.SamplingParams(max_tokens=400, temperature=0,
+                                                                        ignore_eos=True))
+        stream = stub.Generate(req, timeout=90)
+        got = len(next(stream).token_ids)
+        gw.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.Generate(req, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        last = None
+        for m in stream:
+            got += len(m.token_ids)
+            last = m.finish_reason
+        assert (got, last) == (400, pb.FINISH_REASON_LENGTH)
+        channel.close()
+        assert gw.wait(30) == 0
     finally:
         if gw.poll() is None:
             gw.kill()
