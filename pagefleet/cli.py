@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "certs": ("pagefleet.common.certs", "main", "write a throwaway CA, certificates, an API key, a Redis password"),
     "models": ("pagefleet.worker.models.catalog", "main", "list the model architectures that load (or one checkpoint's)"),
     "run": ("pagefleet.demo", "main", "generate in-process (no cluster) and stream the tokens"),
-    "bench": ("pagefleet.bench", "main", "benchmarks: decode | engine | kernels | migration | preemption | reliability | scheduler | serve | sim-fit | study"),
+    "bench": ("pagefleet.bench", "main", "benchmarks: `pagefleet bench --help` lists them"),
 }
 
 

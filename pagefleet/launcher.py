@@ -482,6 +482,8 @@ def build_parser() -> EnvArgumentParser:
                         "throwaway cluster of 3 primaries with a replica each is started here")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
     p.add_argument("--redis-url", default=None, help="an external Redis (default: start one in a temp dir)")
+    p.add_argument("--namespace", default="pf",
+                   help="the prefix of every Redis key: two clusters on one --redis-url need two namespaces")
     p.add_argument("--redis-socket", action="store_true",
                    help="the processes reach the Redis started here over its unix socket (they share this host): "
                         "less of Redis's CPU a command than over loopback TCP (default: TCP, as processes on "
@@ -681,7 +683,7 @@ def main(argv: list[str]) -> int:
     if args.secure and args.redis_cluster:
         parser.error("--secure starts a password-protected Redis; with --redis-cluster give --redis-url instead")
     material = _secure_material(args.host) if args.secure else None
-    cfg = ClusterConfig(port=args.port, host=args.host, http_port=args.http_port, num_workers=args.workers,
+    cfg = ClusterConfig(port=args.port, host=args.host, namespace=args.namespace, http_port=args.http_port, num_workers=args.workers,
                         model=models[0], models=models if len(models) > 1 else None,
                         shards_per_model=args.shards_per_model, redis_cluster=args.redis_cluster,
                         device=args.device, redis_url=args.redis_url, worker_args=worker_args,

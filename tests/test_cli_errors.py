@@ -110,3 +110,24 @@ def test_up_leaves_no_process_behind_when_its_terminal_closes_or_it_is_killed(si
             os.killpg(proc.pid, signal.SIGKILL)
         for c in _children(proc.pid):
             os.kill(c, signal.SIGKILL)
+
+
+def test_up_takes_a_namespace_for_a_second_cluster_on_one_redis(monkeypatch):
+    """Two `up`s on one --redis-url shared the `pf` keys (each took the other's workers for
+    dead): `--namespace` gives each its own, passed to every process it starts."""
+    from pagefleet import launcher
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(cfg):
+        seen["namespace"] = cfg.namespace
+        raise Stop
+
+    monkeypatch.setattr(launcher, "LocalCluster", fake)
+    monkeypatch.setattr(launcher, "_redis_answers", lambda url: "")
+    with pytest.raises(Stop):
+        launcher.main(["--namespace", "second", "--redis-url", "redis://127.0.0.1:1", "--port", "0", "--http-port", "0"])
+    assert seen == {"namespace": "second"}

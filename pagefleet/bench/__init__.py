@@ -25,6 +25,10 @@ SUITES = {
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: pagefleet bench {{{'|'.join(SUITES)}}} [options]\n\n"
+              "`pagefleet bench <suite> --help` for a suite's options.")
+        return 0
     if not argv or argv[0] not in SUITES:
         print(f"usage: pagefleet bench {{{'|'.join(SUITES)}}} [options]", file=sys.stderr)
         return 2
