@@ -49,6 +49,7 @@ DEADLINE_ERROR = "deadline exceeded"
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 # Redis calls that decide whether a request is queued: a few quick tries, then the caller hears of it.
 _ATTEMPTS = 5
+CANCEL_BATCH = 256  # cancels sent in one pipeline
 
 log = structlog.get_logger("gateway")
 
@@ -110,7 +111,11 @@ class GatewayCore:
         self.limits = limits or Limits()
         self.metrics = metrics or GatewayMetrics()
         self._admit_and_queue = Admissions(redis, redis.register_script(ADMIT_AND_QUEUE))
-        self._cancels: set[asyncio.Task] = set()
+        # Cancels of streams whose callers went away, sent by one task in pipelines: a burst of
+        # dropped streams (hundreds at once) is a few round trips on one connection, not a
+        # connection each, and reaches the scheduler in order.
+        self._cancel_queue: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+        self._cancel_sender: asyncio.Task | None = None
         # One read of every worker's steps for all relays, per shard (a shard's streams share a slot).
         self.readers = {k.shard: StepReader(redis, k) for k in self.shards}
         self.reader = self.readers[self.keys.shard]
@@ -135,8 +140,10 @@ class GatewayCore:
 
     async def stop(self) -> None:
         self.stopping = True
-        if self._cancels:  # the cancels of streams cut at shutdown go out before Redis is closed
-            await asyncio.wait(set(self._cancels), timeout=5.0)
+        if self._cancel_sender is not None:  # the cancels of streams cut at shutdown go out before Redis closes
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cancel_queue.join(), 5.0)
+            self._cancel_sender.cancel()
         for r in self.readers.values():
             await r.stop()
         await self._admit_and_queue.aclose()
@@ -289,19 +296,51 @@ class GatewayCore:
         relays the request from here on. ``unless_retried``: not if its claim counts a retry
         (another call relays it)."""
         self.readers[self.shard_of(request_id).shard].close(request_id)
-        task = asyncio.ensure_future(self._send_cancel(request_id, unless_retried))
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
+        self._cancel_queue.put_nowait((request_id, unless_retried))
+        if self._cancel_sender is None or self._cancel_sender.done():
+            self._cancel_sender = asyncio.ensure_future(self._send_cancels())
 
-    async def _send_cancel(self, request_id: str, unless_retried: bool = False) -> None:
-        with contextlib.suppress(Exception):
-            if unless_retried:
-                keys = self.shard_of(request_id)
-                claims = await retry(lambda: self.redis.get(keys.idempotency(request_id)), what="get_claim")
-                if claims is not None and int(claims) > 1:
-                    log.info("request.left_to_its_retry", request_id=request_id)
-                    return
-            await self.cancel(request_id, attempts=20)
+    async def _send_cancels(self) -> None:
+        """Send the queued cancels, up to ``CANCEL_BATCH`` a round trip (and one for the claims
+        of those that go only while no retry relays them)."""
+        queue = self._cancel_queue
+        while True:
+            batch = [await queue.get()]
+            while len(batch) < CANCEL_BATCH and not queue.empty():
+                batch.append(queue.get_nowait())
+            try:
+                await self._send_cancel_batch(batch)
+            except Exception as e:  # Redis gone past every retry: these run on to their end
+                log.warning("request.cancels_lost", num_requests=len(batch), error=str(e))
+            finally:
+                for _ in batch:
+                    queue.task_done()
+
+    async def _send_cancel_batch(self, batch: list[tuple[str, bool]]) -> None:
+        checked = [rid for rid, unless_retried in batch if unless_retried]
+        retried: set[str] = set()
+        if checked:
+            async def claims():
+                pipe = self.redis.pipeline(transaction=False)
+                for rid in checked:
+                    pipe.get(self.shard_of(rid).idempotency(rid))
+                return await pipe.execute()
+
+            counts = await retry(claims, what="get_claims")
+            retried = {rid for rid, n in zip(checked, counts, strict=True) if n is not None and int(n) > 1}
+            for rid in retried:
+                log.info("request.left_to_its_retry", request_id=rid)
+        send = [rid for rid, _ in batch if rid not in retried]
+        if not send:
+            return
+
+        async def xadds():
+            pipe = self.redis.pipeline(transaction=False)
+            for rid in send:
+                pipe.xadd(self.shard_of(rid).requests, encode_cancel_entry(rid))
+            return await pipe.execute()
+
+        await retry(xadds, what="xadd_cancels", attempts=20)
 
     async def cancel(self, request_id: str, attempts: int = _ATTEMPTS, keys: Keys | None = None) -> None:
         """Queue a cancel entry for ``request_id`` in its shard (``keys``: this one; Redis

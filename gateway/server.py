@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from pagefleet.common.metrics import GatewayMetrics, serve_metrics
 from pagefleet.common.model_config import load_model_spec
-from pagefleet.common.redis import Keys, add_redis_flags, connect_args, retry
+from pagefleet.common.redis import Keys, add_redis_flags, connect_args, retry, trim_idle_connections
 from pagefleet.common.service import (
     EnvArgumentParser,
     add_common_flags,
@@ -241,6 +241,7 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = add_port(server, f"{args.host}:{args.port}", doors.tls)
     await retry(redis.ping, what="ping")
+    trimming = asyncio.create_task(trim_idle_connections(redis))
     http = None
     if args.http_port is not None:
         from .http import HttpServer  # FastAPI and uvicorn only where HTTP is served
@@ -274,6 +275,7 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
                                        health_port.stop(grace=0.5) if health_port is not None else None)
                            if x is not None))
     await router.stop()
+    trimming.cancel()
     await redis.aclose()
     log.info("gateway.stopped")
     return 0

@@ -133,18 +133,22 @@ class AssignBatchResponse(_message.Message):
     def __init__(self, responses: _Optional[_Iterable[_Union[AssignResponse, _Mapping]]] = ...) -> None: ...
 
 class WorkerCancelRequest(_message.Message):
-    __slots__ = ("request_id", "notify_client")
+    __slots__ = ("request_id", "notify_client", "want_record")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NOTIFY_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    WANT_RECORD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     notify_client: bool
-    def __init__(self, request_id: _Optional[str] = ..., notify_client: _Optional[bool] = ...) -> None: ...
+    want_record: bool
+    def __init__(self, request_id: _Optional[str] = ..., notify_client: _Optional[bool] = ..., want_record: _Optional[bool] = ...) -> None: ...
 
 class WorkerCancelResponse(_message.Message):
-    __slots__ = ("found",)
+    __slots__ = ("found", "record")
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+    record: bytes
+    def __init__(self, found: _Optional[bool] = ..., record: _Optional[bytes] = ...) -> None: ...
 
 class PreemptRequest(_message.Message):
     __slots__ = ("request_id", "mode")

@@ -42,7 +42,14 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from pagefleet.common.fencing import Fencing, Write, is_fenced, steps_field, take_over
+from pagefleet.common.fencing import (
+    Fencing,
+    Write,
+    is_fenced,
+    record_emitted,
+    steps_field,
+    take_over,
+)
 from pagefleet.common.metrics import SchedulerMetrics
 from pagefleet.common.redis import GROUP, Keys, OutEntry, retry
 from pagefleet.common.redis_mux import mux_for, stream_entries
@@ -65,6 +72,7 @@ log = structlog.get_logger("scheduler")
 # while the workers of the previous ones answer (a round would otherwise wait for its slowest
 # worker before the next is decided).
 _ROUNDS_IN_FLIGHT = 8
+_CANCELS_IN_FLIGHT = 64
 # One Assign message's size at most: a worker takes messages of up to 64 MiB, and a round's
 # requests for one worker can be far more (hundreds of long prompts sharing a cached document).
 ASSIGN_MESSAGE_BYTES = 16 << 20
@@ -183,6 +191,15 @@ class ClusterScheduler:
         self._cancel_calls: set[asyncio.Task] = set()  # best-effort Cancel calls in flight
         self._rounds: set[asyncio.Task] = set()  # rounds being fenced and sent (_dispatch)
         self._round_slots = asyncio.Semaphore(_ROUNDS_IN_FLIGHT)
+        # Cancels being carried out (``_on_entry``): a worker's answer and a few Redis round
+        # trips each, side by side, so a burst of them (hundreds of dropped streams) neither
+        # waits in line nor holds the intake back. Reaped with the rounds.
+        self._cancel_slots = asyncio.Semaphore(_CANCELS_IN_FLIGHT)
+        # Requests with a cancel in flight (another entry for one is acknowledged: this one finishes it).
+        self._cancelling: set[str] = set()
+        # Requests being finished here (``_finish``), each once at a time: two finishes of one
+        # request (a cancel, its deadline) would fence each other's final writes off for ever.
+        self._finishing: dict[str, asyncio.Future] = {}
         self.metrics.bind(self.ledger)
         self.transfers = TransferRunner(self.ledger, self.metrics, redis, keys, resume=self._requeue, worker_dead=self._worker_dead,
                                         cancel=self._tell_cancel_soon, wake=self._wake.set)
@@ -308,11 +325,17 @@ class ClusterScheduler:
         kind = fields.get(b"kind", b"").decode()
         rid = fields.get(b"rid", b"").decode()
         if kind == "cancel":
-            if rid and " " not in rid:  # ids are joined by spaces in the done stream: one with a space is no id
-                await self._cancel(rid)
+            if rid in self._cancelling:  # the cancel in flight finishes it
+                await self._ack(entry_id)
+            elif rid and " " not in rid:  # ids are joined by spaces in the done stream: one with a space is no id
+                await self._cancel_slots.acquire()
+                self._cancelling.add(rid)
+                task = asyncio.create_task(self._cancel_entry(rid, entry_id))
+                self._rounds.add(task)
+                task.add_done_callback(self._round_done)
             else:
                 log.warning("entry.malformed", entry_id=entry_id, request_id=rid)
-            await self._ack(entry_id)
+                await self._ack(entry_id)
             return
         if kind != "generate" or rid in self.ledger.known:
             if rid not in self.ledger.known:
@@ -363,13 +386,19 @@ class ClusterScheduler:
         resumed. The fence makes its worker's next write fail, so the worker drops it; the
         Cancel call only frees its blocks sooner."""
         w = self.ledger.placed_on(rid)
-        finished_here = await self._finish(rid, reason, error)
+        record = None
+        if w is not None and w.alive and w.stub is not None and rid not in self.ledger.transfers:
+            # Taken from its worker first (in hand: its reports no longer place it), which stops
+            # at once and hands back what it wrote: the final comes after those tokens, and no
+            # stream is read back for them.
+            self.ledger.dropped(w, [rid])
+            record = await self._take_back(w, rid)
+        finished_here = await self._finish(rid, reason, error, record)
         # Told even when it had finished already: so it reads too when this very finish landed and
         # its reply was lost (the retry finds the request done), and a Cancel of a request its
         # worker no longer holds is a no-op.
-        if w is not None and w.alive:
-            # Not awaited: the worker answers between two of its steps, and this is the intake's
-            # path (a storm of cancels would hold every new request back a step each).
+        if w is not None and w.alive and record is None:  # (one that answered has let it go)
+            # Not awaited: the worker answers between two of its steps.
             self._tell_cancel_soon(w, rid)
             log.info("request.cancel_sent", request_id=rid, worker_id=w.worker_id, finished_here=finished_here)
 
@@ -394,23 +423,62 @@ class ClusterScheduler:
             if w.alive:
                 raise  # our own task is being cancelled; else the channel closed under the call
 
-    async def _finish(self, rid: str, reason: str, error: str) -> bool:
+    async def _cancel_entry(self, rid: str, entry_id: str) -> None:
+        """A cancel entry carried out, then acknowledged (``_on_entry``)."""
+        try:
+            await self._cancel(rid)
+            await self._ack(entry_id)
+        finally:
+            self._cancelling.discard(rid)
+            self._cancel_slots.release()
+
+    async def _take_back(self, w: WorkerEntry, rid: str) -> bytes | None:
+        """Tell ``w`` to drop ``rid`` now; what it wrote for it (None when it did not answer:
+        its output is then read back from Redis)."""
+        try:
+            resp = await w.stub.Cancel(cluster_pb2.WorkerCancelRequest(request_id=rid, want_record=True),
+                                       timeout=self.cfg.rpc_timeout_s)
+        except grpc.RpcError:
+            return None
+        except asyncio.CancelledError:
+            if w.alive:
+                raise
+            return None
+        return resp.record
+
+    async def _finish(self, rid: str, reason: str, error: str, record: bytes | None = None) -> bool:
+        """``_finish_once`` unless ``rid`` is being finished already: then that finish's answer
+        is awaited, and this one is no finish of its own (False)."""
+        running = self._finishing.get(rid)
+        if running is not None:
+            await asyncio.shield(running)
+            return False
+        done = self._finishing[rid] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._finish_once(rid, reason, error, record)
+        finally:
+            del self._finishing[rid]
+            done.set_result(None)
+
+    async def _finish_once(self, rid: str, reason: str, error: str, record: bytes | None = None) -> bool:
         """Write ``rid``'s final message (and acknowledge its entry) under a new epoch, then
         forget it; False if it had finished already. The tokens it emitted before (on a worker
-        that runs it, or ran it) are recorded first (``take_over``: its worker writes no more of
-        it past the new epoch), and the final comes after them: a retry of its id relays them
-        and then the finish, as its first caller saw them."""
-        p = self.ledger.known.get(rid)
+        that runs it, or ran it) are recorded first, and the final comes after them: a retry of
+        its id relays them and then the finish, as its first caller saw them. ``record``: what
+        its worker handed back as it let it go (``_take_back``); None: read back from the
+        worker's steps stream (``take_over``; its worker writes no more of it past the new epoch)."""
         while True:
             epoch = await self._fence(rid, "")  # the last worker stays named: its output is read next
             if epoch == 0:
                 self.ledger.forget(rid)
                 return False
-            emitted, finish = await take_over(self.redis, self.keys, rid)
-            if finish:  # its worker's own final landed before the fence
-                self.ledger.forget(rid)
-                return False
+            emitted, finish = (await record_emitted(self.redis, self.keys, rid, record) if record is not None
+                               else await take_over(self.redis, self.keys, rid))
+            if finish:  # its worker had finished it, its final not yet in Redis (our fence refuses it): ours says so
+                reason, error = finish, ""
             entry = OutEntry(len(emitted), [], "", reason, error)
+            # Read now: its entry may have been taken in meanwhile (a cancel sent before it was queued).
+            p = self.ledger.known.get(rid)
             write = Write(rid, epoch, entry, p.entry_id if p else "", field=steps_field(p.assign.reply_to if p else ""))
             if (await retry(lambda w=write: self.fencing.write([w]), what="finish"))[0]:
                 break

@@ -199,8 +199,13 @@ class WorkerService(cluster_pb2_grpc.WorkerServicer):
         return cluster_pb2.AssignResponse(accepted=True)
 
     async def Cancel(self, request, context):
-        fut = self.w.loop.call(lambda: self.w.loop.cancel(request.request_id, request.notify_client))
-        return cluster_pb2.WorkerCancelResponse(found=await asyncio.wrap_future(fut))
+        loop, rid = self.w.loop, request.request_id
+
+        def cancel() -> cluster_pb2.WorkerCancelResponse:  # between two steps: the record is all it wrote
+            record = loop.record_piece(rid) if request.want_record else b""
+            return cluster_pb2.WorkerCancelResponse(found=loop.cancel(rid, request.notify_client), record=record)
+
+        return await asyncio.wrap_future(loop.call(cancel))
 
     async def Preempt(self, request, context):
         fut = self.w.loop.call(lambda: self.w.loop.preempt(request.request_id, request.mode))

@@ -442,6 +442,21 @@ async def take_over(redis, keys: Keys, request_id: str, fence: bool | str | None
             if fence:
                 await fence_stream(redis, key)
             found = await messages_in(redis, key, request_id, f"{int(since or 0)}-0")
+    return await _recorded(redis, keys, request_id, record, found)
+
+
+async def record_emitted(redis, keys: Keys, request_id: str, piece: bytes) -> tuple[list[int], str]:
+    """As ``take_over``, with what its worker wrote for ``request_id`` given (``piece``: the
+    worker's own record of it, handed over as it let the request go) instead of read back from
+    its steps stream: every token it has emitted, and its finish reason, recorded."""
+    found = [entry_of(o) for o in cluster_pb2.StepOutputs.FromString(piece).outputs] if piece else []
+    return await _recorded(redis, keys, request_id, await read_record(redis, keys, request_id), found)
+
+
+async def _recorded(redis, keys: Keys, request_id: str, record: list[OutEntry],
+                    found: list[OutEntry]) -> tuple[list[int], str]:
+    """The tokens and finish of ``record`` (the request's own record) with ``found`` (its last
+    worker's messages), the record grown to hold them."""
     tokens, finish, whole = merged(record + found)
     before = len(merged(record)[0])
     if len(tokens) > before and whole is not None:

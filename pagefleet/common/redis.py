@@ -143,6 +143,28 @@ def connect(url: str, password_file: str | None = None, cluster: bool = False):
     )
 
 
+async def trim_idle_connections(client, keep: int = 64, every_s: float = 10.0) -> None:
+    """Close the client's idle pooled connections past ``keep``, every ``every_s``, for good.
+
+    redis-py opens a connection for each command in flight and keeps it: a burst (hundreds of
+    streams dropped at once, each relay's read) left a gateway holding hundreds of connections
+    (and Redis as many of its ``maxclients``) long after. The least recently used go first. A
+    Redis Cluster client's pools are per node: left as they are."""
+    pool = getattr(client, "connection_pool", None)
+    idle = getattr(pool, "_available_connections", None)
+    if idle is None:
+        return
+    while True:
+        await asyncio.sleep(every_s)
+        extra = len(idle) - keep
+        if extra > 0:
+            closing = idle[:extra]  # the front: released longest ago (a connection is taken from the end)
+            del idle[:extra]
+            for conn in closing:
+                with contextlib.suppress(Exception):
+                    await conn.disconnect()
+
+
 STREAM_READS = ("XREAD", "XREADGROUP")
 
 
