@@ -36,14 +36,15 @@ import structlog
 log = structlog.get_logger("gateway")
 
 
-def _answer(status: str) -> bytes:
-    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+def _answer(status: str, headers: str = "") -> bytes:
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n{headers}"
             f"content-length: 0\r\n\r\n").encode()
 
 
 TIMEOUT = _answer("408 Request Timeout")
 KEEP_ALIVE_S = 30.0
-FULL = _answer("503 Service Unavailable")
+# Past --max-connections: when to come back (a client's retry backs off instead of hammering).
+FULL = _answer("503 Service Unavailable", "retry-after: 1\r\n")
 
 
 def guarded_protocol(base: type[asyncio.Protocol], *, header_timeout_s: float, body_timeout_s: float,

@@ -60,6 +60,10 @@ CODE_OF_STATUS = {
 CLIENT_GONE = 499
 
 
+# Log-probabilities the unstreamed answers of one gateway process may hold at once (~300 bytes
+# each as they are gathered: about 600 MB); a stream's wait in Redis instead.
+MAX_HELD_LOGPROBS = 2_000_000
+
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
@@ -99,6 +103,7 @@ class OpenAIDoor:
         self.template = template
         self.pieces = TokenPieces(core.model.tokenizer)
         self.created = int(time.time())
+        self._held_logprobs = 0  # what the unstreamed answers being gathered may hold (``_hold``)
 
     async def completion(self, request: Request, route: str, parse: Callable[[Any, Limits], ApiRequest]) -> Response:
         call = http_call(self.core.metrics, "POST", route, request.headers)
@@ -114,20 +119,23 @@ class OpenAIDoor:
         except BaseException:
             _end(call, 500)
             raise
-        if req.api == "responses":
-            outputs = self.chat_outputs(req) or [ChatOutput(None, None, None)]
-            choices = ResponseOutput(req, base_id, self.served_model_name, outputs[0], self.pieces)
-        else:
-            choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req),
-                              self.chat_outputs(req))
-        for i, q in enumerate(queued):
-            choices.set_prompt_tokens(i, q.num_prompt_tokens)
-        relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
-        headers = {"X-Request-Id": base_id}
-        if req.stream:
-            return EventStream(self._events(choices, relays, call), relays, call,
-                               headers={**headers, "Cache-Control": "no-cache"})
-        return await self._collect(request, choices, relays, call, headers)
+        try:
+            if req.api == "responses":
+                outputs = self.chat_outputs(req) or [ChatOutput(None, None, None)]
+                choices = ResponseOutput(req, base_id, self.served_model_name, outputs[0], self.pieces)
+            else:
+                choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req),
+                                  self.chat_outputs(req))
+            for i, q in enumerate(queued):
+                choices.set_prompt_tokens(i, q.num_prompt_tokens)
+            relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
+            headers = {"X-Request-Id": base_id}
+            if req.stream:
+                return EventStream(self._events(choices, relays, call), relays, call,
+                                   headers={**headers, "Cache-Control": "no-cache"})
+            return await self._collect(request, choices, relays, call, headers)
+        finally:
+            self._release(req)  # what an unstreamed answer held (``_hold``): nothing for a stream
 
     async def _admit(self, request: Request, parse, call: CallObserver) -> tuple[ApiRequest, list[Queued], str]:
         """Parse, check and queue; ``ApiError`` for every refusal."""
@@ -156,17 +164,47 @@ class OpenAIDoor:
             raise ApiError.bad(e) from None
         except RecursionError:  # a template or schema deeper than the body check lets through
             raise ApiError(400, "the request nests too deep", "invalid_request_error") from None
+        self._hold(req)
         try:
             with call.current():
                 queued = await self.core.enqueue(checked, traceparent_or_new(request.headers.get("traceparent")),
                                                  client_ids=bool(client_id))
         except Shed as e:
+            self._release(req)
             retry_after = str(max(1, math.ceil(e.retry_after_s)))
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full",
                            headers={"Retry-After": retry_after}) from None
         except QueueUnavailable as e:
+            self._release(req)
             raise ApiError(503, str(e), "service_unavailable_error", code="queue_unavailable") from None
+        except BaseException:
+            self._release(req)
+            raise
         return req, queued, base_id
+
+    def _hold(self, req: ApiRequest) -> None:
+        """Reserve what an unstreamed answer with log-probabilities holds here until it is sent
+        (choices x max_tokens x (1 + top_logprobs) entries, some 300 bytes each): one past
+        ``MAX_HELD_LOGPROBS`` alone is refused (streamed, it costs no more than a stream), one
+        past what the others hold now waits its turn (429, Retry-After)."""
+        if req.stream or req.logprobs is None:
+            return
+        cost = req.num_choices * max(1, req.sampling.max_tokens) * (1 + req.logprobs)
+        if cost > MAX_HELD_LOGPROBS:
+            raise ApiError(400, f"n x max_tokens x (1 + top_logprobs) is {cost} log-probabilities, more than the "
+                                f"{MAX_HELD_LOGPROBS} an unstreamed answer may hold: stream it (stream: true), or ask "
+                                "for fewer choices, tokens or top_logprobs", "invalid_request_error",
+                           req.max_tokens_param, "too_many_logprobs")
+        if self._held_logprobs + cost > MAX_HELD_LOGPROBS:
+            raise ApiError(429, "the gateway holds as many unstreamed log-probabilities as it may now; retry "
+                                "shortly, or stream the answer (stream: true)", "rate_limit_error",
+                           code="logprobs_budget", headers={"Retry-After": "1"})
+        self._held_logprobs += cost
+        req.held_logprobs = cost
+
+    def _release(self, req: ApiRequest) -> None:
+        self._held_logprobs -= req.held_logprobs
+        req.held_logprobs = 0
 
     def render_messages(self, req: ApiRequest) -> None:
         """A chat's messages through the model's chat template into its one prompt."""

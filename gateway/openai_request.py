@@ -99,6 +99,7 @@ class ApiRequest:
     structured_param: str | None = None  # the parameter that set sampling.structured_outputs
     tools: Any = None  # openai_tools.ToolPlan of a chat with tools
     api: str = ""  # "responses": a /v1/responses body read as a chat (responses_api.py)
+    held_logprobs: int = 0  # log-probabilities this (unstreamed) request may hold at the gateway (OpenAIDoor._hold)
     responses: dict[str, Any] = field(default_factory=dict)  # what the response object repeats
 
     @property

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pagefleet.common.redis import RedisServer, redacted
-from pagefleet.common.service import EnvArgumentParser, add_common_flags, die_with_parent, free_port
+from pagefleet.common.service import EnvArgumentParser, add_common_flags, free_port, guarded_argv
 from pagefleet.scheduler.placement import PLACEMENTS
 
 if TYPE_CHECKING:
@@ -248,9 +248,8 @@ class LocalCluster:
         if metrics_port is not None:
             common += ["--metrics-port", str(metrics_port)]
         # Each dies with this process, however it dies (a closed terminal, SIGKILL): none serves on.
-        proc = subprocess.Popen([self.cfg.python or sys.executable, "-m", "pagefleet", *args, *common], env=env,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                                preexec_fn=die_with_parent())
+        proc = subprocess.Popen(guarded_argv([self.cfg.python or sys.executable, "-m", "pagefleet", *args, *common]),
+                                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
         if out is not None:
             out.close()
         self.procs[name] = proc

@@ -278,6 +278,32 @@ def test_a_gateway_told_to_stop_lets_its_streams_end_and_refuses_new_calls(clust
         log.close()
 
 
+def test_a_burst_of_dropped_streams_is_cancelled_not_run_to_the_end(cluster):
+    """Hundreds of streams dropped at once: their cancels went out a connection each from the
+    gateway and were carried out one after another by the scheduler, a Cancel to the worker
+    only at the end of each; a third ran to max_tokens for no one (300 running on two workers).
+    Now they go out in pipelines and are carried out side by side: the workers and the queue
+    are empty within seconds. (Here most wait in the queue, whose cancels are cheap: this checks
+    the path, not the old slowness.)"""
+    from cluster_fixtures import worker_reports
+
+    channel, stub = _stub(cluster.gateway_target)
+    req = pb.GenerateRequest(prompt="z", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True))
+    streams = [stub.Generate(req, timeout=120) for _ in range(160)]
+    next(streams[0])  # the calls run (a refusal would raise here)
+    try:
+        wait_for(lambda: sum(len(r.request_ids) for r in worker_reports(cluster).values()) >= 16, 60,
+                 "the streams to run (the rest wait in the queue)")
+    finally:
+        for s in streams:
+            s.cancel()
+    t0 = time.monotonic()
+    wait_for(lambda: not any(r.request_ids for r in worker_reports(cluster).values())
+             and not cluster.scheduler_state().waiting_request_ids, 30, "every dropped stream's request cancelled")
+    assert time.monotonic() - t0 < 12  # 2,000 tokens at an H100's pace take half a minute
+    channel.close()
+
+
 def test_a_second_supervisor_is_refused_the_port_and_children_that_never_start_end_it():
     """Two supervisors on one port both bound it (SO_REUSEPORT), and the kernel split the
     clients between them, another cluster's perhaps: the second is refused now, as one gateway

@@ -663,7 +663,9 @@ def test_slow_headers_are_cut_and_connections_bounded(cluster, client):
             except TimeoutError:
                 continue
             assert data.startswith((b"HTTP/1.1 503", b"HTTP/1.1 408")), data  # 408: its headers timed out
-            refused += data.startswith(b"HTTP/1.1 503")
+            if data.startswith(b"HTTP/1.1 503"):  # and when to come back
+                refused += 1
+                assert b"retry-after: 1\r\n" in data.lower(), data
         assert refused >= 5
     finally:
         for s in idle:
@@ -749,3 +751,25 @@ def test_a_responses_stream_that_fails_part_way_ends_with_response_failed():
     assert failed.response.status == "failed" and failed.response.error.message == "worker lost"
     seqs = [json.loads(c.decode().split("data: ", 1)[1])["sequence_number"] for c in chunks]
     assert seqs == list(range(len(chunks)))
+
+
+def test_an_unstreamed_answer_too_large_to_hold_is_refused_by_name(client):
+    """128 choices x 1,900 tokens x 21 log-probabilities, unstreamed, took a gateway from 158
+    MiB to 1.7 GiB, and several at once added up with nothing to stop them. Past
+    ``MAX_HELD_LOGPROBS`` an unstreamed answer is a 400 naming what to change; streamed, the
+    same request is served (its backlog waits in Redis)."""
+    from pagefleet.gateway.openai_door import MAX_HELD_LOGPROBS
+
+    n, max_tokens = 100, 1000
+    assert n * max_tokens * 21 > MAX_HELD_LOGPROBS
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, n=n, max_tokens=max_tokens, logprobs=True,
+                                       top_logprobs=20)
+    assert e.value.body["code"] == "too_many_logprobs" and "stream" in e.value.body["message"]
+    with client.chat.completions.create(model=MODEL, messages=messages, n=n, max_tokens=max_tokens, logprobs=True,
+                                        top_logprobs=20, stream=True) as stream:
+        assert next(iter(stream)).choices  # accepted; closed unread (its requests are cancelled)
+    small = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=3, logprobs=True,
+                                           top_logprobs=20)
+    assert len(small.choices) == 2 and len(small.choices[0].logprobs.content) == 3

@@ -63,3 +63,29 @@ def test_a_cancelled_reader_always_stops(redis_url):
         return kept_running
 
     assert asyncio.run(go()) == [], "these trials' readers went on reading after their cancel"
+
+
+def test_idle_connections_past_the_bound_are_closed(redis_url):
+    """A burst of concurrent commands opens a connection each, and redis-py kept them all: a
+    gateway held hundreds (of Redis's maxclients) long after the streams that made them went.
+    ``trim_idle_connections`` closes the idle ones past its bound, least recently used first."""
+    from pagefleet.common.redis import trim_idle_connections
+
+    async def go() -> tuple[int, int, int]:
+        redis = connect(redis_url)
+        watcher = connect(redis_url)
+        await asyncio.gather(*(redis.blpop([f"nothing-{i}"], timeout=0.2) for i in range(120)))
+        burst = len(await watcher.client_list())
+        trim = asyncio.create_task(trim_idle_connections(redis, keep=8, every_s=0.05))
+        await asyncio.sleep(0.5)
+        after = len(await watcher.client_list())
+        assert await redis.ping()  # the client still works, on a kept or a new connection
+        trim.cancel()
+        idle = len(redis.connection_pool._available_connections)
+        await redis.aclose()
+        await watcher.aclose()
+        return burst, after, idle
+
+    burst, after, idle = asyncio.run(go())
+    assert burst > 100 and after <= 8 + 1 + 1, (burst, after)  # the kept ones, the watcher's
+    assert idle <= 8

@@ -516,10 +516,10 @@ class RedisServer:
             args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
         if self.password:
             args += ["--requirepass", self.password]
-        from pagefleet.common.service import die_with_parent
+        from pagefleet.common.service import guarded_argv
 
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=die_with_parent() if self.die_with_parent else None)
+        self.proc = subprocess.Popen(guarded_argv(args) if self.die_with_parent else args, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout_s
         import redis as sync_redis
 

@@ -322,9 +322,20 @@ def _parent_death_signal() -> Callable[[], object] | None:
 PARENT_DEATH_SIGNAL = _parent_death_signal()
 
 
+def guarded_argv(argv: list[str]) -> list[str]:
+    """``argv`` started so that it dies with this process, however this one dies
+    (``pagefleet.common.parent_guard``: ``PR_SET_PDEATHSIG`` set in a process of its own, then
+    ``exec``; safe from a process with threads, unlike ``die_with_parent``). ``argv`` as it is
+    where the signal does not exist."""
+    if PARENT_DEATH_SIGNAL is None:
+        return argv
+    return [sys.executable, "-m", "pagefleet.common.parent_guard", str(os.getpid()), *argv]
+
+
 def die_with_parent(ignore_sighup: bool = False, parent: int | None = None) -> Callable[[], None]:
-    """A ``preexec_fn`` for children of this process (started from its main thread: the signal
-    follows the thread that started the child): each gets SIGTERM when this process dies, and
+    """A ``preexec_fn`` for children of a process with no other thread (``preexec_fn`` is not
+    safe with threads: ``guarded_argv`` is; the signal follows the thread that started the
+    child): each gets SIGTERM when this process dies, and
     one whose parent (``parent``, this process by default) died before the call exits at once.
     ``ignore_sighup``: SIGHUP ignored until the child installs its own handler."""
     parent = os.getpid() if parent is None else parent
