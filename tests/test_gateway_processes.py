@@ -175,27 +175,40 @@ def test_processes_share_the_health_port_pass_sighup_on_and_die_with_their_super
                 sup.kill()
 
 
+def _extra_gateway(cluster, log_path, shutdown_grace: str):
+    """One more gateway process on the cluster's Redis: (its process, its port, its open log)."""
+    import subprocess
+    import sys
+
+    from pagefleet.common.service import free_port
+
+    port = free_port()
+    log = open(log_path, "w")  # noqa: SIM115 - the caller closes it
+    gw = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port), "--shutdown-grace",
+                           shutdown_grace, "--redis-url", cluster.component_redis_url],
+                          stdout=log, stderr=subprocess.STDOUT)
+    return gw, port, log
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def test_a_gateway_stopped_mid_stream_leaves_client_ids_for_their_retries(cluster, tmp_path):
     """A rolling restart sends a gateway SIGTERM while it relays: its streams are cut, and each
     client retries its id through another gateway. The cut streams were taken for clients gone
     and their requests cancelled, so a retry got ABORT part way. A request with the client's own
     id now runs on (a gateway-chosen id, which nobody can retry, is still cancelled)."""
     import signal
-    import socket
-    import subprocess
-    import sys
     import threading
 
-    from pagefleet.common.service import free_port
-
-    port = free_port()
-    log = open(tmp_path / "gateway-stopped.log", "w")  # noqa: SIM115 - closed below
-    gw = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port), "--shutdown-grace", "0",
-                           "--redis-url", cluster.component_redis_url], stdout=log, stderr=subprocess.STDOUT)
+    gw, port, log = _extra_gateway(cluster, tmp_path / "gateway-stopped.log", "0")
 
     def listening():
-        with socket.socket() as sock:
-            return sock.connect_ex(("127.0.0.1", port)) == 0
+        return _listening(port)
 
     results: dict[str, tuple[int, int]] = {}
 
@@ -238,23 +251,10 @@ def test_a_gateway_told_to_stop_lets_its_streams_end_and_refuses_new_calls(clust
     client without its own id (which cannot retry) lost its request. Within ``--shutdown-grace``
     the streams in flight end where they are; new calls are refused meanwhile."""
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    from pagefleet.common.service import free_port
-
-    port = free_port()
-    log = open(tmp_path / "gateway-graceful.log", "w")  # noqa: SIM115 - closed below
-    gw = subprocess.Popen([sys.executable, "-m", "pagefleet", "gateway", "--port", str(port), "--shutdown-grace", "60",
-                           "--redis-url", cluster.component_redis_url], stdout=log, stderr=subprocess.STDOUT)
-
-    def listening():
-        with socket.socket() as sock:
-            return sock.connect_ex(("127.0.0.1", port)) == 0
-
+    gw, port, log = _extra_gateway(cluster, tmp_path / "gateway-graceful.log", "60")
     try:
-        wait_for(listening, 60, "the gateway to listen")
+        wait_for(lambda: _listening(port), 60, "the gateway to listen")
         channel, stub = _stub(f"127.0.0.1:{port}")
         req = pb.GenerateRequest(prompt="z", sampling=pb.SamplingParams(max_tokens=400, temperature=0,
                                                                         ignore_eos=True))

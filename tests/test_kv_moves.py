@@ -161,11 +161,12 @@ def test_prefill_decode_disaggregation_hands_prompts_over_with_their_kv(tmp_path
         # The decode worker restarts under the same id (a container restarted in place): it has
         # forgotten the prefill worker, which meets it again; handoffs resume (they were refused
         # "has not met this worker" for good).
-        args = c.procs["worker-1"].args  # [python, -m, pagefleet, worker, --worker-id, worker-1, ...]
+        argv = list(c.procs["worker-1"].args)  # [..., python, -m, pagefleet, worker, --worker-id, worker-1, ...]
+        args = argv[argv.index("pagefleet"):]  # from "pagefleet" on: args[1:] is the component's own
         c.kill("worker-1")
         wait_for(lambda: any(e.get("event") == "worker.dead" and e.get("worker_id") == "worker-1"
                              for e in log_events(c.log_dir, "scheduler")), 60, "worker-1 declared dead")
-        c._spawn("worker-1", list(args[3:]))
+        c._spawn("worker-1", args[1:])
         c.wait_ready(num_workers=2)
         before = len(transfers_ended(c, "disaggregation"))
         again = [p + " once more, on past the wall" for p in long_prompts[:2]]
