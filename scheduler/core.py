@@ -392,7 +392,7 @@ class ClusterScheduler:
             # at once and hands back what it wrote: the final comes after those tokens, and no
             # stream is read back for them.
             self.ledger.dropped(w, [rid])
-            record = await self._take_back(w, rid)
+            record = await self._tell_cancel(w, rid, want_record=True)
         finished_here = await self._finish(rid, reason, error, record)
         # Told even when it had finished already: so it reads too when this very finish landed and
         # its reply was lost (the retry finds the request done), and a Cancel of a request its
@@ -409,19 +409,22 @@ class ClusterScheduler:
             self._cancel_calls.add(call)
             call.add_done_callback(self._cancel_calls.discard)
 
-    async def _tell_cancel(self, w: WorkerEntry, rid: str) -> None:
-        """Best effort: ask ``w`` to drop ``rid`` now and free its blocks (its writes are fenced
-        off already, so a lost call only delays the freeing)."""
+    async def _tell_cancel(self, w: WorkerEntry, rid: str, want_record: bool = False) -> bytes | None:
+        """Ask ``w`` to drop ``rid`` now and free its blocks; with ``want_record``, what it wrote
+        for it. None when it did not answer (best effort: its writes are fenced off already, so a
+        lost call only delays the freeing; the output is then read back from Redis)."""
         if w.stub is None:
-            return
+            return None
         try:
-            await w.stub.Cancel(cluster_pb2.WorkerCancelRequest(request_id=rid, notify_client=False),
-                                timeout=self.cfg.rpc_timeout_s)
+            resp = await w.stub.Cancel(cluster_pb2.WorkerCancelRequest(request_id=rid, want_record=want_record),
+                                       timeout=self.cfg.rpc_timeout_s)
         except grpc.RpcError:
-            pass
+            return None
         except asyncio.CancelledError:
             if w.alive:
                 raise  # our own task is being cancelled; else the channel closed under the call
+            return None
+        return resp.record
 
     async def _cancel_entry(self, rid: str, entry_id: str) -> None:
         """A cancel entry carried out, then acknowledged (``_on_entry``)."""
@@ -431,20 +434,6 @@ class ClusterScheduler:
         finally:
             self._cancelling.discard(rid)
             self._cancel_slots.release()
-
-    async def _take_back(self, w: WorkerEntry, rid: str) -> bytes | None:
-        """Tell ``w`` to drop ``rid`` now; what it wrote for it (None when it did not answer:
-        its output is then read back from Redis)."""
-        try:
-            resp = await w.stub.Cancel(cluster_pb2.WorkerCancelRequest(request_id=rid, want_record=True),
-                                       timeout=self.cfg.rpc_timeout_s)
-        except grpc.RpcError:
-            return None
-        except asyncio.CancelledError:
-            if w.alive:
-                raise
-            return None
-        return resp.record
 
     async def _finish(self, rid: str, reason: str, error: str, record: bytes | None = None) -> bool:
         """``_finish_once`` unless ``rid`` is being finished already: then that finish's answer
@@ -465,7 +454,7 @@ class ClusterScheduler:
         forget it; False if it had finished already. The tokens it emitted before (on a worker
         that runs it, or ran it) are recorded first, and the final comes after them: a retry of
         its id relays them and then the finish, as its first caller saw them. ``record``: what
-        its worker handed back as it let it go (``_take_back``); None: read back from the
+        its worker handed back as it let it go (``_tell_cancel``); None: read back from the
         worker's steps stream (``take_over``; its worker writes no more of it past the new epoch)."""
         while True:
             epoch = await self._fence(rid, "")  # the last worker stays named: its output is read next
