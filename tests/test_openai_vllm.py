@@ -771,5 +771,5 @@ def test_an_unstreamed_answer_too_large_to_hold_is_refused_by_name(client):
                                         top_logprobs=20, stream=True) as stream:
         assert next(iter(stream)).choices  # accepted; closed unread (its requests are cancelled)
     small = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=3, logprobs=True,
-                                           top_logprobs=20)
+                                           top_logprobs=20, extra_body={"ignore_eos": True})
     assert len(small.choices) == 2 and len(small.choices[0].logprobs.content) == 3
