@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import random
 import re
 import time
 import zlib
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -64,6 +66,25 @@ class Shed(Exception):
 
 class QueueUnavailable(Exception):
     """The request queue (Redis) did not answer; nothing was queued."""
+
+
+class IdInUse(Exception):
+    """A client's request id is another request's (another prompt or sampling) while that one's
+    claim lasts: nothing was queued, and nothing of the other is relayed to this caller."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request_id {request_id!r} is already the id of another request (another prompt or "
+                         "sampling); a retry must repeat its request exactly: give a new request a new id")
+        self.request_id = request_id
+
+
+def fingerprint(prompt_ids: Sequence[int], sampling: pb.SamplingParams) -> str:
+    """What makes two calls with one client id the same request (a retry): its prompt's tokens
+    and its sampling as the client gave them (not its priority or deadline, which a retry may
+    change). The value of its claim in Redis (``ADMIT_AND_QUEUE``)."""
+    h = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=12)
+    h.update(sampling.SerializeToString(deterministic=True))
+    return h.hexdigest()
 
 
 @dataclass(slots=True)
@@ -182,7 +203,7 @@ class GatewayCore:
                 for q in queued:
                     if q.fresh:
                         self.cancel_soon(q.request_id)
-                if isinstance(e, Exception) and not isinstance(e, Shed):
+                if isinstance(e, Exception) and not isinstance(e, (Shed, IdInUse)):
                     raise QueueUnavailable("the request queue (Redis) is unreachable") from e
                 raise
         return queued
@@ -204,17 +225,21 @@ class GatewayCore:
             request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
             priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
             block_hashes=block_hashes(prompt_ids, size), hash_block_size=size, reply_to=reader.reply_to,
+            model=self.name,
         )
         with enqueue_span(msg, keys.requests, self.name, keys.shard):  # sets msg.traceparent when tracing
             # Never trimmed (no MAXLEN): the stream is a work queue whose entries leave when their
             # requests finish; trimming would drop requests no one has read. ``ADMIT_AND_QUEUE`` bounds it.
             fields = encode_request_entry(msg, int(time.time() * 1000))
             script_keys = [keys.requests, keys.num_waiting]
+            fp = ""
             if client_id or self.claim_every_id:
                 # The claim has the lifetime of the request's output stream (the final write
                 # shortens both): past it, a retry with this id is a new request.
                 script_keys.append(keys.idempotency(rid))
-            args = [self.args.max_stream_len, self.args.max_queue, REQUEST_TTL_S,
+                if client_id:
+                    fp = fingerprint(prompt_ids, request.sampling)
+            args = [self.args.max_stream_len, self.args.max_queue, REQUEST_TTL_S, fp,
                     *(x for kv in fields.items() for x in kv)]
             # Its relay is open before it is queued: its first tokens can come right after.
             opened = rid not in reader.relays
@@ -235,6 +260,8 @@ class GatewayCore:
                 raise
             if answer[0] != 1 and opened:  # not queued now: nothing of ours relays it from the steps
                 reader.close(rid)
+            if answer[0] == -2:
+                raise IdInUse(rid)
             if answer[0] == -1:
                 _, waiting, length = answer
                 raise Shed(f"queue is full ({waiting} waiting to be placed, {length} requests in the system); "
@@ -327,7 +354,9 @@ class GatewayCore:
                 return await pipe.execute()
 
             counts = await retry(claims, what="get_claims")
-            retried = {rid for rid, n in zip(checked, counts, strict=True) if n is not None and int(n) > 1}
+            # A claim is the request's fingerprint, and a '+' for each retry (``ADMIT_AND_QUEUE``).
+            retried = {rid for rid, held in zip(checked, counts, strict=True)
+                       if held is not None and held[-1:] in (b"+", "+")}
             for rid in retried:
                 log.info("request.left_to_its_retry", request_id=rid)
         send = [rid for rid, _ in batch if rid not in retried]

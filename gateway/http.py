@@ -87,9 +87,14 @@ class ModelDoors:
             body = json.loads(await request.body())
         except Exception:  # too large, not JSON, the client gone: the door's own parse answers
             return self.default
-        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            return self.default  # the door's parse explains
+        model = body.get("model")
+        if model is None:  # as gRPC refuses it: no model is the default while several are served
+            return ApiError(400, f"model is required: this server serves {', '.join(self.doors)}",
+                            "invalid_request_error", "model", "missing_required_parameter").response()
         if not isinstance(model, str):
-            return self.default  # a missing or mistyped model: the door's parse explains
+            return self.default  # a mistyped model: the door's parse explains
         try:
             return self.doors[self.router.core_for(model).name]
         except UnknownModel as e:

@@ -15,6 +15,7 @@ client that goes away (while waiting or streaming) cancels its requests.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import time
@@ -34,7 +35,16 @@ from pagefleet.common.sampling_params import DEFAULT_MAX_TOKENS
 from pagefleet.protos import generation_pb2 as pb
 
 from .chat_output import ChatOutput
-from .core import GatewayCore, Queued, QueueUnavailable, Relays, Shed, traceparent_or_new
+from .core import (
+    GatewayCore,
+    IdInUse,
+    Queued,
+    QueueUnavailable,
+    Relays,
+    Shed,
+    fingerprint,
+    traceparent_or_new,
+)
 from .limits import Limits, TooLarge
 from .observe import CallObserver, http_call
 from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
@@ -42,7 +52,7 @@ from .openai_response import Choices, TokenPieces, sse
 from .reasoning import START as THINK_START
 from .responses_api import ResponseOutput
 from .tool_parsers import tool_parser
-from .validate import REQUEST_ID_RULE, BadField, compile_ahead, valid_request_id
+from .validate import BadField, ContextTooLong, compile_ahead, valid_request_id
 
 log = structlog.get_logger("gateway")
 
@@ -84,6 +94,24 @@ class ApiError(Exception):
         return AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def request_id_of(header: str) -> str:
+    """The request id an ``X-Request-Id`` header names: itself where it is one (see
+    ``valid_request_id``), else (any other value, as vLLM takes any: braces, '/', '=', long
+    ones) a digest of it, the same for every retry."""
+    if valid_request_id(header):
+        return header
+    return "xrid-" + hashlib.blake2b(header.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+
+
+def _own_id(base_id: str, checked: list[tuple[pb.GenerateRequest, list[int]]]) -> str:
+    """The id of a request whose client id is another request's: the client's, then a digest of
+    every choice's fingerprint (at most 121 characters: room for ``-<choice>``)."""
+    h = hashlib.blake2b(digest_size=12)
+    for r, ids in checked:
+        h.update(fingerprint(ids, r.sampling).encode())
+    return f"{base_id[:96]}.{h.hexdigest()}"
+
+
 class AsciiJSONResponse(JSONResponse):
     """JSON with non-ASCII escaped: a refusal that quotes the client's text (a lone surrogate
     included) is always valid UTF-8."""
@@ -120,16 +148,19 @@ class OpenAIDoor:
             _end(call, 500)
             raise
         try:
+            # The answer's id, as vLLM's: the route's prefix and the request's id (a client's too).
+            answer_id = base_id if base_id.startswith(req.id_prefix) else f"{req.id_prefix}{base_id}"
             if req.api == "responses":
                 outputs = self.chat_outputs(req) or [ChatOutput(None, None, None)]
-                choices = ResponseOutput(req, base_id, self.served_model_name, outputs[0], self.pieces)
+                choices = ResponseOutput(req, answer_id, self.served_model_name, outputs[0], self.pieces)
             else:
-                choices = Choices(req, base_id, self.served_model_name, self.pieces, self._echoes(req),
+                choices = Choices(req, answer_id, self.served_model_name, self.pieces, self._echoes(req),
                                   self.chat_outputs(req))
             for i, q in enumerate(queued):
                 choices.set_prompt_tokens(i, q.num_prompt_tokens)
             relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
-            headers = {"X-Request-Id": base_id}
+            # The client's own header back (a mesh's, whatever its form), else the id chosen here.
+            headers = {"X-Request-Id": request.headers.get("x-request-id") or base_id}
             if req.stream:
                 return EventStream(self._events(choices, relays, call), relays, call,
                                    headers={**headers, "Cache-Control": "no-cache"})
@@ -152,9 +183,7 @@ class OpenAIDoor:
             if req.chat:
                 self.render_messages(req)
             client_id = request.headers.get("x-request-id") or None  # an empty header: none
-            if client_id is not None and not valid_request_id(client_id):
-                raise BadParam("X-Request-Id", f"X-Request-Id must be {REQUEST_ID_RULE}")
-            base_id = client_id or f"{req.id_prefix}{uuid.uuid4().hex}"
+            base_id = request_id_of(client_id) if client_id else f"{req.id_prefix}{uuid.uuid4().hex}"
             call.describe(_request_attributes(req, self.served_model_name, base_id))
             self._tokenize_bad_words(req)
             requests = fan_out(req, base_id)
@@ -167,8 +196,20 @@ class OpenAIDoor:
         self._hold(req)
         try:
             with call.current():
-                queued = await self.core.enqueue(checked, traceparent_or_new(request.headers.get("traceparent")),
-                                                 client_ids=bool(client_id))
+                traceparent = traceparent_or_new(request.headers.get("traceparent"))
+                try:
+                    queued = await self.core.enqueue(checked, traceparent, client_ids=bool(client_id))
+                except IdInUse:
+                    # The client's id names another request already (a mesh's X-Request-Id
+                    # forwarded on each of one call's several requests): this one is served
+                    # under an id of its own, made from both, which its own retries find again.
+                    base_id = _own_id(base_id, checked)
+                    for k, (r, _) in enumerate(checked):
+                        r.request_id = base_id if len(checked) == 1 else f"{base_id}-{k}"
+                    queued = await self.core.enqueue(checked, traceparent, client_ids=True)
+        except IdInUse as e:  # a fingerprint collision (2^-96): refused, never another's answer
+            self._release(req)
+            raise ApiError(409, str(e), "invalid_request_error", "X-Request-Id", "request_id_in_use") from None
         except Shed as e:
             self._release(req)
             retry_after = str(max(1, math.ceil(e.retry_after_s)))
@@ -305,7 +346,8 @@ class OpenAIDoor:
             reason = e.reason
             if param and param != field and reason.startswith(field):  # the message names what the client sent
                 reason = param + reason[len(field):]
-            raise BadParam(param, reason) from None
+            raise BadParam(param, reason, "context_length_exceeded" if isinstance(e, ContextTooLong)
+                           else "invalid_value") from None
 
     async def _events(self, choices: Choices, relays: Relays, call: CallObserver) -> AsyncIterator[bytes]:
         status = CLIENT_GONE  # until the stream is through

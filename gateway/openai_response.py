@@ -134,7 +134,8 @@ class Choices:
                 chunks.append(self._chunk([{"index": index, "delta": {"tool_calls": [
                     {"index": k, **call.as_openai()} for k, call in enumerate(calls)]},
                     "logprobs": None, "finish_reason": None}]))
-                if c.finish_reason == "stop":
+                # As OpenAI's and vLLM's: calls the model chose end "tool_calls", a named one "stop".
+                if c.finish_reason == "stop" and (self.req.tools is None or self.req.tools.choice != "named"):
                     c.finish_reason = "tool_calls"
             choice["delta"] = delta if delta or not msg.finish_reason else {}
             choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}

@@ -16,6 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
+from pagefleet.common.tokenizer import NoTokenizer
+
 from .limits import TooLarge
 from .openai_door import CLIENT_GONE, ApiError, OpenAIDoor
 from .openai_request import BadParam, parse_json_body, parse_tokenize_chat
@@ -44,9 +46,12 @@ async def detokenize(door: OpenAIDoor, request: Request) -> Response:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise BadParam("tokens", "tokens must be a list of token ids")
         vocab = door.core.model.vocab_size
+        if isinstance(door.core.model.tokenizer, NoTokenizer):
+            raise BadParam("tokens", "this model has no tokenizer.json: its tokens have no text here")
         if bad := next((t for t in tokens if not 0 <= t < vocab), None):
             raise BadParam("tokens", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return JSONResponse({"prompt": door.core.model.tokenizer.decode(tokens)})
+        # As vLLM's: special tokens are text too here (``<s>``), the inverse of ``/tokenize``.
+        return JSONResponse({"prompt": door.core.model.tokenizer.decode(tokens, skip_special_tokens=False)})
     except ClientDisconnect:
         return Response(status_code=CLIENT_GONE)
     except BadParam as e:
@@ -93,7 +98,11 @@ def _tokenize(door: OpenAIDoor, body: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"count": len(ids), "max_model_len": door.core.max_model_len, "tokens": ids,
                            "token_strs": None}
     if _flag(body, "return_token_strs", False):
-        out["token_strs"] = [door.pieces(t)[0] for t in ids]
+        # The vocabulary's own strings (``Ġhow``, ``<s>``), as vLLM's ``convert_ids_to_tokens``;
+        # a tokenizer without them (bytes) gives each token's text.
+        by_id = getattr(tokenizer, "id_to_token", None)
+        out["token_strs"] = [s if by_id is not None and (s := by_id(t)) is not None else door.pieces(t)[0]
+                             for t in ids]
     return out
 
 

@@ -39,7 +39,7 @@ from pagefleet.protos import generation_pb2 as pb
 from pagefleet.protos import generation_pb2_grpc
 
 from . import guard
-from .core import DEADLINE_ERROR, GatewayCore, QueueUnavailable, Shed, traceparent_or_new
+from .core import DEADLINE_ERROR, GatewayCore, IdInUse, QueueUnavailable, Shed, traceparent_or_new
 from .http import add_http_flags
 from .limits import Limits
 from .models import Router, UnknownModel, served_models
@@ -79,7 +79,8 @@ def build_parser() -> EnvArgumentParser:
                         "(default: tiny)")
     p.add_argument("--shards", action="append", default=None, metavar="MODEL=SHARD[,SHARD...]",
                    help="the shards serving MODEL (its requests spread over them by id); default: the i-th "
-                        "--model is served by shard s<i> (one model: s0)")
+                        "--model is served by shard s<i> (one model: s0); in the environment, models apart by ';' "
+                        "(PAGEFLEET_SHARDS='a=s0,s1;b=s2')")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="refuse prompt + max_tokens beyond this (with several models: caps each model's context)")
     p.add_argument("--block-size", type=int, default=16,
@@ -195,6 +196,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except Shed as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
                                 trailing_metadata=retry_metadata(str(e), e.retry_after_s))
+        except IdInUse as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except QueueUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
                                 trailing_metadata=retry_metadata(str(e), UNAVAILABLE_RETRY_S, code_pb2.UNAVAILABLE))

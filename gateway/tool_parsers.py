@@ -95,6 +95,7 @@ class ToolParser:
 
 class HermesParser(ToolParser):
     marker = "<tool_call>"
+    needs_special_tokens = True  # a special token in Hermes-2-Pro's vocabulary (not in Qwen's): kept either way
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def _calls(self, text: str) -> list[ToolCall]:

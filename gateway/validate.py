@@ -101,10 +101,27 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
             raise BadField("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {model.vocab_size})")
     total = len(ids) + params.max_tokens
     if total > max_model_len:
-        field = "prompt" if which == "prompt" else "prompt_token_ids"
-        raise BadField(field, f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} = {total} "
-                              f"exceeds the model's context of {max_model_len} tokens")
+        raise ContextTooLong(which, len(ids), params.max_tokens, max_model_len)
     return ids
+
+
+class ContextTooLong(BadField):
+    """A prompt and its ``max_tokens`` past the model's context, in the words OpenAI's and vLLM's
+    servers use (clients such as LiteLLM and LangChain tell a context overflow by them). Names
+    the prompt when the prompt alone fills the context, else ``max_tokens``."""
+
+    def __init__(self, which: str, num_prompt: int, max_tokens: int, max_model_len: int) -> None:
+        if num_prompt >= max_model_len:
+            field = "prompt" if which == "prompt" else "prompt_token_ids"
+            reason = (f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                      f"{num_prompt} input tokens. Please reduce the length of the input.")
+        else:
+            field = "sampling.max_tokens"
+            reason = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                      f"{num_prompt + max_tokens} tokens ({num_prompt} in the input, {max_tokens} in the completion; "
+                      f"max_tokens may be at most {max_model_len - num_prompt}). Please reduce the length of the "
+                      "input or of the completion.")
+        super().__init__(field, reason)
 
 
 # A constraint is compiled off the event loop, at most this long (``compile_ahead``): one that

@@ -681,6 +681,9 @@ def main(argv: list[str]) -> int:
         parser.error(f"--shards-per-model must be between 1 and --workers ({args.workers}), got {args.shards_per_model}")
     if args.secure and args.redis_cluster:
         parser.error("--secure starts a password-protected Redis; with --redis-cluster give --redis-url instead")
+    if args.redis_socket and (args.redis_url or args.redis_cluster):
+        parser.error("--redis-socket is for the Redis up starts itself; with --redis-url or --redis-cluster leave "
+                     "it out (a Redis of your own is reached at its URL: unix:///path/to/redis.sock for a socket)")
     material = _secure_material(args.host) if args.secure else None
     cfg = ClusterConfig(port=args.port, host=args.host, namespace=args.namespace, http_port=args.http_port, num_workers=args.workers,
                         model=models[0], models=models if len(models) > 1 else None,

@@ -153,7 +153,7 @@ class SchedulerConfig:
     def ledger_config(self) -> LedgerConfig:
         return LedgerConfig(policy=self.policy, aging_s=self.aging_s, headroom_tokens=self.headroom_tokens,
                             preempt=self.preempt_mode != "off", placement=self.placement,
-                            prefix_index_size=self.prefix_index_size, moves=self.moves)
+                            prefix_index_size=self.prefix_index_size, moves=self.moves, model=self.model)
 
 
 class ClusterScheduler:
@@ -659,7 +659,7 @@ class ClusterScheduler:
                 decision = self.ledger.decide_round()
                 for p, why in decision.refused:  # past its deadline, or no worker could ever take it
                     if why != DEADLINE_WAITING:
-                        log.warning("request.fits_no_worker", request_id=p.request_id, reason=why)
+                        log.warning("request.refused", request_id=p.request_id, reason=why)
                     await self._finish(p.request_id, "error", why)
                 if decision.victims:
                     # Assign first, then preempt: the request is already waiting on the worker

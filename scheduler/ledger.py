@@ -91,6 +91,7 @@ class LedgerConfig:
     aging_s: float = 10.0
     headroom_tokens: int = 64
     preempt: bool = True  # place a blocked head by preempting lower-priority sequences
+    model: str | None = None  # the shard's model: a request queued for another is refused
     placement: PlacementConfig = PlacementConfig()
     prefix_index_size: int = DEFAULT_MAX_KEYS  # most cached block keys the index keeps
     done_memory: int = DONE_MEMORY
@@ -326,6 +327,14 @@ class Ledger:
                 self.queue.remove(p.request_id)
                 self._in_hand.add(p.request_id)
                 refused.append((p, DEADLINE_WAITING))
+                continue
+            if self.cfg.model and p.assign.model and p.assign.model != self.cfg.model:
+                # Another model's answer would be worse than none: the gateway's map of models
+                # to shards is not the schedulers'.
+                self.queue.remove(p.request_id)
+                self._in_hand.add(p.request_id)
+                refused.append((p, f"this shard serves model {self.cfg.model!r}, not {p.assign.model!r}: the "
+                                   "gateways' --shards (or order of --model) disagree with the schedulers'"))
                 continue
             placement = choose(p, headroom)
             t0 = self._timed(t0)

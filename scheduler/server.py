@@ -250,6 +250,13 @@ async def serve(args) -> int:
         taking = asyncio.create_task(acquired.wait())
         await asyncio.wait([lease, taking, stopping], return_when=asyncio.FIRST_COMPLETED)
         taking.cancel()
+        if not acquired.is_set() and lease.done() and not stop.is_set():
+            # Taking the lease failed for good (an error no retry mends: a MOVED reply from a
+            # Redis Cluster this scheduler was not told of, a script refused): said, and exit 1
+            # so a supervisor sees it, not a quiet stop.
+            error = None if lease.cancelled() else lease.exception()
+            log.error("scheduler.lease_failed", error=repr(error), exc_info=error)
+            rc = 1
         if not acquired.is_set() or stop.is_set():
             break
         core = ClusterScheduler(redis, keys, SchedulerConfig(
@@ -285,7 +292,9 @@ async def serve(args) -> int:
             # does, and start again from Redis if it comes back to this one; exiting left a
             # cluster with one scheduler a shard without any (and `up` stopped everything).
             await set_serving(health, names, False)
-            log.warning("scheduler.standby", port=port, instance=me, after=f"the lease was {lease.result()}")
+            after = lease.exception() if not lease.cancelled() else None
+            log.warning("scheduler.standby", port=port, instance=me,
+                        after=f"the lease was {lease.result() if after is None else repr(after)}")
             rc = 0
             continue
         break

@@ -31,6 +31,8 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> 
     (["up"], {"PAGEFLEET_WORKERS": "abc"}, "PAGEFLEET_WORKERS"),
     (["up"], {"PAGEFLEET_LOG_FORMAT": "bogus"}, "PAGEFLEET_LOG_FORMAT"),
     (["up"], {"PAGEFLEET_REDIS_SOCKET": "maybe"}, "PAGEFLEET_REDIS_SOCKET"),
+    (["up", "--redis-socket", "--redis-cluster"], {}, "--redis-socket"),  # was ignored
+    (["up", "--redis-socket", "--redis-url", "redis://127.0.0.1:1"], {}, "--redis-socket"),
     (["gateway", "--port", "-1"], {}, "--port"),
     (["generate", "hi", "--max-tokens", "-1"], {}, "--max-tokens"),
     (["generate", "hi", "--priority", "99999999999"], {}, "--priority"),

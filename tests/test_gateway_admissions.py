@@ -23,7 +23,7 @@ def redis_url():
 
 def _call(admit: Admissions, ns: str, i: int, max_queue: int = 100):
     keys = [f"{ns}:requests", f"{ns}:waiting", f"{ns}:req:{i}"]
-    return admit(keys, [1000, max_queue, 60, "id", str(i)])
+    return admit(keys, [1000, max_queue, 60, "", "id", str(i)])
 
 
 def test_calls_of_one_turn_go_in_one_round_and_each_gets_its_own_answer(redis_url):

@@ -105,6 +105,13 @@ def test_each_model_has_its_own_tokenizer_and_chat_template_at_one_gateway(tmp_p
                                                                   return_dict=False))
             status, body = http_json(f"{base}/tokenize", {"model": "gpt-9", "prompt": "hi"})
             assert status == 404 and "`tiny`" in body["error"]["message"] and "`bpe`" in body["error"]["message"]
+            # no model while several are served: refused as gRPC refuses it (the first model answered it)
+            for path, req in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                              ("/v1/chat/completions", {"model": None, "messages": messages}),
+                              ("/tokenize", {"prompt": "hi"})]:
+                status, body = http_json(f"{base}{path}", req)
+                assert status == 400 and body["error"]["param"] == "model", (path, body)
+                assert "tiny" in body["error"]["message"] and "bpe" in body["error"]["message"]
         finally:
             gateway.terminate()
             gateway.wait(10)

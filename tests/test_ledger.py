@@ -253,6 +253,26 @@ def test_a_request_no_single_worker_takes_is_refused_and_the_queue_goes_on():
     assert refused[0].request_id == "long" and "the longest any worker takes is 2048" in refused[1]
 
 
+def test_a_request_queued_for_another_model_is_refused_not_answered_by_this_one():
+    """Gateways map models to shards by ``--shards`` or by the order of ``--model``: two that
+    disagreed sent one model's requests to the other's shard, whose workers answered them. A
+    request says its model; a scheduler of another refuses it by name (one of no model, or a
+    scheduler told none, is placed)."""
+    ledger = ledger_with("a", model="tiny")
+    for rid, model in [("mine", "tiny"), ("other", "llama"), ("any", "")]:
+        msg = assign(rid, [1, 2, 3])
+        msg.model = model
+        ledger.take(rid, f"e-{rid}", msg)
+    d = ledger.decide_round()
+    assert [(p.request_id, "serves model 'tiny', not 'llama'" in why) for p, why in d.refused] == [("other", True)]
+    assert sorted(p.request_id for p, _ in d.claims) == ["any", "mine"]
+    told_none = ledger_with("a")
+    msg = assign("other", [1, 2, 3])
+    msg.model = "llama"
+    told_none.take("other", "e", msg)
+    assert place_all(told_none) == [("other", "a")]
+
+
 def test_a_request_whose_deadline_passed_in_the_queue_is_never_placed():
     """Deadlines were looked at on the scheduler's tick: one that passed while the scheduler
     was held up (stopped, busy) was placed and run first, then cut as "while running"."""

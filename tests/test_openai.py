@@ -19,6 +19,7 @@ from pathlib import Path
 from unittest import mock
 from urllib.parse import urlsplit
 
+import grpc
 import openai
 import pytest
 import redis as sync_redis
@@ -697,20 +698,35 @@ def test_x_request_id_is_the_idempotency_key(cluster, client):
     second = client.completions.create(**kwargs)  # unseeded: only the same request gives the same text
     assert first.headers["x-request-id"] == "http-idem-1"
     assert first.parse().choices[0].text == second.choices[0].text
+    assert first.parse().id == "cmpl-http-idem-1"  # as vLLM names it
     # gRPC sees the same request under that id
     with Client(cluster.gateway_target) as g:
-        again = g.generate("hello", max_tokens=6, request_id="http-idem-1", timeout=30)
-    assert again.text == second.choices[0].text
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", extra_headers={"X-Request-Id": "bad id!"})
-    assert info.value.body["param"] == "X-Request-Id"
+        again = g.generate("hello", max_tokens=6, temperature=1.0, ignore_eos=True, request_id="http-idem-1",
+                           timeout=30)
+        assert again.text == second.choices[0].text
+        # the id with another request: refused by name over gRPC, never another request's answer
+        with pytest.raises(grpc.RpcError) as info:
+            g.generate("hello", max_tokens=5, request_id="http-idem-1", timeout=30)
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS and "http-idem-1" in info.value.details()
+    # Over HTTP one X-Request-Id may come with several requests (a mesh forwards its own on each
+    # of one call's requests): each is its own, and each one's retry finds it again.
+    other = dict(kwargs, prompt="a different prompt", max_tokens=7)
+    third = client.completions.with_raw_response.create(**other)
+    assert third.headers["x-request-id"] == "http-idem-1"
+    third = third.parse()
+    assert third.usage.completion_tokens == 7 and third.id != first.parse().id
+    assert client.completions.create(**other).choices[0].text == third.choices[0].text
+    assert client.completions.create(**kwargs).choices[0].text == second.choices[0].text
+    # Any header is an id (vLLM takes any: braces, '/', '=', long ones), its retries the same request.
+    for odd in ("{bad id!}", "a/b+c==", "L" * 300):
+        once = client.completions.with_raw_response.create(**dict(kwargs, extra_headers={"X-Request-Id": odd}))
+        assert once.headers["x-request-id"] == odd
+        assert client.completions.create(**dict(kwargs, extra_headers={"X-Request-Id": odd})).choices[0].text \
+            == once.parse().choices[0].text
     # The longest id a client may give, with choices: each choice's id is longer (-<i> after it).
     long_id = "L" * 128
     got = client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, extra_headers={"X-Request-Id": long_id})
     assert len(got.choices) == 2
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", extra_headers={"X-Request-Id": "L" * 129})
-    assert info.value.body["param"] == "X-Request-Id"
 
 
 def _wrote_tokens(cluster, request_id: str) -> bool:

@@ -88,3 +88,7 @@ def test_litellm_openai_provider(cluster):  # noqa: F811
                                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
     args = json.loads(forced.choices[0].message.tool_calls[0].function.arguments)
     assert set(args) == {"city", "unit"}
+    # a context overflow is told as OpenAI's and vLLM's servers tell it: LiteLLM's context-window
+    # fallbacks key on it (a plain BadRequestError before)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(**{**base, "max_tokens": 4000})

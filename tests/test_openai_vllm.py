@@ -196,17 +196,34 @@ def test_tokenize_and_detokenize_as_vllm(cluster, hf):
     assert status == 200
     assert out["tokens"] == hf("Bonjour à tous")["input_ids"]
     assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 2048
-    assert len(out["token_strs"]) == out["count"]
+    # the vocabulary's own strings, as vLLM's convert_ids_to_tokens (not each token's text)
+    assert out["token_strs"] == hf.convert_ids_to_tokens(out["tokens"])
     status, out2 = _post(cluster, "/tokenize", {"prompt": "Bonjour", "add_special_tokens": False})
     assert out2["tokens"] == hf("Bonjour", add_special_tokens=False)["input_ids"]
     status, back = _post(cluster, "/detokenize", {"model": MODEL, "tokens": out["tokens"]})
-    assert status == 200 and back == {"prompt": hf.decode(out["tokens"], skip_special_tokens=True)}
+    # as vLLM's: special tokens are text too (the inverse of /tokenize)
+    assert status == 200 and back == {"prompt": hf.decode(out["tokens"], skip_special_tokens=False)}
     for path, body, param in [("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
                               ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
                               ("/tokenize", {"prompt": 3}, "prompt")]:
         status, err = _post(cluster, path, body)
         assert status == 400 and err["error"]["param"] == param
     assert _post(cluster, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+
+
+def test_a_context_overflow_is_told_as_openai_tells_it(client):
+    """Clients tell a context overflow by OpenAI's code and vLLM's words (LangChain by
+    ``context_length_exceeded``, LiteLLM by "maximum context length"); it names what to shrink."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4000)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens", err
+    assert "maximum context length is 2048 tokens" in err["message"] and "4000 in the completion" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[5] * 2095, max_tokens=1)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    assert "2095 input tokens" in err["message"]
 
 
 def test_unsupported_extensions_are_refused_by_name(client):
@@ -342,7 +359,7 @@ def test_named_and_required_tool_choice_always_parse_and_validate(client):
                                          seed=1, max_tokens=40)
     for c in out.choices:
         (call,) = c.message.tool_calls
-        assert call.function.name == "get_time" and c.finish_reason == "tool_calls"
+        assert call.function.name == "get_time" and c.finish_reason == "stop"  # named: as OpenAI and vLLM answer
         jsonschema.validate(json.loads(call.function.arguments), params["get_time"])
     out = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                                          parallel_tool_calls=False, n=4, seed=2, max_tokens=60)
@@ -452,7 +469,8 @@ def test_responses_function_tools_and_reasoning_items(client):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and jsonschema.validate(json.loads(done[0].arguments), tool["parameters"]) is None
     # the tool's answer goes back as input items
-    follow = client.responses.create(model=MODEL, max_output_tokens=3, tools=[tool], tool_choice="none", input=[
+    follow = client.responses.create(model=MODEL, max_output_tokens=3, tools=[tool], tool_choice="none",
+                                     temperature=0, extra_body={"ignore_eos": True}, input=[
         {"role": "user", "content": "weather?"},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
@@ -572,7 +590,8 @@ def test_responses_usage_counts_reasoning_and_logprobs_are_sent_when_included(cl
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=6, temperature=0,
                                 include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})
     assert len(r.output[0].content[0].logprobs) == r.usage.output_tokens == 6
-    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=True)
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=True, temperature=0,
+                                    extra_body={"ignore_eos": True})
     assert plain.store is False and plain.output[0].content[0].logprobs == []
 
 

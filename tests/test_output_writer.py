@@ -147,7 +147,7 @@ def test_steps_are_sent_by_the_putting_thread_and_their_replies_read_at_its_next
         r, w, _, task = await _open_writer(redis_url, "ow-direct")
         for i in range(5):
             w.put(_step("a", i, 65 + i))
-            await asyncio.sleep(0.005)  # Redis answers meanwhile: the next put reads the reply
+            await asyncio.sleep(0.05)  # Redis answers meanwhile (well under the writer's 0.5 s): the next put reads it
         assert w.num_direct == 5 and w.num_round_trips >= 1 + 4  # the first four settled by the puts after them
         await w.flush()
         assert w.num_round_trips == 6 and w.backlog == 0 and not w._in_flight

@@ -226,3 +226,19 @@ def test_stream_reads_on_the_cluster_ask_no_node_for_their_keys(redis_cluster):
     before = asyncio.run(reads())
     assert getkeys_calls() == before
     assert len({redis_cluster.primary_port(Keys("pf", s).requests) for s in ("s0", "s2", "s3")}) == 3
+
+
+def test_a_scheduler_that_cannot_take_its_lease_says_so_and_exits_1(redis_cluster):
+    """A scheduler pointed at one node of a Redis Cluster without ``--redis-cluster`` got a MOVED
+    reply taking its lease, logged nothing and exited 0 (a supervisor saw a clean stop, and the
+    shard's requests waited for good). It says why, and exits 1."""
+    import subprocess
+    import sys
+
+    node = int(redis_cluster.url.rsplit(":", 1)[1])
+    shard = next(s for s in (f"s{i}" for i in range(100))
+                 if redis_cluster.primary_port(Keys("pagefleet", s).lease) != node)
+    p = subprocess.run([sys.executable, "-m", "pagefleet", "scheduler", "--port", "0", "--shard", shard,
+                        "--redis-url", redis_cluster.url], capture_output=True, text=True, timeout=90)
+    assert p.returncode == 1, (p.stdout + p.stderr)[-2000:]
+    assert "scheduler.lease_failed" in p.stdout + p.stderr and "MOVED" in (p.stdout + p.stderr).upper()

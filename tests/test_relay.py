@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -99,13 +100,20 @@ def test_one_read_feeds_the_relays_of_requests_on_several_workers(redis_url):
     asyncio.run(go())
 
 
+async def _until(done, timeout_s: float = 10.0) -> None:
+    """Wait (polling) until ``done()``: the reader task catches up at its own pace on a loaded machine."""
+    t0 = time.monotonic()
+    while not done() and time.monotonic() - t0 < timeout_s:
+        await asyncio.sleep(0.02)
+
+
 def test_a_relay_whose_client_does_not_read_is_bounded_and_loses_nothing(redis_url, monkeypatch):
     monkeypatch.setattr(relay_mod, "MAX_BUFFERED", 8)
 
     async def go():
         r, keys, reader, f, rel, epoch = await _one_request(redis_url, "r2")
         await _write_all(f, "a", epoch, 100)  # the client reads nothing meanwhile
-        await asyncio.sleep(0.3)
+        await _until(lambda: rel.detached)
         assert rel.detached and rel.num_buffered == 0 and rel.num_tokens == 0  # the backlog stays in Redis
         msgs = [m async for m in relay_steps(r, keys, rel, 3)]
         _check_whole(msgs, 100)
@@ -251,7 +259,7 @@ def test_a_relay_detached_by_its_last_message_still_relays_every_token(redis_url
         for i in range(n):
             lp = [TokenLogprobs(-0.5, list(range(20)), [-1.0] * 20)]
             await f.write([Write("a", epoch, OutEntry(i, [i], "x", "length" if i == n - 1 else "", logprobs=lp))])
-        await asyncio.sleep(0.3)  # the client has read nothing yet
+        await _until(lambda: rel.detached)  # the client has read nothing yet
         assert rel.detached and not rel.finished
         msgs = await asyncio.wait_for(_collect(relay_steps(r, keys, rel, 3)), 10)
         _check_whole(msgs, n)

@@ -294,18 +294,26 @@ def test_a_claim_is_one_set_nx_written_only_with_its_entry(redis_server):
         keys = Keys("claim1")
         admit = r.register_script(ADMIT_AND_QUEUE)
 
-        def call(rid, *fields, max_len=2):
+        def call(rid, *fields, max_len=2, fp="fp1"):
             return admit(keys=[keys.requests, keys.num_waiting, keys.idempotency(rid)],
-                         args=[max_len, 100, 3600, *fields])
+                         args=[max_len, 100, 3600, fp, *fields])
 
         r.config_resetstat()
         assert call("a", "rid", "a")[0] == 1
         stats = r.info("commandstats")
-        assert "cmdstat_exists" not in stats and stats["cmdstat_set"]["calls"] == 1
+        assert "cmdstat_exists" not in stats and stats["cmdstat_get"]["calls"] == 1 and stats["cmdstat_set"]["calls"] == 1
+        assert r.get(keys.idempotency("a")) == b"fp1"  # the request's fingerprint
         assert call("a", "rid", "a") == [0] and r.xlen(keys.requests) == 1  # a retry: queued before
+        assert r.get(keys.idempotency("a")) == b"fp1+"  # counted: its first caller's cancel waits for it
+        assert call("a", "rid", "a", fp="fp2") == [-2]  # the id of another request: refused, nothing written
+        assert r.get(keys.idempotency("a")) == b"fp1+" and r.xlen(keys.requests) == 1
         assert call("b", "rid", "b")[0] == 1
         assert call("c", "rid", "c") == [-1, 2, 2] and not r.exists(keys.idempotency("c"))  # full
         assert call("a", "rid", "a") == [0]  # queued before, relayed even when full
+        assert call("a", "rid", "a", fp="fp2") == [-2]  # and another request's refused even then
+        for _ in range(20):
+            call("a", "rid", "a")
+        assert r.get(keys.idempotency("a")) == b"fp1" + b"+" * 8  # the count is bounded
         with pytest.raises(rx.ResponseError):
             call("d", "odd", max_len=10)  # the XADD fails: no claim stays without its entry
         assert not r.exists(keys.idempotency("d")) and r.xlen(keys.requests) == 2
@@ -365,6 +373,8 @@ def _lease_with_renewals(renew):
             return await renew(time.monotonic() - t0)
 
     async def go():
+        nonlocal t0
+        t0 = time.monotonic()  # from the loop's start (starting one may take a while on a loaded machine)
         lease = Lease(Fake(), Keys("t"), "me", lease_ms=1200)
         acquired = asyncio.Event()
         task = asyncio.create_task(lease.hold(acquired))

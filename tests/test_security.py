@@ -102,6 +102,10 @@ def test_a_listed_flag_reads_a_comma_separated_variable(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:  # the flag's error: usage, the variable named, exit 2
         parse()
     assert e.value.code == 2 and "PAGEFLEET_NO_AUTH_FOR" in capsys.readouterr().err
+    # values with commas of their own (MODEL=S1,S2) apart by ';': PAGEFLEET_SHARDS could not say a=s0,s1
+    monkeypatch.delenv("PAGEFLEET_NO_AUTH_FOR")
+    monkeypatch.setenv("PAGEFLEET_API_KEY", "a=s0,s1; b=s2")
+    assert parse().api_key == ["a=s0,s1", "b=s2"]
 
 
 def test_material_chains_to_its_ca_with_the_right_usages(tmp_path):
@@ -478,7 +482,8 @@ def test_concurrent_streams_per_connection_are_bounded(cluster, material):
                 c.generate("a third", max_tokens=2, timeout=10)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-concurrent-streams" in info.value.details()
-            assert other.generate("another connection", max_tokens=2, timeout=30).finish_reason == "length"
+            assert other.generate("another connection", max_tokens=2, temperature=0, ignore_eos=True,
+                                  timeout=30).finish_reason == "length"
         finally:
             for s in streams:
                 s.cancel()

@@ -257,3 +257,15 @@ def test_bench_preemption_runs_every_mode_and_writes_json(tmp_path):
     assert {r["mode"] for r in runs} == {"swap", "recompute", "auto"}
     swap = next(r for r in runs if r["mode"] == "swap")
     assert swap["num_steps"] > 0 and swap["num_swapped_out_blocks"] > 0 and swap["plain_copy_gbps"] > 0
+
+
+def test_auto_preemption_calibrates_on_a_model_of_a_small_vocabulary(tmp_path):
+    """The cost model's prefill measure fed token ids up to 99 whatever the vocabulary: a model
+    of 64 tokens could not start with a swap pool and ``preemption="auto"`` (the worker's
+    default), an IndexError in its embedding."""
+    from conftest import make_checkpoint
+
+    make_checkpoint(tmp_path, "llama", vocab_size=64)
+    engine = Engine(str(tmp_path), device="cpu", num_blocks=64, block_size=4, num_swap_blocks=16, preemption="auto")
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out.token_ids) == 3 and all(0 <= t < 64 for t in out.token_ids)

@@ -161,3 +161,25 @@ def test_required_plan_constrains_to_a_list_of_known_calls():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert [c.name for c in parse_required(json.dumps(good))] == ["get_weather"]
+
+
+@pytest.mark.parametrize("name", ["hermes", "qwen", "llama3_json", "mistral"])
+def test_auto_tool_choice_keeps_the_special_tokens_a_format_marks_calls_with(name):
+    """Hermes-2-Pro's ``<tool_call>`` is a special token of its vocabulary: decoded with special
+    tokens skipped (the default) the marker vanished and its calls came back as plain content.
+    As vLLM's parsers do, ``auto`` keeps special tokens for every format whose markers may be
+    one, unless the request says otherwise."""
+    from pagefleet.gateway.openai_door import OpenAIDoor
+    from pagefleet.gateway.openai_request import parse_chat
+
+    parser = tool_parser(name)
+    door = OpenAIDoor.__new__(OpenAIDoor)
+    door.tool_call_parser = name
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    req = parse_chat(body)
+    door._plan_tools(req)
+    assert req.sampling.HasField("skip_special_tokens") and not req.sampling.skip_special_tokens
+    assert parser.needs_special_tokens
+    said = parse_chat({**body, "skip_special_tokens": True})
+    door._plan_tools(said)
+    assert said.sampling.skip_special_tokens  # the client's own choice stands

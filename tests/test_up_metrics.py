@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pagefleet.common.service import free_port
+from pagefleet.common.service import _hand_out, free_port
 from pagefleet.launcher import ClusterConfig, LocalCluster, _metrics_summary, build_parser
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,6 +42,8 @@ def free_port_run(count: int) -> int:
                     s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        for port in range(base + 1, base + count):  # so the cluster's own ports are not drawn from the run
+            _hand_out(port)
         return base
     raise RuntimeError(f"no {count} consecutive free ports")
 

@@ -100,7 +100,9 @@ def measure_prefill(model, kv_caches, block_size: int, num_tokens: int, device: 
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
     )
-    ids = torch.from_numpy(np.arange(num_tokens) % 97 + 3).to(device)
+    # Token ids inside the vocabulary, however small (a test model's may have fewer than 100).
+    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), 100)
+    ids = torch.from_numpy(np.arange(num_tokens) % max(1, min(97, vocab - 3)) + min(3, vocab - 1)).to(device)
     pos = torch.arange(num_tokens, device=device)
     last = torch.tensor([num_tokens - 1], device=device)
 

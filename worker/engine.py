@@ -183,10 +183,11 @@ class Engine:
                 f"prompt: {len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} = {total} "
                 f"exceeds max_model_len {self.max_model_len}"
             )
-        if self.kv.num_blocks_for(total) > self.kv.num_blocks:
+        usable = self.kv.num_blocks - len(self.kv.set_aside_blocks)  # blocks set aside are never reused
+        if self.kv.num_blocks_for(total) > usable:
             raise ValueError(
                 f"prompt: {total} tokens need {self.kv.num_blocks_for(total)} blocks but the pool "
-                f"has {self.kv.num_blocks}; lower max_tokens"
+                f"has {usable}; lower max_tokens"
             )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings,
                                        include_stop=params.include_stop_str_in_output,

@@ -15,31 +15,41 @@ messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (`
 #   gateways racing each other (or one gateway's concurrent calls) never admit past it;
 # * a client-chosen id is claimed with its entry, by one ``SET NX`` once the bound is met:
 #   taken already, the request was queued before (a retry after a lost reply answers 0, and is
-#   relayed even when the queue is full now: a full queue looks the claim up), and counted in
-#   the claim (its value: 1, and 1 more for each such call), so a first caller that hangs up
-#   while a retry relays the request does not cancel it (``GatewayCore.leave``). A claim never
-#   stays without its entry (every retry would wait for output that never comes): a failing
-#   XADD deletes it again, in the same atomic step. Nothing is written before the bound's reads.
+#   relayed even when the queue is full now: a full queue looks the claim up). The claim's value
+#   is the request's fingerprint (``GatewayCore.fingerprint``: its prompt and sampling), so a
+#   call with the same id and another request is told so (-2) instead of relayed another's
+#   output; a retry appends a '+' (up to 8), so a first caller that hangs up while a retry
+#   relays the request does not cancel it (``GatewayCore.leave``). A claim never stays without
+#   its entry (every retry would wait for output that never comes): a failing XADD deletes it
+#   again, in the same atomic step. Nothing is written before the bound's reads.
 # KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
-# max queue, the claim's TTL, then the entry's field/value pairs.
-# {1, entry id}: queued now; {0}: before; {-1, waiting, length}: full, nothing written.
+# max queue, the claim's TTL, the request's fingerprint ('' matches any), then the entry's
+# field/value pairs.
+# {1, entry id}: queued now; {0}: before; {-1, waiting, length}: full, nothing written;
+# {-2}: the id is another request's, nothing written.
 ADMIT_AND_QUEUE = """
 local claim = #KEYS == 3
+local function queued_before()
+  local held = redis.call('GET', KEYS[3])
+  if not held then return nil end
+  if string.sub(held, 1, #ARGV[4]) ~= ARGV[4] then return {-2} end
+  if #held < #ARGV[4] + 8 then redis.call('APPEND', KEYS[3], '+') end
+  return {0}
+end
 local length = redis.call('XLEN', KEYS[1])
 local waiting = tonumber(redis.call('GET', KEYS[2]) or length)
 if length >= tonumber(ARGV[1]) or waiting >= tonumber(ARGV[2]) then
-  if claim and redis.call('EXISTS', KEYS[3]) == 1 then
-    redis.call('INCR', KEYS[3])
-    return {0}
-  end
+  local before = claim and queued_before()
+  if before then return before end
   return {-1, waiting, length}
 end
-if claim and not redis.call('SET', KEYS[3], 1, 'NX', 'EX', tonumber(ARGV[3])) then
-  redis.call('INCR', KEYS[3])
-  return {0}
+if claim and not redis.call('SET', KEYS[3], ARGV[4], 'NX', 'EX', tonumber(ARGV[3])) then
+  local before = queued_before()
+  if before then return before end
+  return {-2}  -- gone between the SET and the GET (it cannot: one script runs at a time)
 end
 local fields = {}
-for i = 4, #ARGV do fields[i - 3] = ARGV[i] end
+for i = 5, #ARGV do fields[i - 4] = ARGV[i] end
 local id = redis.pcall('XADD', KEYS[1], '*', unpack(fields))
 if type(id) == 'table' and id.err then
   if claim then redis.call('DEL', KEYS[3]) end

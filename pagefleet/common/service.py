@@ -72,8 +72,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 kwargs["default"] = word in _TRUE_WORDS
             elif action == "append":  # a comma-separated list, which values on the command line replace
                 conv = kwargs.get("type", str)
+                # Values with commas of their own (--shards MODEL=S1,S2) are separated by ';'.
+                sep = ";" if ";" in raw else ","
                 try:
-                    kwargs["default"] = [conv(v.strip()) for v in raw.split(",") if v.strip()]
+                    kwargs["default"] = [conv(v.strip()) for v in raw.split(sep) if v.strip()]
                 except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
                     self.error(f"{var}={raw!r}: {e}")
                 bad = [v for v in kwargs["default"] if kwargs.get("choices") and v not in kwargs["choices"]]

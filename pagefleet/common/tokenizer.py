@@ -146,7 +146,7 @@ class NoTokenizer:
         self.bos_token_id = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise ValueError("prompt: this model has no tokenizer.json; pass prompt token ids")
+        raise ValueError("this model has no tokenizer.json: give the prompt as token ids")
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
