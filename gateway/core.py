@@ -155,6 +155,15 @@ class GatewayCore:
             return self.keys
         return self.shards[zlib.crc32(request_id.encode()) % len(self.shards)]
 
+    async def claimed(self, request_id: str) -> bool:
+        """Whether ``request_id`` is claimed (queued before, its claim not expired);
+        ``QueueUnavailable`` when Redis does not answer."""
+        keys = self.shard_of(request_id)
+        try:
+            return bool(await retry(lambda: self.redis.exists(keys.idempotency(request_id)), what="exists_claim"))
+        except Exception as e:
+            raise QueueUnavailable("the request queue (Redis) is unreachable") from e
+
     def relaying(self, request_id: str) -> bool:
         """Whether this process relays ``request_id``."""
         return request_id in self.readers[self.shard_of(request_id).shard].relays
@@ -354,9 +363,10 @@ class GatewayCore:
                 return await pipe.execute()
 
             counts = await retry(claims, what="get_claims")
-            # A claim is the request's fingerprint, and a '+' for each retry (``ADMIT_AND_QUEUE``).
-            retried = {rid for rid, held in zip(checked, counts, strict=True)
-                       if held is not None and held[-1:] in (b"+", "+")}
+            # A claim is the request's fingerprint, and a '+' for each retry (``ADMIT_AND_QUEUE``);
+            # a gateway's from before fingerprints, a count.
+            retried = {rid for rid, held in zip(checked, counts, strict=True) if held is not None and (
+                held[-1:] in (b"+", "+") or (held.isdigit() and int(held) > 1))}
             for rid in retried:
                 log.info("request.left_to_its_retry", request_id=rid)
         send = [rid for rid, _ in batch if rid not in retried]

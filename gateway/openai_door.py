@@ -103,6 +103,14 @@ def request_id_of(header: str) -> str:
     return "xrid-" + hashlib.blake2b(header.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
 
 
+def _rename(checked: list[tuple[pb.GenerateRequest, list[int]]], base_id: str) -> str:
+    """Give the choices the ids of ``base_id`` (``fan_out``'s: itself alone, else
+    ``<base_id>-<choice>``); the first choice's."""
+    for k, (r, _) in enumerate(checked):
+        r.request_id = base_id if len(checked) == 1 else f"{base_id}-{k}"
+    return checked[0][0].request_id
+
+
 def _own_id(base_id: str, checked: list[tuple[pb.GenerateRequest, list[int]]]) -> str:
     """The id of a request whose client id is another request's: the client's, then a digest of
     every choice's fingerprint (at most 121 characters: room for ``-<choice>``)."""
@@ -197,15 +205,22 @@ class OpenAIDoor:
         try:
             with call.current():
                 traceparent = traceparent_or_new(request.headers.get("traceparent"))
+                # The client's id may name another request already (a mesh's X-Request-Id
+                # forwarded on each of one call's several requests): this one is then served
+                # under an id of its own, made from both, which its retries find again (looked
+                # up first: the other's claim may be gone by then, and this one's not).
+                own = _own_id(base_id, checked) if client_id else None
+                if own is not None and await self.core.claimed(_rename(checked, own)):
+                    base_id = own
+                else:
+                    _rename(checked, base_id)
                 try:
                     queued = await self.core.enqueue(checked, traceparent, client_ids=bool(client_id))
                 except IdInUse:
-                    # The client's id names another request already (a mesh's X-Request-Id
-                    # forwarded on each of one call's several requests): this one is served
-                    # under an id of its own, made from both, which its own retries find again.
-                    base_id = _own_id(base_id, checked)
-                    for k, (r, _) in enumerate(checked):
-                        r.request_id = base_id if len(checked) == 1 else f"{base_id}-{k}"
+                    if own is None or base_id == own:
+                        raise
+                    base_id = own
+                    _rename(checked, own)
                     queued = await self.core.enqueue(checked, traceparent, client_ids=True)
         except IdInUse as e:  # a fingerprint collision (2^-96): refused, never another's answer
             self._release(req)

@@ -117,7 +117,15 @@ class ClusterConfig:
         n = self.shards_per_model
         if n < 1:
             raise ValueError(f"shards_per_model must be at least 1, got {n}")
-        models = served_models(self.models or [self.model])
+        # The names the gateway serves them by (its own --served-model-name, if given it), which
+        # the schedulers and workers are given too: a scheduler refuses a request of another name.
+        names, args = [], list(self.gateway_args or ())
+        for i, a in enumerate(args):
+            if a == "--served-model-name" and i + 1 < len(args):
+                names.append(args[i + 1])
+            elif a.startswith("--served-model-name="):
+                names.append(a.split("=", 1)[1])
+        models = served_models(self.models or [self.model], names or None)
         plan = [(f"s{i * n + j}", m.name, m.path) for i, m in enumerate(models) for j in range(n)]
         if self.shard_names is None:
             return plan

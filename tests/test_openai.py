@@ -717,6 +717,14 @@ def test_x_request_id_is_the_idempotency_key(cluster, client):
     assert third.usage.completion_tokens == 7 and third.id != first.parse().id
     assert client.completions.create(**other).choices[0].text == third.choices[0].text
     assert client.completions.create(**kwargs).choices[0].text == second.choices[0].text
+    # the first one's claim gone (its TTL after its finish), the second's retry still finds its own
+    r = sync_redis.Redis.from_url(cluster.redis_url)
+    try:
+        assert r.delete(Keys(cluster.cfg.namespace).idempotency("http-idem-1")) == 1
+    finally:
+        r.close()
+    again = client.completions.create(**other)
+    assert (again.id, again.choices[0].text) == (third.id, third.choices[0].text)
     # Any header is an id (vLLM takes any: braces, '/', '=', long ones), its retries the same request.
     for odd in ("{bad id!}", "a/b+c==", "L" * 300):
         once = client.completions.with_raw_response.create(**dict(kwargs, extra_headers={"X-Request-Id": odd}))

@@ -314,6 +314,8 @@ def test_a_claim_is_one_set_nx_written_only_with_its_entry(redis_server):
         for _ in range(20):
             call("a", "rid", "a")
         assert r.get(keys.idempotency("a")) == b"fp1" + b"+" * 8  # the count is bounded
+        r.set(keys.idempotency("old"), 1)  # a claim of a gateway from before fingerprints: a count
+        assert call("old", "rid", "old") == [0] and r.get(keys.idempotency("old")) == b"2"
         with pytest.raises(rx.ResponseError):
             call("d", "odd", max_len=10)  # the XADD fails: no claim stays without its entry
         assert not r.exists(keys.idempotency("d")) and r.xlen(keys.requests) == 2

@@ -106,6 +106,11 @@ def test_a_listed_flag_reads_a_comma_separated_variable(monkeypatch, capsys):
     monkeypatch.delenv("PAGEFLEET_NO_AUTH_FOR")
     monkeypatch.setenv("PAGEFLEET_API_KEY", "a=s0,s1; b=s2")
     assert parse().api_key == ["a=s0,s1", "b=s2"]
+    for value in ("tiny=s0,s1,llama=s2", "tiny=s0,s1;llama=s2"):  # or each NAME= starts the next
+        monkeypatch.setenv("PAGEFLEET_SHARDS", value)
+        p = EnvArgumentParser()
+        p.add_argument("--shards", action="append", default=None)
+        assert p.parse_args([]).shards == ["tiny=s0,s1", "llama=s2"], value
 
 
 def test_material_chains_to_its_ca_with_the_right_usages(tmp_path):

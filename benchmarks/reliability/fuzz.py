@@ -180,6 +180,8 @@ class Fuzzer:
             allowed = REFUSED
         elif kind == "valid":
             allowed = {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+            if getattr(message, "request_id", ""):  # an id an earlier example gave another request
+                allowed.add(grpc.StatusCode.ALREADY_EXISTS)
         else:
             try:
                 decoded = pb.GenerateRequest.FromString(data)
@@ -187,6 +189,8 @@ class Fuzzer:
                 decoded = None
             ok = decoded is not None and self._valid_locally(decoded)
             allowed = {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED} if ok else REFUSED
+            if ok and decoded.request_id:  # an id an earlier example gave another request
+                allowed = allowed | {grpc.StatusCode.ALREADY_EXISTS}
             if ok and decoded.HasField("deadline_ms"):  # it may run out before the first token
                 allowed.add(grpc.StatusCode.DEADLINE_EXCEEDED)
         code, detail = self._call(call, data, stop_early=kind == "raw")

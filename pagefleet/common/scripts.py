@@ -32,6 +32,10 @@ local claim = #KEYS == 3
 local function queued_before()
   local held = redis.call('GET', KEYS[3])
   if not held then return nil end
+  if string.match(held, '^%d+$') then  -- a claim of a gateway from before fingerprints: a count
+    redis.call('INCR', KEYS[3])
+    return {0}
+  end
   if string.sub(held, 1, #ARGV[4]) ~= ARGV[4] then return {-2} end
   if #held < #ARGV[4] + 8 then redis.call('APPEND', KEYS[3], '+') end
   return {0}

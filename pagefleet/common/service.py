@@ -72,10 +72,14 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 kwargs["default"] = word in _TRUE_WORDS
             elif action == "append":  # a comma-separated list, which values on the command line replace
                 conv = kwargs.get("type", str)
-                # Values with commas of their own (--shards MODEL=S1,S2) are separated by ';'.
+                # Values with commas of their own (--shards MODEL=S1,S2) are separated by ';', or
+                # for such a flag each NAME= starts the next (PAGEFLEET_SHARDS=a=s0,s1,b=s2).
                 sep = ";" if ";" in raw else ","
+                pieces = [v.strip() for v in raw.split(sep) if v.strip()]
+                if long in _NAMED_LISTS and sep == ",":
+                    pieces = _named_groups(pieces)
                 try:
-                    kwargs["default"] = [conv(v.strip()) for v in raw.split(sep) if v.strip()]
+                    kwargs["default"] = [conv(v) for v in pieces]
                 except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
                     self.error(f"{var}={raw!r}: {e}")
                 bad = [v for v in kwargs["default"] if kwargs.get("choices") and v not in kwargs["choices"]]
@@ -91,6 +95,21 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 if kwargs.get("choices") and kwargs["default"] not in kwargs["choices"]:
                     self.error(f"{var}={raw!r}: not one of {', '.join(map(str, kwargs['choices']))}")
         return super().add_argument(*names, **kwargs)
+
+
+# Listed flags whose values are NAME=A,B: their variable's comma-separated pieces are grouped by NAME=.
+_NAMED_LISTS = frozenset({"--shards"})
+
+
+def _named_groups(pieces: list[str]) -> list[str]:
+    """``["a=s0", "s1", "b=s2"]`` -> ``["a=s0,s1", "b=s2"]``."""
+    out: list[str] = []
+    for p in pieces:
+        if "=" not in p and out:
+            out[-1] += "," + p
+        else:
+            out.append(p)
+    return out
 
 
 class _AppendOverDefault(argparse.Action):
