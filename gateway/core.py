@@ -18,6 +18,7 @@ import hashlib
 import random
 import re
 import time
+import uuid
 import zlib
 from array import array
 from collections.abc import AsyncIterator, Sequence
@@ -154,6 +155,21 @@ class GatewayCore:
         if len(self.shards) == 1:
             return self.keys
         return self.shards[zlib.crc32(request_id.encode()) % len(self.shards)]
+
+    def new_id(self, prefix: str = "", num_choices: int = 1) -> str:
+        """A request id of the gateway's choosing (``prefix`` and a uuid), drawn so that it, or
+        each of its choices' ``<id>-<k>``, lands in a shard with workers when the model has
+        several shards and some have none now (a shard's workers down: its requests would wait
+        there while the others are idle). A client's own id keeps its shard: its retries and
+        Cancel find it by the id."""
+        for _ in range(32):
+            base = f"{prefix}{uuid.uuid4().hex}"
+            if len(self.shards) == 1:
+                return base
+            ids = [base] if num_choices == 1 else [f"{base}-{k}" for k in range(num_choices)]
+            if all(self.readers[self.shard_of(i).shard].num_workers != 0 for i in ids):
+                return base
+        return base
 
     async def claimed(self, request_id: str) -> bool:
         """Whether ``request_id`` is claimed (queued before, its claim not expired);

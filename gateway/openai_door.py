@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -191,7 +190,7 @@ class OpenAIDoor:
             if req.chat:
                 self.render_messages(req)
             client_id = request.headers.get("x-request-id") or None  # an empty header: none
-            base_id = request_id_of(client_id) if client_id else f"{req.id_prefix}{uuid.uuid4().hex}"
+            base_id = request_id_of(client_id) if client_id else self.core.new_id(req.id_prefix, req.num_choices)
             call.describe(_request_attributes(req, self.served_model_name, base_id))
             self._tokenize_bad_words(req)
             requests = fan_out(req, base_id)

@@ -353,14 +353,22 @@ class StepReader:
         self._read = StepsRead(redis)
         self._refreshed_at = 0.0
         self.num_reads = 0
+        # The shard's registered workers at the last refresh (None: not looked yet); a shard's
+        # scheduler removes a dead one's row, so 0 is a shard no request of ours should wait in.
+        self.num_workers: int | None = None
 
-    def open(self, request_id: str) -> StepRelay:
-        """The relay of ``request_id`` (opened before its request is queued, so nothing is missed)."""
+    def start(self) -> None:
+        """Start reading (if not yet): the first relay does, or the gateway for a model on
+        several shards, so each shard's ``num_workers`` is known before its first request."""
         if self._task is None or self._task.done():
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._run())
             if self._sweeper is None or self._sweeper.done():
                 self._sweeper = self._loop.create_task(self._sweep())
+
+    def open(self, request_id: str) -> StepRelay:
+        """The relay of ``request_id`` (opened before its request is queued, so nothing is missed)."""
+        self.start()
         r = self.relays.get(request_id)
         if r is None:
             r = self.relays[request_id] = StepRelay(request_id, self._loop, self._waiting)
@@ -384,6 +392,7 @@ class StepReader:
 
         # Two calls, not one pipeline: TIME names no key (a Redis Cluster pipeline refuses it).
         rows = await retry(lambda: self.redis.hgetall(self.keys.workers), what="steps_refresh")
+        self.num_workers = len(rows)
         now_s, now_us = await retry(self.redis.time, what="steps_refresh_time")
         start = f"{max(0, now_s * 1000 + now_us // 1000 - LOOKBACK_MS)}-0"
         streams = {self.keys.steps(SCHEDULER_STEPS)}

@@ -15,7 +15,6 @@ client certificates with ``--tls-client-ca``), and bounds on what one request ma
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import grpc
 import structlog
@@ -190,7 +189,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), trailing_metadata=bad_request_metadata(e))
         client_id = bool(request.request_id)
         if not client_id:
-            request.request_id = uuid.uuid4().hex
+            request.request_id = core.new_id()
         try:
             queued, = await core.enqueue([(request, prompt_ids)], traceparent_of(context), client_ids=client_id)
         except Shed as e:
@@ -244,6 +243,10 @@ async def serve(args, doors: guard.Doors | None = None) -> int:
     health, names, _ = add_health_and_reflection(server, [SERVICE])
     port = add_port(server, f"{args.host}:{args.port}", doors.tls)
     await retry(redis.ping, what="ping")
+    for c in router.cores.values():
+        if len(c.shards) > 1:  # its ids go where workers are (``GatewayCore.new_id``): known from the start
+            for reader in c.readers.values():
+                reader.start()
     trimming = asyncio.create_task(trim_idle_connections(redis))
     http = None
     if args.http_port is not None:

@@ -126,3 +126,26 @@ def test_a_bad_max_model_len_is_a_flag_error_not_a_traceback(flag, error):
     run = subprocess.run([sys.executable, "-m", "pagefleet", "gateway", "--port", "0", "--max-model-len", flag],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and error in run.stderr and "Traceback" not in run.stderr, run.stderr[-1500:]
+
+
+def test_a_gateway_chosen_id_lands_in_a_shard_with_workers():
+    """A model on two shards, one with its workers down: every request without the client's own
+    id whose id hashed there waited until its deadline while the other shard stood idle. The
+    gateway draws its ids in shards with workers (a client's own id keeps its shard: its retries
+    and Cancel find it there); not knowing yet, or none anywhere, any shard."""
+    from types import SimpleNamespace
+
+    from pagefleet.common.redis import Keys
+    from pagefleet.gateway.core import GatewayCore
+
+    core = GatewayCore.__new__(GatewayCore)
+    core.shards = [Keys("ns", s) for s in ("s0", "s1", "s2")]
+    core.readers = {s: SimpleNamespace(num_workers=n) for s, n in (("s0", 2), ("s1", 0), ("s2", None))}
+    for choices in (1, 2):  # 32 draws: the odds that none fits, (5/9)^32, are 1e-8
+        for _ in range(200):
+            rid = core.new_id("cmpl-", choices)
+            assert rid.startswith("cmpl-")
+            ids = [rid] if choices == 1 else [f"{rid}-{k}" for k in range(choices)]
+            assert all(core.shard_of(i).shard != "s1" for i in ids)
+    core.readers["s0"].num_workers = core.readers["s2"].num_workers = 0  # none anywhere: any shard
+    assert {core.shard_of(core.new_id()).shard for _ in range(200)} == {"s0", "s1", "s2"}
