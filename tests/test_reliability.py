@@ -150,7 +150,8 @@ def test_admission_is_exact_under_concurrency_and_never_trims(redis_server):
         queued = [rid for rid in got if rid]
         n = await r.xlen(cores[0].keys.requests)
         again = next(q for q in queued if q.startswith("id-"))
-        retried = (await cores[1]._enqueue_one(_request(again), [5, 6], "", client_id=True)).fresh
+        retry = _request(again)  # the same request again (another under its id is refused: IdInUse)
+        retried = (await cores[1]._enqueue_one(retry, list(retry.prompt_token_ids.ids), "", client_id=True)).fresh
         await r.aclose()
         return len(queued), n, retried
 
