@@ -26,6 +26,7 @@ between scheduler and workers, Redis with a password; metrics over TLS too.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import os
@@ -119,13 +120,10 @@ class ClusterConfig:
             raise ValueError(f"shards_per_model must be at least 1, got {n}")
         # The names the gateway serves them by (its own --served-model-name, if given it), which
         # the schedulers and workers are given too: a scheduler refuses a request of another name.
-        names, args = [], list(self.gateway_args or ())
-        for i, a in enumerate(args):
-            if a == "--served-model-name" and i + 1 < len(args):
-                names.append(args[i + 1])
-            elif a.startswith("--served-model-name="):
-                names.append(a.split("=", 1)[1])
-        models = served_models(self.models or [self.model], names or None)
+        flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        flag.add_argument("--served-model-name", action="append")
+        names = flag.parse_known_args(list(self.gateway_args or ()))[0].served_model_name
+        models = served_models(self.models or [self.model], names)
         plan = [(f"s{i * n + j}", m.name, m.path) for i, m in enumerate(models) for j in range(n)]
         if self.shard_names is None:
             return plan

@@ -307,6 +307,12 @@ class Ledger:
         self.where.pop(request_id, None)
 
     # -- placing ---------------------------------------------------------------------------------
+    def _refuse(self, p: Pending, why: str) -> tuple[Pending, str]:
+        """``p`` out of the queue and in hand, to be finished with ``why`` (``Decision.refused``)."""
+        self.queue.remove(p.request_id)
+        self._in_hand.add(p.request_id)
+        return p, why
+
     def decide_round(self) -> Decision:
         """Claim placements for the queue's heads while they fit, a round at most; a head
         that fits nowhere ends the round, and is placed by preemption if nothing was claimed
@@ -324,24 +330,19 @@ class Ledger:
         t0 = time.perf_counter()
         while len(claims) < size and (p := self.queue.peek()) is not None:
             if p.deadline_unix_ms and p.deadline_unix_ms <= now_ms:  # its time ran out in the queue: never run
-                self.queue.remove(p.request_id)
-                self._in_hand.add(p.request_id)
-                refused.append((p, DEADLINE_WAITING))
+                refused.append(self._refuse(p, DEADLINE_WAITING))
                 continue
             if self.cfg.model and p.assign.model and p.assign.model != self.cfg.model:
                 # Another model's answer would be worse than none: the gateway's map of models
                 # to shards is not the schedulers'.
-                self.queue.remove(p.request_id)
-                self._in_hand.add(p.request_id)
-                refused.append((p, f"this shard serves model {self.cfg.model!r}, not {p.assign.model!r}: the "
-                                   "gateways' --shards (or order of --model) disagree with the schedulers'"))
+                refused.append(self._refuse(p, f"this shard serves model {self.cfg.model!r}, not {p.assign.model!r}: "
+                                               "the gateways' --shards (or order of --model) disagree with the "
+                                               "schedulers'"))
                 continue
             placement = choose(p, headroom)
             t0 = self._timed(t0)
             if placement is None and (why := _fits_no_worker(p, self._fleet_limits())):
-                self.queue.remove(p.request_id)
-                self._in_hand.add(p.request_id)
-                refused.append((p, why))
+                refused.append(self._refuse(p, why))
                 continue
             if placement is None:
                 if claims or not self.cfg.preempt:
