@@ -312,7 +312,9 @@ class ClusterScheduler:
         async for entry_id, fields in self._pending_entries():
             rid = fields.get(b"rid", b"").decode()
             if fields.get(b"kind") == b"generate" and not self.ledger.is_new(rid):
-                continue  # taken in already, or finished with its ack still on its way
+                if rid not in self.ledger.known:  # finished: its ack may be on its way, or never
+                    await self._ack(entry_id)  # come (a finish with no entry to acknowledge)
+                continue  # else taken in already
             n += 1
             await self._on_entry(entry_id, fields, None)
         if n:
@@ -458,8 +460,12 @@ class ClusterScheduler:
         worker's steps stream (``take_over``; its worker writes no more of it past the new epoch)."""
         while True:
             epoch = await self._fence(rid, "")  # the last worker stays named: its output is read next
-            if epoch == 0:
+            if epoch == 0:  # finished already, maybe by a write that had no entry of it to
+                # acknowledge (a cancel read before the entry): its entry goes now
+                p = self.ledger.known.get(rid)
                 self.ledger.forget(rid)
+                if p is not None and p.entry_id:
+                    await self._ack(p.entry_id)
                 return False
             emitted, finish = (await record_emitted(self.redis, self.keys, rid, record) if record is not None
                                else await take_over(self.redis, self.keys, rid))

@@ -282,6 +282,40 @@ def test_a_cancel_whose_finish_reply_was_lost_still_tells_the_worker(redis_serve
         assert asyncio.run(go(lose_reply)) == (b"1", [("w1", "req-1")]), lose_reply
 
 
+def test_a_request_cancelled_before_its_entry_was_read_leaves_no_entry(redis_server):
+    """A cancel read before its request's entry (two gateways: the caller's Cancel went through
+    the other one first) finishes the request with no entry to acknowledge; its entry, read
+    after, is taken in and waits in the queue. A second finish of it there (another cancel, its
+    deadline, a refusal) found it finished (fence 0) and forgot it without acknowledging its
+    entry, which then stayed in the requests stream for ever."""
+    from pagefleet.common.redis import GROUP
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+
+    async def go():
+        r = connect(redis_server.url)
+        keys = Keys("early")
+        await r.set(keys.scheduler_epoch, 7)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
+        await s._cancel("req-1")  # its cancel entry, read first
+        msg = cluster_pb2.AssignRequest(request_id="req-1", prompt_token_ids=[1, 2, 3])
+        msg.sampling.max_tokens = 100
+        entry = await r.xadd(keys.requests, {"kind": "generate", "rid": "req-1", "payload": msg.SerializeToString()})
+        ((_, ((entry_id, fields),)),) = await r.xreadgroup(GROUP, "scheduler", {keys.requests: ">"})
+        assert entry_id == entry
+        await s._on_entry(entry_id, fields, None)
+        assert "req-1" in s.ledger.known  # queued: its assignment would find it finished
+        await s._cancel("req-1")  # a second cancel (or its deadline) before it is placed
+        left = await r.xlen(keys.requests)
+        known = "req-1" in s.ledger.known
+        await s.close()
+        await r.aclose()
+        return left, known
+
+    assert asyncio.run(go()) == (0, False)
+
+
 def test_a_claim_is_one_set_nx_written_only_with_its_entry(redis_server):
     """``ADMIT_AND_QUEUE`` claims a client id with one ``SET NX`` once the bound is met: a full
     queue writes nothing (yet a request queued before is found), and an entry that cannot be

@@ -210,6 +210,7 @@ def run(s: Settings) -> Row:
             c.c.add_worker()
         outcomes = storm.join(timeout_s=3600)
         held = c.wait_idle()
+        left = c.stream_entries() if held["stream_entries"] else []
         state = c.state()
         preemptions += sum(w.report.num_preemptions for w in state.workers)
         num_reassigned = state.num_reassigned
@@ -227,6 +228,8 @@ def run(s: Settings) -> Row:
     if storm.num_failed_cancels:
         figures["Cancel calls that failed"] = storm.num_failed_cancels
     figures["held at the end"] = leaked or "nothing"
+    if left:
+        figures["left in the requests stream"] = left
     differing = sum(1 for rid, o in checked.items() for i, t in o.tokens.items()
                     if i < len(reference[rid]) and reference[rid][i] != t)
     missing = sum(o.job.max_tokens - len(o.tokens) for o in outcomes if o.finish_reason == "length")
