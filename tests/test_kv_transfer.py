@@ -508,6 +508,137 @@ def test_a_migrate_caller_gone_midway_leaves_the_engine_thread_serving(pair):
     assert out.finish == "length"
 
 
+class _GatedTarget:
+    """A migration target over real gRPC (a ``Worker`` servicer of the four calls a source
+    makes), backed by a ``MigrationReceiver``; each call named in ``stall`` waits until
+    ``release()``, as a frozen or stalled worker's calls do."""
+
+    def __init__(self, dst, transport, peer, rid: str, prompt: list[int], stall: set[str]) -> None:
+        import threading
+        from concurrent import futures
+
+        import grpc
+
+        from pagefleet.common.sampling_proto import from_proto
+        from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
+        from pagefleet.worker.migration import Handover
+
+        self.recv = MigrationReceiver(dst, transport, peer, rid, prompt)
+        self.gate, self.lock, self.closed = threading.Event(), threading.Lock(), False
+        target = self
+
+        def gated(name, fn):
+            def handler(_self, req, ctx):
+                if name in stall:
+                    target.gate.wait()
+                with target.lock:
+                    return fn(req)
+            return handler
+
+        def read(req):
+            n = None if self.closed else self.recv.read(req.first_block, list(req.block_ids))
+            return cluster_pb2.MigrateReadResponse(accepted=n is not None, num_blocks_read=n or 0)
+
+        def poll(req):
+            state = self.recv.poll() if self.recv.state == "open" and not self.closed else "ERR"
+            return cluster_pb2.MigratePollResponse(state={"DONE": cluster_pb2.KV_TRANSFER_STATE_DONE,
+                                                          "PROC": cluster_pb2.KV_TRANSFER_STATE_IN_PROGRESS,
+                                                          "ERR": cluster_pb2.KV_TRANSFER_STATE_FAILED}[state])
+
+        def commit(req):
+            ok = (not self.closed and self.recv.state == "open" and self.recv.commit(Handover(
+                req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), from_proto(req.sampling),
+                req.priority, req.num_computed_tokens, list(req.final_block_ids), list(req.final_checksums))))
+            return cluster_pb2.MigrateCommitResponse(committed=ok, epoch=1 if ok else 0)
+
+        def abort(req):
+            self.recv.abort()
+            return cluster_pb2.MigrateAbortResponse()
+
+        servicer = type("Target", (cluster_pb2_grpc.WorkerServicer,), {
+            "MigrateRead": gated("read", read), "MigratePoll": gated("poll", poll),
+            "MigrateCommit": gated("commit", commit), "MigrateAbort": gated("abort", abort)})()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        cluster_pb2_grpc.add_WorkerServicer_to_server(servicer, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = cluster_pb2_grpc.WorkerStub(self.channel)
+
+    def release(self) -> None:
+        with self.lock:
+            self.closed = True  # what a stalled call does once let go changes nothing
+            self.recv.abort()
+        self.gate.set()
+        self.channel.close()
+        self.server.stop(grace=None)
+
+
+@pytest.mark.parametrize("stall", ["read", "commit"])
+def test_a_stalled_target_never_stops_the_source_engine(stall):
+    """The source drives a migration between its steps, on its engine thread. Its calls to the
+    target were blocking (up to 5 s each, and an abort after a timeout 5 s more): a frozen or
+    stalled target stopped every request of the source for that long. Now each call goes out
+    as a future: a stage's read, or the final stage's commit, left unanswered lets the source
+    step on (its other requests, here a bystander, keep decoding), and the migration ends by
+    its lease (a stage) or its commit's timeout, after which the source asks who owns the
+    request (here: itself); the request then runs on at the source, exactly once."""
+    import time
+
+    from pagefleet.common.sampling_proto import to_proto
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.worker.migration_rpc import GrpcReceiver
+
+    src, dst, ts, td, peer = engines_met(LocalTransport)
+    params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    out, bystander = Collector("m"), Collector("b")
+    src.add_request(PROMPT, params, request_id="m")
+    src.add_request(PROMPT[:20], params, request_id="b")
+
+    def step():
+        deltas = src.step()
+        out.take(deltas)
+        bystander.take(deltas)
+
+    while len(out.tokens) < 3:
+        step()
+    target = _GatedTarget(dst, td, peer, "m", PROMPT, {stall})
+    settled = []
+    try:
+        receiver = GrpcReceiver(target.stub, "m", lambda h: cluster_pb2.MigrateCommitRequest(
+            request_id=h.request_id, prompt_token_ids=h.prompt_token_ids, output_token_ids=h.output_token_ids,
+            sampling=to_proto(h.params), priority=h.priority, num_computed_tokens=h.num_computed_tokens,
+            final_block_ids=h.final_block_ids, final_checksums=h.final_checksums),
+            settle=lambda: settled.append(True) or False, timeout_s=5.0 if stall == "read" else 1.5)
+        # A read stalls at the first stage (the lease, 0.5 s, ends it before the call's timeout); a
+        # commit at the end (one stage of everything: its timeout, 1.5 s, ends it, and the
+        # source keeps the request).
+        mig = LiveMigration(src, "m", receiver, final_stage_blocks=2 if stall == "read" else 64,
+                            lease=Lease.start(30.0, 0.5))
+        longest, before = 0.0, len(bystander.tokens)
+        while True:
+            t0 = time.perf_counter()
+            outcome = mig.advance()
+            longest = max(longest, time.perf_counter() - t0)
+            if outcome != "running":
+                break
+            step()
+            time.sleep(0.01)  # a step at least 10 ms: the request outlives the lease however fast it decodes
+        decoded = len(bystander.tokens) - before
+    finally:
+        target.release()
+    assert outcome == ("expired" if stall == "read" else "failed"), outcome
+    assert settled == ([] if stall == "read" else [True])
+    assert longest < 0.5, f"an advance held the source's engine thread {longest:.2f} s"
+    assert decoded >= 1, f"the bystander decoded {decoded} tokens while the target stalled"
+    assert "m" in src.requests and not mig.frozen
+    while out.finish is None or bystander.finish is None:
+        step()
+    assert out.ids() == undisturbed(params), "exactly once, as undisturbed"
+    ts.close()
+    td.close()
+
+
 class _DeferredLocal(LocalTransport):
     """A local transport whose copy lands at the first poll, as an asynchronous NIXL read does
     (over TCP, or between hosts)."""

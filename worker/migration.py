@@ -26,6 +26,13 @@ Contracts:
 * Who owns the request in the cluster moves by fencing epoch (``common/fencing.py``): the
   receiver's take-over bumps the epoch before it writes; the source's writes after that
   are refused, so there is always exactly one writer.
+* The source never waits long on its receiver: ``advance()`` runs on the source engine's
+  thread between its steps, and a receiver in another process answers in its own time (a
+  target frozen or slow must not stop every other request of the source). A receiver may
+  answer ``poll`` with ``"PROC"`` and ``commit`` with None while its call is unanswered, and
+  says so in ``waiting``; the final stage then goes on after the source's next step once
+  ``final_wait_s`` passed without an answer. A commit in flight is always waited out (its
+  call's own timeout bounds it): until it is answered, who owns the request is not known.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ FINAL_STAGE_BLOCKS = 16  # Llumnix: the last stage starts below 16 blocks
 MAX_STAGES = 3  # ... and it gives up past 3 stages
 DEADLINE_S = 30.0
 LEASE_S = 5.0
+# How long the final stage waits on an unanswered receiver before the source's next step.
+FINAL_WAIT_S = 0.005
 # What a receiver in another process raises once it is gone.
 PEER_GONE = (ConnectionError, EOFError, OSError)
 
@@ -234,11 +243,15 @@ class MigrationReceiver:
 
 
 class Receiver(Protocol):
-    """``MigrationReceiver``'s face to the source (local, or its proxy in another process)."""
+    """``MigrationReceiver``'s face to the source (local, or its proxy in another process).
+    A proxy whose calls answer later: ``read`` answers the blocks it asked for (the count
+    read is settled in ``num_unread`` once known), ``poll`` answers ``"PROC"`` and ``commit``
+    None (call again with the same handover) while its call is unanswered, and ``waiting``
+    is True while one is; ``abort`` does not wait."""
 
     def read(self, first: int, remote_block_ids: list[int]) -> int | None: ...
     def poll(self) -> str: ...
-    def commit(self, h: Handover) -> bool: ...
+    def commit(self, h: Handover) -> bool | None: ...
     def abort(self) -> None: ...
 
 
@@ -261,10 +274,10 @@ class LiveMigration:
 
     def __init__(self, engine: Engine, request_id: str, receiver: Receiver, *,
                  final_stage_blocks: int = FINAL_STAGE_BLOCKS, max_stages: int = MAX_STAGES,
-                 lease: Lease | None = None, progress=None) -> None:
-        if final_stage_blocks < 1 or max_stages < 0:
-            raise ValueError(f"final_stage_blocks must be >= 1 and max_stages >= 0, got "
-                             f"{final_stage_blocks}, {max_stages}")
+                 lease: Lease | None = None, progress=None, final_wait_s: float = FINAL_WAIT_S) -> None:
+        if final_stage_blocks < 1 or max_stages < 0 or not final_wait_s >= 0:
+            raise ValueError(f"final_stage_blocks must be >= 1, max_stages >= 0 and final_wait_s >= 0, got "
+                             f"{final_stage_blocks}, {max_stages}, {final_wait_s}")
         if request_id not in engine.requests:
             raise ValueError(f"request {request_id!r} is not on this engine")
         self.engine, self.request_id, self.receiver = engine, request_id, receiver
@@ -275,6 +288,12 @@ class LiveMigration:
         self.num_sent = 0  # leading blocks handed to the receiver
         self.in_flight = False
         self.frozen = False  # the request is stopped here for the final stage
+        # ``final_wait_s``: how long the final stage waits on a receiver that does not answer
+        # before it lets the source step (``math.inf``: until it answers or its lease ends).
+        self.final_wait_s = final_wait_s
+        self._frozen_at = 0.0
+        self._final_ids: list[int] = []  # the blocks the final stage reads
+        self._handover: Handover | None = None  # built once the final stage landed: committing
         self.stats = MigrationStats()
         # A request preempted here meanwhile (recomputed or swapped out) lost the blocks the
         # stages read: another request may have written them while a read was in flight, and
@@ -286,6 +305,8 @@ class LiveMigration:
         s = self.stats
         if s.outcome != "running":
             return s.outcome
+        if self._handover is not None:  # committing: whatever happened here, its answer settles it
+            return self._go_final()
         req = self.engine.requests.get(self.request_id)
         if req is None or req.status.is_finished:  # finished (or aborted) here meanwhile
             return self._end("failed")
@@ -294,6 +315,8 @@ class LiveMigration:
         if self.lease.expired():
             return self._end("expired")
         try:
+            if self.frozen:
+                return self._go_final()
             return self._advance(req)
         except PEER_GONE:
             return self._end("failed")
@@ -328,40 +351,63 @@ class LiveMigration:
         return self.stats
 
     def _final(self) -> str:
-        engine, s = self.engine, self.stats
-        t0 = time.perf_counter()
+        """Freeze the request and start reading what is left of it (``_go_final`` goes on)."""
+        engine = self.engine
         req = engine.freeze_request(self.request_id)
         if req is None:  # not running (preempted or swapped meanwhile): try later
             return "running"
-        self.frozen = True
+        self.frozen, self._frozen_at = True, time.perf_counter()
         table = engine.kv.block_tables[self.request_id]
         end = engine.kv.num_blocks_for(req.num_computed_tokens)
-        final_ids = table[self.num_sent : end]
+        self._final_ids = table[self.num_sent : end]
+        if self._read(self._final_ids) is None:
+            return self._end("failed")
+        return self._go_final()
+
+    def _go_final(self) -> str:
+        """The final stage once frozen: wait for its reads, then commit; ``"running"`` when
+        the receiver left its call unanswered ``final_wait_s`` (the source steps meanwhile)."""
+        engine, s = self.engine, self.stats
+        answered = time.perf_counter()
         try:
-            ok = self._read(final_ids) is not None and self._poll_done() == "DONE"
-            if ok:
-                h = Handover(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), req.params,
-                             req.priority, req.num_computed_tokens, list(final_ids),
-                             checksums(engine.kv_cache, final_ids))
-                ok = self.receiver.commit(h)
+            while True:
+                if self._handover is None:
+                    state = self._poll()
+                    if state == "ERR":
+                        return self._end("failed")
+                    if state == "DONE":
+                        req = engine.requests[self.request_id]
+                        self._handover = Handover(
+                            req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), req.params,
+                            req.priority, req.num_computed_tokens, list(self._final_ids),
+                            checksums(engine.kv_cache, self._final_ids))
+                if self._handover is not None and (ok := self.receiver.commit(self._handover)) is not None:
+                    break
+                now = time.perf_counter()
+                if not getattr(self.receiver, "waiting", False):
+                    answered = now
+                elif now - answered >= self.final_wait_s:
+                    return "running"
+                if self._handover is None and self.lease.expired():
+                    return self._end("failed")
+                time.sleep(0.0005)  # leave the CPU to the reader (a tight loop of polls starves it)
         except PEER_GONE:  # the receiver is gone: the request stays here (fencing settles a late commit)
             ok = False
-        s.downtime_s = time.perf_counter() - t0
-        self.frozen = False
+        s.downtime_s = time.perf_counter() - self._frozen_at
         if not ok:
-            engine.thaw_request(self.request_id)
             return self._end("failed")
-        engine.release_request(self.request_id)
+        self.frozen = False
+        engine.release_request(self.request_id)  # False if it ended here meanwhile: it lives on there
+        self._count_unread()
         s.outcome = "migrated"
         return s.outcome
 
     def fail(self) -> None:
         """End the migration after an error on this side: the request runs on here."""
-        if self.frozen:
-            self.frozen = False
-            self.engine.thaw_request(self.request_id)
         if self.stats.outcome == "running":
             self._end("failed")
+        else:
+            self._thaw()
 
     def _read(self, ids: list[int]) -> int | None:
         n = self.receiver.read(self.num_sent, ids)
@@ -379,15 +425,8 @@ class LiveMigration:
     def _poll(self) -> str:
         self.progress()
         state = self.receiver.poll()
-        if state != "ERR":
+        if state != "ERR" and not getattr(self.receiver, "waiting", False):  # an answer, not a call unanswered
             self.lease.renew()
-        return state
-
-    def _poll_done(self) -> str:
-        while (state := self._poll()) == "PROC":
-            if self.lease.expired():
-                return "ERR"
-            time.sleep(0.0005)  # leave the CPU to the reader (a tight loop of polls starves it)
         return state
 
     def _block_bytes(self) -> int:
@@ -395,9 +434,25 @@ class LiveMigration:
         return c[:, :, 0].numel() * c.element_size()
 
     def _end(self, outcome: str) -> str:
+        """The migration ends without a handover: the receiver lets go, the request runs on here."""
         with_suppressed(self.receiver.abort)
+        self._thaw()
+        self._count_unread()
         self.stats.outcome = outcome
         return outcome
+
+    def _thaw(self) -> None:
+        if self.frozen:
+            self.frozen = False
+            if self.request_id in self.engine.requests:  # (not if it ended here meanwhile)
+                self.engine.thaw_request(self.request_id)
+
+    def _count_unread(self) -> None:
+        """Blocks a receiver answered later found cached there (never read): not counted."""
+        n = getattr(self.receiver, "num_unread", 0)
+        if n:
+            self.stats.num_blocks_read -= n
+            self.stats.num_bytes -= n * self._block_bytes()
 
 
 def with_suppressed(fn) -> None:

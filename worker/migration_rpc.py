@@ -85,28 +85,66 @@ class LockedTransport:
 
 class GrpcReceiver:
     """The target of one migration as the source's ``LiveMigration`` sees it (``Receiver``),
-    over a blocking stub: called on the source's engine thread. ``commit_message`` builds the
-    commit from a ``Handover``; ``settle`` says whether the target owns the request after a
-    commit whose answer was lost (True: let it go here)."""
+    over a blocking stub, called on the source's engine thread, which must not wait on a
+    target that is slow or frozen: each call goes out as a future (``stub.Method.future``)
+    and is answered at a later ``poll`` or ``commit`` (``waiting`` while one is not). A call
+    unanswered past ``timeout_s`` is a target gone. ``commit_message`` builds the commit from a
+    ``Handover``; ``settle`` says whether the target owns the request after a commit whose
+    answer was lost (True: let it go here)."""
 
     def __init__(self, stub, request_id: str, commit_message: Callable[[object], cluster_pb2.MigrateCommitRequest],
-                 settle: Callable[[], bool]) -> None:
+                 settle: Callable[[], bool], timeout_s: float = RPC_TIMEOUT_S) -> None:
         self.stub, self.request_id = stub, request_id
         self.commit_message, self.settle = commit_message, settle
+        self.timeout_s = timeout_s
         self.epoch = 0  # the target's, once committed
+        self.num_unread = 0  # blocks asked for that the target found cached (never read)
+        self._reading: tuple[object, int] | None = None  # MigrateRead's future, the blocks it asked for
+        self._polling = None  # MigratePoll's future
+        self._committing = None  # MigrateCommit's future
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a call of ours is unanswered."""
+        return any(f is not None and not f.done() for f in (self._reading and self._reading[0], self._polling,
+                                                             self._committing))
 
     def read(self, first: int, remote_block_ids: list[int]) -> int | None:
-        r = self._call(self.stub.MigrateRead, cluster_pb2.MigrateReadRequest(
-            request_id=self.request_id, first_block=first, block_ids=remote_block_ids))
-        return r.num_blocks_read if r.accepted else None
+        """The stage goes out; the blocks asked for (how many were read is known at ``poll``)."""
+        if self._reading is not None or self._polling is not None:
+            raise RuntimeError(f"a stage of {self.request_id!r} is read while another call is unanswered")
+        fut = self.stub.MigrateRead.future(cluster_pb2.MigrateReadRequest(
+            request_id=self.request_id, first_block=first, block_ids=remote_block_ids), timeout=self.timeout_s)
+        self._reading = (fut, len(remote_block_ids))
+        return len(remote_block_ids)
 
     def poll(self) -> str:
-        r = self._call(self.stub.MigratePoll, cluster_pb2.MigratePollRequest(request_id=self.request_id))
-        return _STATES.get(r.state, "ERR")
+        if self._reading is not None:
+            fut, asked = self._reading
+            if not fut.done():
+                return "PROC"
+            self._reading = None
+            r = self._answer(fut)
+            if not r.accepted:  # no room there: the migration ends
+                return "ERR"
+            self.num_unread += asked - r.num_blocks_read
+        if self._polling is None:
+            self._polling = self.stub.MigratePoll.future(
+                cluster_pb2.MigratePollRequest(request_id=self.request_id), timeout=self.timeout_s)
+        if not self._polling.done():
+            return "PROC"
+        fut, self._polling = self._polling, None
+        return _STATES.get(self._answer(fut).state, "ERR")
 
-    def commit(self, h) -> bool:
+    def commit(self, h) -> bool | None:
+        """True once the target runs the request, False if it refused; None while unanswered."""
+        if self._committing is None:
+            self._committing = self.stub.MigrateCommit.future(self.commit_message(h), timeout=self.timeout_s)
+        if not self._committing.done():
+            return None
+        fut, self._committing = self._committing, None
         try:
-            r = self.stub.MigrateCommit(self.commit_message(h), timeout=RPC_TIMEOUT_S)
+            r = fut.result()
         except grpc.RpcError as e:
             log.warning("migration.commit_unanswered", request_id=self.request_id, code=e.code().name)
             return self.settle()
@@ -115,13 +153,15 @@ class GrpcReceiver:
         return r.committed
 
     def abort(self) -> None:
-        self._call(self.stub.MigrateAbort, cluster_pb2.MigrateAbortRequest(request_id=self.request_id))
+        """Tell the target to let go, not waiting for its answer (its lease ends it anyway)."""
+        self.stub.MigrateAbort.future(cluster_pb2.MigrateAbortRequest(request_id=self.request_id),
+                                      timeout=self.timeout_s)
 
-    def _call(self, method, msg):
+    def _answer(self, fut):
         try:
-            return method(msg, timeout=RPC_TIMEOUT_S)
+            return fut.result()
         except grpc.RpcError as e:  # the target is gone: LiveMigration ends the migration
-            raise ConnectionError(f"{type(msg).__name__}: {e.code().name}") from e
+            raise ConnectionError(f"{self.request_id}: {e.code().name}") from e
 
 
 class Migrations:
