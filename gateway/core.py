@@ -250,7 +250,7 @@ class GatewayCore:
             request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
             priority=request.priority, traceparent=traceparent, deadline_unix_ms=deadline,
             block_hashes=block_hashes(prompt_ids, size), hash_block_size=size, reply_to=reader.reply_to,
-            model=self.name,
+            model=self.name, gateway_chosen_id=not client_id,
         )
         with enqueue_span(msg, keys.requests, self.name, keys.shard):  # sets msg.traceparent when tracing
             # Never trimmed (no MAXLEN): the stream is a work queue whose entries leave when their

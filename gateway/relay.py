@@ -35,7 +35,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from pagefleet.common.fencing import entry_of, outputs_of, read_record, steps_field
-from pagefleet.common.redis import SCHEDULER_STEPS, Keys, OutEntry, retry
+from pagefleet.common.redis import GATEWAY_TTL_S, SCHEDULER_STEPS, Keys, OutEntry, retry
 from pagefleet.common.step_write import row_fields
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
@@ -333,9 +333,10 @@ class StepReader:
     number of gateway processes. (A retry relayed by another process reads its request alone:
     ``relay``.)
 
-    Started with the first relay. Every ``REFRESH_S`` it looks up the workers (one ``HKEYS``,
-    and Redis's clock) and starts reading a new worker's stream ``LOOKBACK_MS`` before now, so
-    a worker found late loses nothing a relay could want. Its sweep ends the relays' waits
+    Started with the first relay. Every ``REFRESH_S`` it renews this process's liveness key
+    (``Keys.gateway``), looks up the workers (one ``HGETALL``, and Redis's clock) and starts
+    reading a new worker's stream ``LOOKBACK_MS`` before now, so a worker found late loses
+    nothing a relay could want. Its sweep ends the relays' waits
     that saw nothing for their time (``StepRelay.wait``), with no timer per wait.
     """
 
@@ -390,8 +391,16 @@ class StepReader:
             return
         self._refreshed_at = loop.time()
 
-        # Two calls, not one pipeline: TIME names no key (a Redis Cluster pipeline refuses it).
-        rows = await retry(lambda: self.redis.hgetall(self.keys.workers), what="steps_refresh")
+        async def alive_and_workers():
+            # This process is alive (the scheduler cancels the requests of gateway-chosen ids
+            # whose process's key expired: nothing else would ever read or cancel them).
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self.keys.gateway(self.reply_to), b"1", ex=GATEWAY_TTL_S)
+            pipe.hgetall(self.keys.workers)
+            return (await pipe.execute())[1]
+
+        # Two round trips, not one: TIME names no key (a Redis Cluster pipeline refuses it).
+        rows = await retry(alive_and_workers, what="steps_refresh")
         self.num_workers = len(rows)
         now_s, now_us = await retry(self.redis.time, what="steps_refresh_time")
         start = f"{max(0, now_s * 1000 + now_us // 1000 - LOOKBACK_MS)}-0"

@@ -83,7 +83,7 @@ KV_TRANSFER_STATE_DONE: KvTransferState
 KV_TRANSFER_STATE_FAILED: KvTransferState
 
 class AssignRequest(_message.Message):
-    __slots__ = ("request_id", "entry_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "traceparent", "deadline_unix_ms", "block_hashes", "hash_block_size", "epoch", "scheduler_epoch", "reply_to", "model")
+    __slots__ = ("request_id", "entry_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "traceparent", "deadline_unix_ms", "block_hashes", "hash_block_size", "epoch", "scheduler_epoch", "reply_to", "model", "gateway_chosen_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class AssignRequest(_message.Message):
     SCHEDULER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_CHOSEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     entry_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -112,7 +113,8 @@ class AssignRequest(_message.Message):
     scheduler_epoch: int
     reply_to: str
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hash_block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., scheduler_epoch: _Optional[int] = ..., reply_to: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    gateway_chosen_id: bool
+    def __init__(self, request_id: _Optional[str] = ..., entry_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., traceparent: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hash_block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., scheduler_epoch: _Optional[int] = ..., reply_to: _Optional[str] = ..., model: _Optional[str] = ..., gateway_chosen_id: _Optional[bool] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
     __slots__ = ("accepted", "stale_scheduler")

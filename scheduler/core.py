@@ -15,6 +15,9 @@ the world into it and carries its answers out. Tasks, all on one event loop:
 * ``_tick``: dead-worker timeouts, deadlines, the published queue length.
 * ``_finishes``: reads the done stream: a request is forgotten only once its final write
   has landed in Redis (never on a worker's word alone).
+* ``_gone_gateways``: cancels the requests of gateway-chosen ids whose gateway process is
+  gone (its liveness key expired): no client can retry or cancel them, and they would run to
+  the end for no one.
 
 Ownership is fenced (``pagefleet.common.fencing``): each assignment takes a new epoch in
 Redis and the worker writes under it; resuming, cancelling or finishing a request takes a
@@ -51,7 +54,7 @@ from pagefleet.common.fencing import (
     take_over,
 )
 from pagefleet.common.metrics import SchedulerMetrics
-from pagefleet.common.redis import GROUP, Keys, OutEntry, retry
+from pagefleet.common.redis import GATEWAY_TTL_S, GROUP, Keys, OutEntry, retry
 from pagefleet.common.redis_mux import mux_for, stream_entries
 from pagefleet.common.service import CHANNEL_OPTIONS
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
@@ -78,6 +81,10 @@ _CANCELS_IN_FLIGHT = 64
 ASSIGN_MESSAGE_BYTES = 16 << 20
 _LEASE_POLL_S = 0.02  # how often a dispatcher unsure of its lease looks again
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
+GATEWAY_CHECK_S = 2.0  # how often the gateway processes that relay requests are looked up
+# A gateway process whose liveness key was seen, then missing this long, is gone (a Redis
+# restarted without the key is not: a live process sets it again within a second).
+GATEWAY_GONE_S = GATEWAY_TTL_S
 # A finish a worker reported and Redis does not hold after this long was refused: resumed.
 UNCONFIRMED_FINISH_S = 5.0
 # How often an idle worker reports (``--report-interval``): a heartbeat, by default an eighth of
@@ -218,6 +225,7 @@ class ClusterScheduler:
             asyncio.create_task(self._tick(), name="tick"),
             asyncio.create_task(self._finishes(), name="finishes"),
             asyncio.create_task(self._unconfirmed_finishes(), name="unconfirmed_finishes"),
+            asyncio.create_task(self._gone_gateways(), name="gone_gateways"),
         ]
         try:
             await asyncio.gather(*self._tasks)
@@ -599,6 +607,45 @@ class ClusterScheduler:
                 if p is not None:
                     log.warning("request.finish_unconfirmed", request_id=rid)
                     await self._requeue(p)
+
+    async def _gone_gateways(self) -> None:
+        """Cancel the requests of gateway-chosen ids (``AssignRequest.gateway_chosen_id``)
+        whose gateway process is gone: only that process relays them, and no client knows to
+        retry or cancel them, so they would hold their workers to the end for no one. A
+        process is alive while its key (``Keys.gateway``) is set; it is judged only once this
+        scheduler has seen its key (a gateway of an older version sets none, and one that has
+        just started may not have yet), and gone once the key has been missing
+        ``GATEWAY_GONE_S`` since. A client's own id is left: its retry may come."""
+        seen: dict[str, float] = {}  # gateway process (reply_to) -> when its key was last seen
+        while True:
+            await asyncio.sleep(GATEWAY_CHECK_S)
+            relayed: dict[str, list[str]] = {}
+            for rid, p in self.ledger.known.items():
+                if p.assign.gateway_chosen_id and p.assign.reply_to:
+                    relayed.setdefault(p.assign.reply_to, []).append(rid)
+            for name in [n for n in seen if n not in relayed]:
+                del seen[name]
+            if not relayed:
+                continue
+            names = list(relayed)
+
+            async def look(names=names):
+                pipe = self.redis.pipeline(transaction=False)
+                for name in names:
+                    pipe.exists(self.keys.gateway(name))
+                return await pipe.execute()
+
+            alive = await retry(look, what="gateways_alive")
+            now = time.monotonic()
+            for name, up in zip(names, alive, strict=True):
+                if up:
+                    seen[name] = now
+                elif name in seen and now - seen[name] >= GATEWAY_GONE_S:
+                    del seen[name]
+                    log.warning("gateway.gone", reply_to=name, num_requests=len(relayed[name]))
+                    for rid in relayed[name]:
+                        if rid in self.ledger.known:
+                            await self._cancel(rid)
 
     async def _withdraw_orphans(self, w: WorkerEntry, orphans: list[str]) -> None:
         """A worker runs requests it was not given (it came back after being declared dead);

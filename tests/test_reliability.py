@@ -316,6 +316,98 @@ def test_a_request_cancelled_before_its_entry_was_read_leaves_no_entry(redis_ser
     assert asyncio.run(go()) == (0, False)
 
 
+def test_the_requests_of_a_gone_gateway_process_are_cancelled_unless_a_client_named_them(redis_server, monkeypatch):
+    """A gateway process killed with -9 left every request it had queued under an id of its
+    own choosing running to the end for no one: only it relayed them, and no client knew to
+    retry or cancel them. Each gateway process keeps a liveness key while it reads; once a key
+    the scheduler has seen stays missing, the requests of gateway-chosen ids it relayed are
+    cancelled. A client's own id is left (its retry may come through another process), and a
+    process whose key was never seen (an older gateway, one just started) is never judged."""
+    import pagefleet.scheduler.core as core
+    from pagefleet.common.redis import GROUP
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+
+    monkeypatch.setattr(core, "GATEWAY_CHECK_S", 0.05)
+    monkeypatch.setattr(core, "GATEWAY_GONE_S", 0.3)
+
+    async def go():
+        r = connect(redis_server.url)
+        keys = Keys("gw")
+        await r.set(keys.scheduler_epoch, 7)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
+        for rid, gateway, chosen in (("mine-1", "a", True), ("mine-2", "a", True), ("client-1", "a", False),
+                                     ("other-1", "b", True), ("unseen-1", "c", True)):
+            msg = cluster_pb2.AssignRequest(request_id=rid, prompt_token_ids=[1, 2, 3], reply_to=gateway,
+                                            gateway_chosen_id=chosen)
+            msg.sampling.max_tokens = 100
+            entry = await r.xadd(keys.requests, {"kind": "generate", "rid": rid})
+            s.ledger.take(rid, entry.decode(), msg)
+        await r.xreadgroup(GROUP, "scheduler", {keys.requests: ">"})
+        await r.set(keys.gateway("a"), 1, ex=10)
+        await r.set(keys.gateway("b"), 1, ex=10)
+        task = asyncio.create_task(s._gone_gateways())
+        await asyncio.sleep(0.3)  # every key looked up: a and b seen alive, c never
+        await r.delete(keys.gateway("a"))  # process a is gone
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if "mine-1" not in s.ledger.known and "mine-2" not in s.ledger.known:
+                break
+        await asyncio.sleep(0.5)  # c's requests had every chance to be judged too
+        task.cancel()
+        done = {rid: await r.hget(keys.owner(rid), "done") for rid in ("mine-1", "mine-2", "client-1", "other-1",
+                                                                       "unseen-1")}
+        left = set(s.ledger.known)
+        n = await r.xlen(keys.requests)
+        await s.close()
+        await r.aclose()
+        return done, left, n
+
+    done, left, n = asyncio.run(go())
+    assert done == {"mine-1": b"1", "mine-2": b"1", "client-1": None, "other-1": None, "unseen-1": None}
+    assert left == {"client-1", "other-1", "unseen-1"}
+    assert n == 3  # the cancelled ones' entries acknowledged with their finals
+
+
+def test_a_gateway_killed_leaves_no_request_of_its_own_ids_running(tmp_path):
+    """A gateway killed with -9 (real processes, simulated workers stepping slowly): the
+    requests it queued under ids of its own choosing are cancelled once its liveness key has
+    expired and stayed missing, and the worker frees them; a request a client named is kept
+    (a retry of its id may come through another gateway)."""
+    import signal
+
+    from pagefleet.benchmarks.reliability.cluster import ReliabilityCluster, wait_for
+    from pagefleet.client import Client
+
+    slow = ["--engine", "sim", "--time-scale", "0.05"]  # an H100's step, 20 times slower: minutes a request
+    with ReliabilityCluster(Settings(short=True, log_dir=tmp_path), "gateway-gone", num_workers=1, standby=False,
+                            worker_args=slow) as c:
+        client = Client(c.gateway_targets[0])
+        params = dict(max_tokens=1000, ignore_eos=True)
+        streams = [client.generate_stream([5, 6, 7, 8], **params) for _ in range(3)]
+        streams.append(client.generate_stream([5, 6, 7, 8], request_id="client-named", **params))
+        for s in streams:
+            next(s)  # each is running
+        def held(n):
+            ids = {r for rep in c.reports().values() for r in rep.request_ids}
+            return ids if len(ids) == n else None
+
+        running = wait_for(lambda: held(4), 30, "4 requests on the worker")
+        c.c.kill(c.c.gateway_name(0), signal.SIGKILL)
+        client.close()
+        killed = time.monotonic()
+        left = wait_for(lambda: held(1), 90, "the gone gateway's requests cancelled")
+        took = time.monotonic() - killed
+        print(f"cancelled {took:.1f} s after the kill")
+        done = sync_redis.Redis(port=c.redis.port)
+        finished = {rid: done.hget(c.keys.owner(rid), "done") for rid in running}
+        done.close()
+    assert left == {"client-named"}
+    assert finished == {rid: (None if rid == "client-named" else b"1") for rid in running}
+    assert took < 60, took  # its key's TTL, then GATEWAY_GONE_S missing
+
+
 def test_a_claim_is_one_set_nx_written_only_with_its_entry(redis_server):
     """``ADMIT_AND_QUEUE`` claims a client id with one ``SET NX`` once the bound is met: a full
     queue writes nothing (yet a request queued before is found), and an entry that cannot be

@@ -47,6 +47,11 @@ T = TypeVar("T")
 log = structlog.get_logger("redis")
 
 
+# A gateway process's liveness key (``Keys.gateway``) lives this long after its last refresh
+# (every second while it reads the shard's steps: ``gateway/relay.py``).
+GATEWAY_TTL_S = 10
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     """Every key of one shard; ``prefix`` (``<ns>:{<shard>}``) carries the shard's hash tag."""
@@ -96,6 +101,12 @@ class Keys:
     @property
     def lease(self) -> str:
         return f"{self.prefix}:scheduler:lease"
+
+    def gateway(self, reply_to: str) -> str:
+        """A gateway process's liveness (``reply_to``: the name it gives its requests), set
+        with a TTL while it reads the shard's steps; the scheduler cancels the requests of
+        gateway-chosen ids whose process's key has expired."""
+        return f"{self.prefix}:gw:{reply_to}"
 
     @property
     def num_waiting(self) -> str:
