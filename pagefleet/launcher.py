@@ -572,6 +572,8 @@ def _check_values(parser: EnvArgumentParser, args) -> None:
         parser.error(f"--demo-tokens must be at least 1, got {args.demo_tokens}")
     if args.workers_per_process is not None and args.workers_per_process < 1:
         parser.error(f"--workers-per-process must be at least 1, got {args.workers_per_process}")
+    if not args.time_scale > 0:  # (nan is not; inf is: simulated steps never sleep)
+        parser.error(f"--time-scale must be above 0, got {args.time_scale}")
     if args.engine == "model":  # a checkpoint that cannot be read fails here, not in every worker
         from pagefleet.common.model_config import load_model_spec
         from pagefleet.gateway.models import served_models
@@ -665,8 +667,9 @@ def main(argv: list[str]) -> int:
     # The demo shows the stream, not every component's info logs (--log-level still wins).
     quiet = args.demo is not None and "--log-level" not in argv and "PAGEFLEET_LOG_LEVEL" not in os.environ
     gateway_args: list[str] = []
-    if args.gateway_processes < 1 or args.stream_interval < 1:
-        parser.error("--gateway-processes and --stream-interval must be at least 1")
+    for flag, value in (("--gateway-processes", args.gateway_processes), ("--stream-interval", args.stream_interval)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.gateway_processes > 1:
         gateway_args += ["--processes", str(args.gateway_processes)]
     if args.stream_interval > 1:

@@ -33,6 +33,9 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> 
     (["up"], {"PAGEFLEET_REDIS_SOCKET": "maybe"}, "PAGEFLEET_REDIS_SOCKET"),
     (["up", "--redis-socket", "--redis-cluster"], {}, "--redis-socket"),  # was ignored
     (["up", "--redis-socket", "--redis-url", "redis://127.0.0.1:1"], {}, "--redis-socket"),
+    (["up", "--engine", "sim", "--time-scale", "0"], {}, "--time-scale"),  # started Redis and a scheduler first
+    (["up", "--engine", "sim", "--time-scale", "nan"], {}, "--time-scale"),
+    (["up", "--gateway-processes", "0"], {}, "--gateway-processes must be at least 1, got 0"),
     (["gateway", "--port", "-1"], {}, "--port"),
     (["generate", "hi", "--max-tokens", "-1"], {}, "--max-tokens"),
     (["generate", "hi", "--priority", "99999999999"], {}, "--priority"),

@@ -138,14 +138,29 @@ def test_host_path_bench_on_the_real_engine_leaves_the_forward_pass_out():
             main(bad)
 
 
-@pytest.mark.parametrize("flag", ["--concurrency", "--connections", "--gateway-processes", "--stream-interval"])
+@pytest.mark.parametrize("flag", ["--concurrency", "--connections", "--gateway-processes", "--stream-interval",
+                                  "--max-num-seqs", "--prompt-len", "--workers-per-process"])
 def test_token_path_bench_refuses_counts_below_one(flag, capsys):
     """--concurrency 0 hung for good (a semaphore of 0), --connections 0 ended in a traceback,
-    --gateway-processes 0 ran one process and recorded 0."""
+    --gateway-processes 0 ran one process and recorded 0; --max-num-seqs 0 started a cluster
+    whose workers refused it, --workers-per-process -1 was taken."""
     from pagefleet.bench.token_path import main
 
     assert main(["--no-floor", flag, "0"]) == 2
     assert f"{flag} must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--time-scale", "--timeout"])
+@pytest.mark.parametrize("bad", ["0", "-1", "nan"])
+def test_token_path_bench_refuses_times_not_above_zero(flag, bad, capsys):
+    """--time-scale 0 started a cluster whose workers exited naming the flag only in their
+    logs (a traceback here); --timeout 0 measured nothing and divided by it."""
+    from pagefleet.bench.token_path import main
+
+    assert main(["--no-floor", flag, bad]) == 2
+    assert f"{flag} must be above 0" in capsys.readouterr().err
+    assert main(["--no-floor", "--modes", ","]) == 2
+    assert "--modes names no mode" in capsys.readouterr().err
 
 
 def test_token_path_bench_stopped_by_sigterm_stops_its_cluster(tmp_path):

@@ -308,14 +308,18 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.sim_time_scale > 0:
         parser.error(f"--sim-time-scale must be positive, got {args.sim_time_scale}")
-    for flag, value in (("--soak-seconds", args.soak_seconds), ("--soak-idle", args.soak_idle)):
-        if value is not None and not value >= 0:
-            parser.error(f"{flag} must be a number of seconds >= 0, got {value}")
+    if args.soak_seconds is not None and not args.soak_seconds > 0:
+        parser.error(f"--soak-seconds must be a number of seconds above 0, got {args.soak_seconds}")
+    if args.soak_idle is not None and not args.soak_idle >= 0:
+        parser.error(f"--soak-idle must be a number of seconds >= 0, got {args.soak_idle}")
     if not 0 < args.soak_load <= 1:
         parser.error(f"--soak-load must be a fraction of capacity in (0, 1], got {args.soak_load}")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagefleet-reliability-"))
     s = Settings(short=args.short, log_dir=log_dir, sim_time_scale=args.sim_time_scale,
                  soak_seconds=args.soak_seconds, soak_load=args.soak_load, soak_idle_s=args.soak_idle)
+    # SIGTERM ends the bench as Ctrl-C does: through every ``finally``, so each scenario's
+    # cluster and its redis-server are stopped (redis-server was left running, orphaned).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     rows = []
     for name in args.scenario or list(SCENARIOS):
         print(f"== {name}", flush=True)

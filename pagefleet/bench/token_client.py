@@ -99,7 +99,10 @@ async def _openai(cfg: dict) -> list[dict]:
             times: list[tuple[float, int]] = []
             text, finish, usage = "", None, None
             try:
-                async with client.stream("POST", "/v1/completions", json=body) as r:
+                # The client's id, as the gRPC client sends its own: the request's records in
+                # Redis are named by it (``kept_bytes``), and the door keeps them for its retry.
+                async with client.stream("POST", "/v1/completions", json=body,
+                                         headers={"X-Request-Id": f"{cfg['run']}-{i}"}) as r:
                     if r.status_code != 200:
                         return _stream_record(False, t0, times, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                     async for line in r.aiter_lines():

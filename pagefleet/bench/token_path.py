@@ -239,6 +239,10 @@ def kept_bytes(r, keys, run: str) -> int:
     return total
 
 
+class NoOutput(RuntimeError):
+    """A run that brought back nothing to measure per token or request."""
+
+
 def measure_cluster(args, tmp: Path, mode: str) -> dict:
     import redis as redis_lib
 
@@ -270,11 +274,14 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         client = subprocess.Popen([sys.executable, "-m", "pagefleet.bench.token_client",
                                    json.dumps(dict(cfg, out=str(tmp / f"client-{mode}.json")))])
         in_flight = []  # (bytes over the baseline, requests in the system) while the run is full
+        own = {"xlen": 0, "info": 2}  # the bench's own commands in the counts (the INFOs of redis_cpu)
         while client.poll() is None:
             time.sleep(0.5)
             n = int(r.xlen(keys.requests))
+            own["xlen"] += 1
             if n >= args.concurrency // 2:
                 in_flight.append((int(r.info("memory")["used_memory"]) - mem0, n))
+                own["info"] += 1
         if client.returncode:
             raise RuntimeError(f"the client failed ({client.returncode})")
         cpu1 = {k: sum(tree_cpu(p) for p in v) for k, v in procs.items()}
@@ -282,6 +289,10 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         rcpu1 = redis_cpu(r)
         cmdstats = r.info("commandstats")
         stats = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in cmdstats.items()}
+        for name, n in own.items():  # the cluster's commands only
+            if name in stats:
+                stats[name] -= n
+        stats = {k: v for k, v in stats.items() if v > 0 and k != "config"}
         usec = {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in cmdstats.items()}
         w1 = scrape(wurl)
         mem_kept = kept_bytes(r, keys, mode)
@@ -290,6 +301,9 @@ def measure_cluster(args, tmp: Path, mode: str) -> dict:
         cluster.stop()
     s = summarize(out["streams"])
     per = s["num_tokens"] if mode == "stream" else s["num_streams"]
+    if not per:
+        raise NoOutput(f"{mode}: no {'token' if mode == 'stream' else 'stream'} came back of {args.requests} "
+                       f"streams (errors: {s.get('errors') or 'none counted'}); nothing to divide the costs by")
     calls = sum(stats.values())
     steps = _delta(w0, w1, "pagefleet:iteration_tokens_total_count")
     # The simulated model's CPU (its cost model and token draw: a real worker's forward pass and
@@ -438,6 +452,9 @@ def shard_flags_error(args) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.workers_per_process is not None and args.workers_per_process < 1:
+        print(f"--workers-per-process must be at least 1, got {args.workers_per_process}", file=sys.stderr)
+        return 2
     args.workers_per_process = args.workers_per_process or args.workers
     cwd = Path.cwd()
     if args.log_dir:
@@ -447,13 +464,20 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [m for m in modes if m not in ("stream", "fixed")]:
         print(f"--modes: unknown {bad} (stream, fixed)", file=sys.stderr)
         return 2
+    if not modes:
+        print(f"--modes names no mode, got {args.modes!r} (stream, fixed, or both)", file=sys.stderr)
+        return 2
     if error := shard_flags_error(args):
         print(error, file=sys.stderr)
         return 2
     for flag in ("workers", "requests", "max_tokens", "concurrency", "connections", "gateway_processes",
-                 "stream_interval"):
+                 "stream_interval", "max_num_seqs", "prompt_len"):
         if getattr(args, flag) < 1:
             print(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
+    for flag in ("time_scale", "timeout"):  # (nan is not above 0; --time-scale inf: steps never sleep)
+        if not getattr(args, flag) > 0:
+            print(f"--{flag.replace('_', '-')} must be above 0, got {getattr(args, flag)}", file=sys.stderr)
             return 2
     if args.report_interval is not None and not 0 < args.report_interval <= DEAD_AFTER_S / 2:
         print(f"--report-interval must be above 0 and at most {DEAD_AFTER_S / 2} (half the bench's --dead-after), "
@@ -480,7 +504,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(measure_shards(args, tmp, mode))
                 print(shards_row(results[-1]), flush=True)
                 continue
-            results.append(measure_cluster(args, tmp, mode))
+            try:
+                results.append(measure_cluster(args, tmp, mode))
+            except NoOutput as e:
+                print(f"pagefleet bench token-path: {e}", file=sys.stderr)
+                return 1
             print(row(results[-1]), flush=True)
             if mode == "stream" and not args.no_floor:
                 x = results[-1]
