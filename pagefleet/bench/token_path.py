@@ -464,8 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [m for m in modes if m not in ("stream", "fixed")]:
         print(f"--modes: unknown {bad} (stream, fixed)", file=sys.stderr)
         return 2
-    if not modes:
-        print(f"--modes names no mode, got {args.modes!r} (stream, fixed, or both)", file=sys.stderr)
+    if not modes and args.no_floor:  # (no mode and the floor: the floor alone)
+        print(f"--modes names no mode ({args.modes!r}) and --no-floor leaves out the floor: nothing to run",
+              file=sys.stderr)
         return 2
     if error := shard_flags_error(args):
         print(error, file=sys.stderr)
