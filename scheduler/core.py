@@ -82,8 +82,8 @@ ASSIGN_MESSAGE_BYTES = 16 << 20
 _LEASE_POLL_S = 0.02  # how often a dispatcher unsure of its lease looks again
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 GATEWAY_CHECK_S = 2.0  # how often the gateway processes that relay requests are looked up
-# A gateway process whose liveness key was seen, then missing this long, is gone (a Redis
-# restarted without the key is not: a live process sets it again within a second).
+# A gateway process whose liveness key was seen, then found missing at every look for this
+# long, is gone (a Redis restarted without the key: a live process sets it again within a second).
 GATEWAY_GONE_S = GATEWAY_TTL_S
 # A finish a worker reported and Redis does not hold after this long was refused: resumed.
 UNCONFIRMED_FINISH_S = 5.0
@@ -614,17 +614,21 @@ class ClusterScheduler:
         retry or cancel them, so they would hold their workers to the end for no one. A
         process is alive while its key (``Keys.gateway``) is set; it is judged only once this
         scheduler has seen its key (a gateway of an older version sets none, and one that has
-        just started may not have yet), and gone once the key has been missing
-        ``GATEWAY_GONE_S`` since. A client's own id is left: its retry may come."""
-        seen: dict[str, float] = {}  # gateway process (reply_to) -> when its key was last seen
+        just started may not have yet), and gone once every look for ``GATEWAY_GONE_S`` has
+        found the key missing: counted from the first look that missed it, not from the last
+        that found it, so a Redis frozen or restarted past the key's TTL (which expires it at
+        once) is no death (the process sets it again within a second). A client's own id is
+        left: its retry may come."""
+        seen: set[str] = set()  # gateway processes (reply_to) whose key was found
+        missing: dict[str, float] = {}  # of those, the ones missing since
         while True:
             await asyncio.sleep(GATEWAY_CHECK_S)
             relayed: dict[str, list[str]] = {}
             for rid, p in self.ledger.known.items():
                 if p.assign.gateway_chosen_id and p.assign.reply_to:
                     relayed.setdefault(p.assign.reply_to, []).append(rid)
-            for name in [n for n in seen if n not in relayed]:
-                del seen[name]
+            seen &= relayed.keys()
+            missing = {n: t for n, t in missing.items() if n in seen}
             if not relayed:
                 continue
             names = list(relayed)
@@ -639,9 +643,11 @@ class ClusterScheduler:
             now = time.monotonic()
             for name, up in zip(names, alive, strict=True):
                 if up:
-                    seen[name] = now
-                elif name in seen and now - seen[name] >= GATEWAY_GONE_S:
-                    del seen[name]
+                    seen.add(name)
+                    missing.pop(name, None)
+                elif name in seen and now - missing.setdefault(name, now) >= GATEWAY_GONE_S:
+                    seen.discard(name)
+                    del missing[name]
                     log.warning("gateway.gone", reply_to=name, num_requests=len(relayed[name]))
                     for rid in relayed[name]:
                         if rid in self.ledger.known:

@@ -322,7 +322,8 @@ def test_the_requests_of_a_gone_gateway_process_are_cancelled_unless_a_client_na
     retry or cancel them. Each gateway process keeps a liveness key while it reads; once a key
     the scheduler has seen stays missing, the requests of gateway-chosen ids it relayed are
     cancelled. A client's own id is left (its retry may come through another process), and a
-    process whose key was never seen (an older gateway, one just started) is never judged."""
+    process whose key was never seen (an older gateway, one just started) is never judged, and
+    one whose key was missing a moment is not gone."""
     import pagefleet.scheduler.core as core
     from pagefleet.common.redis import GROUP
     from pagefleet.protos import cluster_pb2
@@ -350,6 +351,9 @@ def test_the_requests_of_a_gone_gateway_process_are_cancelled_unless_a_client_na
         task = asyncio.create_task(s._gone_gateways())
         await asyncio.sleep(0.3)  # every key looked up: a and b seen alive, c never
         await r.delete(keys.gateway("a"))  # process a is gone
+        await r.delete(keys.gateway("b"))  # b's key lost a moment (a Redis restarted past its TTL) ...
+        await asyncio.sleep(0.15)
+        await r.set(keys.gateway("b"), 1, ex=10)  # ... and set again by the live process
         for _ in range(100):
             await asyncio.sleep(0.05)
             if "mine-1" not in s.ledger.known and "mine-2" not in s.ledger.known:
