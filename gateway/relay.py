@@ -333,11 +333,11 @@ class StepReader:
     number of gateway processes. (A retry relayed by another process reads its request alone:
     ``relay``.)
 
-    Started with the first relay. Every ``REFRESH_S`` it renews this process's liveness key
-    (``Keys.gateway``), looks up the workers (one ``HGETALL``, and Redis's clock) and starts
-    reading a new worker's stream ``LOOKBACK_MS`` before now, so a worker found late loses
-    nothing a relay could want. Its sweep ends the relays' waits
-    that saw nothing for their time (``StepRelay.wait``), with no timer per wait.
+    Started with the first relay. Every ``REFRESH_S`` it looks up the workers (one ``HGETALL``,
+    and Redis's clock) and starts reading a new worker's stream ``LOOKBACK_MS`` before now, so
+    a worker found late loses nothing a relay could want. Its sweep ends the relays' waits
+    that saw nothing for their time (``StepRelay.wait``), with no timer per wait. Another task
+    keeps this process's liveness key set (``_keep_alive``).
     """
 
     def __init__(self, redis, keys: Keys) -> None:
@@ -351,6 +351,7 @@ class StepReader:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting: set[StepRelay] = set()  # relays waiting for news (``StepRelay.wait``)
         self._sweeper: asyncio.Task | None = None
+        self._alive: asyncio.Task | None = None
         self._read = StepsRead(redis)
         self._refreshed_at = 0.0
         self.num_reads = 0
@@ -366,6 +367,8 @@ class StepReader:
             self._task = self._loop.create_task(self._run())
             if self._sweeper is None or self._sweeper.done():
                 self._sweeper = self._loop.create_task(self._sweep())
+            if self._alive is None or self._alive.done():
+                self._alive = self._loop.create_task(self._keep_alive())
 
     def open(self, request_id: str) -> StepRelay:
         """The relay of ``request_id`` (opened before its request is queued, so nothing is missed)."""
@@ -379,7 +382,7 @@ class StepReader:
         self.relays.pop(request_id, None)
 
     async def stop(self) -> None:
-        for task in (self._task, self._sweeper):
+        for task in (self._task, self._sweeper, self._alive):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -391,16 +394,8 @@ class StepReader:
             return
         self._refreshed_at = loop.time()
 
-        async def alive_and_workers():
-            # This process is alive (the scheduler cancels the requests of gateway-chosen ids
-            # whose process's key expired: nothing else would ever read or cancel them).
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.set(self.keys.gateway(self.reply_to), b"1", ex=GATEWAY_TTL_S)
-            pipe.hgetall(self.keys.workers)
-            return (await pipe.execute())[1]
-
-        # Two round trips, not one: TIME names no key (a Redis Cluster pipeline refuses it).
-        rows = await retry(alive_and_workers, what="steps_refresh")
+        # Two calls, not one pipeline: TIME names no key (a Redis Cluster pipeline refuses it).
+        rows = await retry(lambda: self.redis.hgetall(self.keys.workers), what="steps_refresh")
         self.num_workers = len(rows)
         now_s, now_us = await retry(self.redis.time, what="steps_refresh_time")
         start = f"{max(0, now_s * 1000 + now_us // 1000 - LOOKBACK_MS)}-0"
@@ -438,6 +433,21 @@ class StepReader:
             except Exception:  # a bug must not stop every relay: they fall back to their own streams
                 log.exception("steps.read_failed")
                 await asyncio.sleep(0.1)
+
+    async def _keep_alive(self) -> None:
+        """Keep this process's liveness key (``Keys.gateway``) set, every ``REFRESH_S``: the
+        scheduler cancels the requests of gateway-chosen ids of a process whose key expired
+        (nothing else would ever read or cancel them). A task of its own: a read that hangs (a
+        half-open connection, until its watchdog) is no death."""
+        key = self.keys.gateway(self.reply_to)
+        while True:
+            try:
+                await self.redis.set(key, b"1", ex=GATEWAY_TTL_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis away: the next round tries again
+                log.warning("gateway.alive_unset", error=str(e))
+            await asyncio.sleep(REFRESH_S)
 
     async def _sweep(self) -> None:
         """End the waits past their time, every fifth of ``SILENCE_S`` (so a wait ends within

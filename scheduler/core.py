@@ -85,6 +85,7 @@ GATEWAY_CHECK_S = 2.0  # how often the gateway processes that relay requests are
 # A gateway process whose liveness key was seen, then found missing at every look for this
 # long, is gone (a Redis restarted without the key: a live process sets it again within a second).
 GATEWAY_GONE_S = GATEWAY_TTL_S
+GATEWAY_GONE_MEMORY_S = 600.0  # a process judged gone: a request of it taken in later goes at once
 # A finish a worker reported and Redis does not hold after this long was refused: resumed.
 UNCONFIRMED_FINISH_S = 5.0
 # How often an idle worker reports (``--report-interval``): a heartbeat, by default an eighth of
@@ -487,7 +488,12 @@ class ClusterScheduler:
                 break
             # Refused: an assignment in flight took a newer epoch between our fence and our
             # write. Forgetting the request now would leave it running unowned: fence again.
+        # Its entry taken in while the write was on its way (a cancel read before it): that
+        # write could not acknowledge it, and forgetting the request would leave it for good.
+        late = self.ledger.known.get(rid)
         self.ledger.forget(rid)
+        if late is not None and late.entry_id and late.entry_id != write.entry_id:
+            await self._ack(late.entry_id)
         log.info("request.finished_by_scheduler", request_id=rid, finish_reason=reason, error=error)
         return True
 
@@ -621,6 +627,7 @@ class ClusterScheduler:
         left: its retry may come."""
         seen: set[str] = set()  # gateway processes (reply_to) whose key was found
         missing: dict[str, float] = {}  # of those, the ones missing since
+        gone: dict[str, float] = {}  # processes judged gone, since (a request of one read later goes too)
         while True:
             await asyncio.sleep(GATEWAY_CHECK_S)
             relayed: dict[str, list[str]] = {}
@@ -629,6 +636,7 @@ class ClusterScheduler:
                     relayed.setdefault(p.assign.reply_to, []).append(rid)
             seen &= relayed.keys()
             missing = {n: t for n, t in missing.items() if n in seen}
+            gone = {n: t for n, t in gone.items() if time.monotonic() - t < GATEWAY_GONE_MEMORY_S}
             if not relayed:
                 continue
             names = list(relayed)
@@ -645,13 +653,16 @@ class ClusterScheduler:
                 if up:
                     seen.add(name)
                     missing.pop(name, None)
-                elif name in seen and now - missing.setdefault(name, now) >= GATEWAY_GONE_S:
+                    gone.pop(name, None)
+                elif name in gone or (name in seen and now - missing.setdefault(name, now) >= GATEWAY_GONE_S):
                     seen.discard(name)
-                    del missing[name]
+                    missing.pop(name, None)
+                    gone.setdefault(name, now)
                     log.warning("gateway.gone", reply_to=name, num_requests=len(relayed[name]))
-                    for rid in relayed[name]:
-                        if rid in self.ledger.known:
-                            await self._cancel(rid)
+                    rids = relayed[name]
+                    for i in range(0, len(rids), _CANCELS_IN_FLIGHT):
+                        await asyncio.gather(*(self._cancel(rid) for rid in rids[i:i + _CANCELS_IN_FLIGHT]
+                                               if rid in self.ledger.known))
 
     async def _withdraw_orphans(self, w: WorkerEntry, orphans: list[str]) -> None:
         """A worker runs requests it was not given (it came back after being declared dead);

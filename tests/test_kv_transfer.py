@@ -639,6 +639,80 @@ def test_a_stalled_target_never_stops_the_source_engine(stall):
     td.close()
 
 
+class _Unanswered:
+    """A target whose calls stay unanswered (``GrpcReceiver`` with a frozen peer) until told:
+    ``answer`` for a poll, ``verdict`` for a commit."""
+
+    def __init__(self, answer: str = "PROC") -> None:
+        self.waiting, self.answer, self.verdict = True, answer, None
+        self.num_unread = self.num_aborts = 0
+
+    def read(self, first, ids):
+        return len(ids)
+
+    def poll(self):
+        self.waiting = self.answer == "PROC"
+        return self.answer
+
+    def commit(self, h):
+        self.waiting = self.verdict is None
+        return self.verdict
+
+    def abort(self):
+        self.num_aborts += 1
+
+
+def _frozen_for_its_final_stage(receiver) -> tuple[Engine, LiveMigration]:
+    src = _engine()
+    src.add_request(PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), request_id="m")
+    for _ in range(3):
+        src.step()
+    mig = LiveMigration(src, "m", receiver, final_stage_blocks=64, lease=Lease.start(30.0, 5.0))
+    assert mig.advance() == "running" and mig.frozen  # the source steps on meanwhile
+    return src, mig
+
+
+@pytest.mark.parametrize(("stage", "answer"), [("reading", "ERR"), ("committing", False), ("committing", True)])
+def test_a_migrations_end_never_touches_another_request_of_its_id(stage, answer):
+    """A request frozen for its final stage is aborted at the source while that stage's read or
+    its commit is unanswered, and the scheduler places its id there again: the migration's end
+    thawed (attached the new request to the running queue a second time: the next step failed
+    every request of the worker) or released (freed the new request) by id."""
+    recv = _Unanswered("PROC" if stage == "reading" else "DONE")
+    src, mig = _frozen_for_its_final_stage(recv)
+    assert (mig._handover is not None) == (stage == "committing")
+    assert src.abort_request("m") is not None
+    src.add_request(PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), request_id="m",
+                    output_token_ids=[1, 2, 3])
+    new = src.requests["m"]
+    if stage == "reading":
+        recv.answer = answer
+    else:
+        recv.verdict = answer
+    outcome = mig.advance()
+    assert outcome == ("migrated" if answer is True else "failed"), outcome
+    assert src.requests.get("m") is new
+    queued = sum(r is new for r in src.scheduler.running) + sum(r is new for r in src.scheduler.waiting)
+    assert queued == 1, f"the new request is queued {queued} times"
+    src.step()  # and the engine steps on
+
+
+def test_fail_waits_out_a_commit_in_flight():
+    """``EngineLoop.pause`` (a worker handing its requests back) ends its migrations with
+    ``fail()``: with a commit in flight that aborted the target (which cannot stop a commit
+    under way) and thawed the request here, while the commit went on there: the request ran at
+    both ends. The commit is waited out now; committed, the request is the target's."""
+    import threading
+
+    recv = _Unanswered("DONE")
+    src, mig = _frozen_for_its_final_stage(recv)
+    assert mig._handover is not None  # committing
+    threading.Timer(0.3, lambda: setattr(recv, "verdict", True)).start()
+    mig.fail()
+    assert (mig.stats.outcome, recv.num_aborts) == ("migrated", 0)
+    assert "m" not in src.requests and not src.scheduler.running
+
+
 class _DeferredLocal(LocalTransport):
     """A local transport whose copy lands at the first poll, as an asynchronous NIXL read does
     (over TCP, or between hosts)."""

@@ -316,6 +316,45 @@ def test_a_request_cancelled_before_its_entry_was_read_leaves_no_entry(redis_ser
     assert asyncio.run(go()) == (0, False)
 
 
+def test_an_entry_taken_in_while_its_cancels_final_is_written_is_acknowledged(redis_server):
+    """The same race in another order (the `cancels` row left `generate:cancels-63` in the
+    stream so in CI: its cancel finished it 3 ms after its entry was queued): the cancel's final
+    write goes out with no entry (none was known), the intake takes the entry in while that
+    write is on its way, and the finish then forgot the request, its entry unacknowledged."""
+    from pagefleet.common.redis import GROUP
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+
+    async def go():
+        r = connect(redis_server.url)
+        keys = Keys("during")
+        await r.set(keys.scheduler_epoch, 7)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
+        msg = cluster_pb2.AssignRequest(request_id="req-1", prompt_token_ids=[1, 2, 3])
+        msg.sampling.max_tokens = 100
+        real_write = s.fencing.write
+
+        async def write(writes, live=None):
+            out = await real_write(writes, live)
+            # The intake task runs while the round trip is in flight: the entry is taken in.
+            await r.xadd(keys.requests, {"kind": "generate", "rid": "req-1", "payload": msg.SerializeToString()})
+            ((_, ((entry_id, fields),)),) = await r.xreadgroup(GROUP, "scheduler", {keys.requests: ">"})
+            await s._on_entry(entry_id, fields, None)
+            return out
+
+        s.fencing.write = write
+        await s._cancel("req-1")  # its cancel entry, read first
+        left = await r.xlen(keys.requests)
+        pending = (await r.xpending(keys.requests, GROUP))["pending"]
+        known = "req-1" in s.ledger.known
+        await s.close()
+        await r.aclose()
+        return left, pending, known
+
+    assert asyncio.run(go()) == (0, 0, False)
+
+
 def test_the_requests_of_a_gone_gateway_process_are_cancelled_unless_a_client_named_them(redis_server, monkeypatch):
     """A gateway process killed with -9 left every request it had queued under an id of its
     own choosing running to the end for no one: only it relayed them, and no client knew to
@@ -372,6 +411,63 @@ def test_the_requests_of_a_gone_gateway_process_are_cancelled_unless_a_client_na
     assert done == {"mine-1": b"1", "mine-2": b"1", "client-1": None, "other-1": None, "unseen-1": None}
     assert left == {"client-1", "other-1", "unseen-1"}
     assert n == 3  # the cancelled ones' entries acknowledged with their finals
+
+
+def test_a_live_gateway_whose_steps_read_hangs_keeps_its_requests(redis_server, monkeypatch):
+    """The liveness key was renewed behind the gateway's blocking read of the steps: a read
+    that hangs (a half-open connection, until its 30 s watchdog) let it expire, and the
+    scheduler cancelled every request of gateway-chosen ids of a live process. It is kept by a
+    task of its own now. (Times scaled down: the key's TTL 1 s, gone after 1 s, a read hung 3 s.)"""
+    import pagefleet.gateway.relay as relay
+    import pagefleet.scheduler.core as core
+    from pagefleet.common.redis import GROUP
+    from pagefleet.gateway.relay import StepReader
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+
+    monkeypatch.setattr(relay, "GATEWAY_TTL_S", 1)
+    monkeypatch.setattr(relay, "REFRESH_S", 0.1)
+    monkeypatch.setattr(core, "GATEWAY_GONE_S", 1.0)
+    monkeypatch.setattr(core, "GATEWAY_CHECK_S", 0.1)
+
+    async def go():
+        r = connect(redis_server.url)
+        keys = Keys("hung")
+        await r.set(keys.scheduler_epoch, 7)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        reader = StepReader(r, keys)
+        real_read, calls = reader._read, [0]
+
+        async def read(cursors, count, block_ms):
+            calls[0] += 1
+            if calls[0] == 5:  # one read hangs
+                await asyncio.sleep(3.0)
+                raise ConnectionError("no reply from Redis for 3 s")
+            return await real_read(cursors, count, min(block_ms, 100))
+
+        reader._read = read
+        reader.start()
+        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
+        msg = cluster_pb2.AssignRequest(request_id="g-1", prompt_token_ids=[1, 2, 3], reply_to=reader.reply_to,
+                                        gateway_chosen_id=True)
+        msg.sampling.max_tokens = 100
+        entry = await r.xadd(keys.requests, {"kind": "generate", "rid": "g-1"})
+        await r.xreadgroup(GROUP, "scheduler", {keys.requests: ">"})
+        s.ledger.take("g-1", entry.decode(), msg)
+        task = asyncio.create_task(s._gone_gateways())
+        await asyncio.sleep(5.0)
+        task.cancel()
+        done = await r.hget(keys.owner("g-1"), "done")
+        alive = await r.exists(keys.gateway(reader.reply_to))
+        reader._read = real_read
+        await reader.stop()
+        await s.close()
+        await r.aclose()
+        return done, alive, calls[0]
+
+    done, alive, reads = asyncio.run(go())
+    assert reads > 5  # the hung read ended, and reading went on
+    assert alive and done is None, "a live gateway's request of a gateway-chosen id was cancelled"
 
 
 def test_a_gateway_killed_leaves_no_request_of_its_own_ids_running(tmp_path):

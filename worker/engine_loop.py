@@ -193,8 +193,10 @@ class EngineLoop:
         Migrations out of here end first (the requests stay here, to be resumed elsewhere)."""
         self._paused = True
         for rid, (mig, fut) in list(self._migrations.items()):
-            mig.fail()
+            mig.fail()  # (a commit in flight is waited out: the target may own the request then)
             del self._migrations[rid]
+            if mig.stats.outcome == "migrated":
+                self._migrated(rid)
             fut.set_result(mig.stats)
         if self.observer:  # their spans here end: they go on elsewhere
             for rid, req in list(self.engine.requests.items()):
@@ -348,17 +350,27 @@ class EngineLoop:
                 outcome = mig.advance()
             except Exception as e:  # a bug: the request stays here (thawed), the caller hears of it
                 log.exception("migration.failed", request_id=rid)
-                mig.fail()
+                mig.fail()  # (a commit in flight is waited out: the target may own the request then)
                 del self._migrations[rid]
-                fut.set_exception(e)
+                if mig.stats.outcome == "migrated":
+                    self._migrated(rid)
+                    fut.set_result(mig.stats)
+                else:
+                    fut.set_exception(e)
                 continue
             if outcome == "running":
                 continue
             del self._migrations[rid]
             if outcome == "migrated":
-                self._handed_over(rid)
+                self._migrated(rid)
             fut.set_result(mig.stats)
             self._refresh(force_notify=True)
+
+    def _migrated(self, request_id: str) -> None:
+        """A migration of ``request_id`` handed it over: forget it here, unless another
+        request under its id is here now (the migrated one was aborted here meanwhile)."""
+        if request_id not in self.engine.requests:
+            self._handed_over(request_id)
 
     def _handed_over(self, request_id: str) -> None:
         """``request_id`` runs on another worker now (its engine here let it go): forget it,

@@ -38,6 +38,7 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -298,7 +299,8 @@ class LiveMigration:
         # A request preempted here meanwhile (recomputed or swapped out) lost the blocks the
         # stages read: another request may have written them while a read was in flight, and
         # only the final stage's are checked at the handover. The migration then fails.
-        self._num_preemptions = engine.requests[request_id].num_preemptions
+        self._req = engine.requests[request_id]
+        self._num_preemptions = self._req.num_preemptions
 
     def advance(self) -> str:
         """One move: poll the stage in flight, start the next, or run the final stage."""
@@ -308,7 +310,9 @@ class LiveMigration:
         if self._handover is not None:  # committing: whatever happened here, its answer settles it
             return self._go_final()
         req = self.engine.requests.get(self.request_id)
-        if req is None or req.status.is_finished:  # finished (or aborted) here meanwhile
+        # Finished (or aborted) here meanwhile; or another request under its id since (placed
+        # here again): its blocks are not the ones read.
+        if req is not self._req or req.status.is_finished:
             return self._end("failed")
         if req.num_preemptions != self._num_preemptions:  # its blocks were freed: what was read is stale
             return self._end("failed")
@@ -376,7 +380,7 @@ class LiveMigration:
                     if state == "ERR":
                         return self._end("failed")
                     if state == "DONE":
-                        req = engine.requests[self.request_id]
+                        req = self._req
                         self._handover = Handover(
                             req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), req.params,
                             req.priority, req.num_computed_tokens, list(self._final_ids),
@@ -397,17 +401,26 @@ class LiveMigration:
         if not ok:
             return self._end("failed")
         self.frozen = False
-        engine.release_request(self.request_id)  # False if it ended here meanwhile: it lives on there
+        if engine.requests.get(self.request_id) is self._req:  # (not if it ended here meanwhile)
+            engine.release_request(self.request_id)  # it lives on there
         self._count_unread()
         s.outcome = "migrated"
         return s.outcome
 
     def fail(self) -> None:
-        """End the migration after an error on this side: the request runs on here."""
-        if self.stats.outcome == "running":
-            self._end("failed")
-        else:
-            self._thaw()
+        """End the migration after an error on this side: the request runs on here, unless
+        its commit is in flight: that is waited out (its call's timeout bounds the wait), and
+        the target may own it then (``stats.outcome`` says ``migrated``)."""
+        if self.stats.outcome != "running":
+            return
+        if self._handover is not None:
+            self.final_wait_s = math.inf
+            try:
+                self._go_final()
+                return
+            except Exception:  # (a bug: the request stays here, as for any other failure)
+                log.exception("migration.commit_wait_failed", request_id=self.request_id)
+        self._end("failed")
 
     def _read(self, ids: list[int]) -> int | None:
         n = self.receiver.read(self.num_sent, ids)
@@ -444,7 +457,7 @@ class LiveMigration:
     def _thaw(self) -> None:
         if self.frozen:
             self.frozen = False
-            if self.request_id in self.engine.requests:  # (not if it ended here meanwhile)
+            if self.engine.requests.get(self.request_id) is self._req:  # (not if it ended here meanwhile)
                 self.engine.thaw_request(self.request_id)
 
     def _count_unread(self) -> None:
