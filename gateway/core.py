@@ -53,6 +53,8 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 # Redis calls that decide whether a request is queued: a few quick tries, then the caller hears of it.
 _ATTEMPTS = 5
 CANCEL_BATCH = 256  # cancels sent in one pipeline
+# A client's own id whose caller went away is cancelled this much later, unless a retry came.
+RETRY_GRACE_S = 1.0
 
 log = structlog.get_logger("gateway")
 
@@ -137,6 +139,7 @@ class GatewayCore:
         # dropped streams (hundreds at once) is a few round trips on one connection, not a
         # connection each, and reaches the scheduler in order.
         self._cancel_queue: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+        self._graced: dict[asyncio.TimerHandle, str] = {}  # cancels waiting out RETRY_GRACE_S
         self._cancel_sender: asyncio.Task | None = None
         # One read of every worker's steps for all relays, per shard (a shard's streams share a slot).
         self.readers = {k.shard: StepReader(redis, k) for k in self.shards}
@@ -186,6 +189,9 @@ class GatewayCore:
 
     async def stop(self) -> None:
         self.stopping = True
+        for handle, request_id in list(self._graced.items()):  # their grace ends now
+            handle.cancel()
+            self._queue_cancel(request_id, True)
         if self._cancel_sender is not None:  # the cancels of streams cut at shutdown go out before Redis closes
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._cancel_queue.join(), 5.0)
@@ -348,6 +354,21 @@ class GatewayCore:
         relays the request from here on. ``unless_retried``: not if its claim counts a retry
         (another call relays it)."""
         self.readers[self.shard_of(request_id).shard].close(request_id)
+        if unless_retried:
+            # A client that gave up on a stalled stream retries the id at once, often through
+            # another gateway: its claim is looked up ``RETRY_GRACE_S`` later, so that a retry
+            # sent meanwhile has counted itself first (Redis runs the two in the order sent,
+            # even when both waited for it: a Redis frozen a while, and the stall is the reason).
+            def graced():
+                del self._graced[handle]
+                self._queue_cancel(request_id, True)
+
+            handle = asyncio.get_running_loop().call_later(RETRY_GRACE_S, graced)
+            self._graced[handle] = request_id
+            return
+        self._queue_cancel(request_id, False)
+
+    def _queue_cancel(self, request_id: str, unless_retried: bool) -> None:
         self._cancel_queue.put_nowait((request_id, unless_retried))
         if self._cancel_sender is None or self._cancel_sender.done():
             self._cancel_sender = asyncio.ensure_future(self._send_cancels())

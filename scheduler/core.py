@@ -80,6 +80,8 @@ _CANCELS_IN_FLIGHT = 64
 # requests for one worker can be far more (hundreds of long prompts sharing a cached document).
 ASSIGN_MESSAGE_BYTES = 16 << 20
 _LEASE_POLL_S = 0.02  # how often a dispatcher unsure of its lease looks again
+_TICK_S = 0.05  # the tick's period (dead workers, deadlines, the published queue length)
+_STALL_S = 0.5  # a tick this late: the process stalled, and no worker's silence counts for it
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 GATEWAY_CHECK_S = 2.0  # how often the gateway processes that relay requests are looked up
 # A gateway process whose liveness key was seen, then found missing at every look for this
@@ -694,9 +696,17 @@ class ClusterScheduler:
         self._wake.set()
 
     async def _tick(self) -> None:
-        """Dead-worker timeouts, deadlines, aging and the published queue length."""
+        """Dead-worker timeouts, deadlines, aging and the published queue length. A tick that
+        comes late (this process stalled: frozen, starved of CPU, a long pause) first excuses
+        every worker the time it could not read their reports in: the reports that waited are
+        read after, and the workers that sent them are not dead."""
         while True:
-            await asyncio.sleep(0.05)
+            slept_at = time.monotonic()
+            await asyncio.sleep(_TICK_S)
+            late = time.monotonic() - slept_at - _TICK_S
+            if late > _STALL_S:
+                log.warning("scheduler.stalled", seconds=round(late, 3))
+                self.ledger.excuse(late)
             for w in self.ledger.silent_workers(self.cfg.dead_after_s):
                 await self._worker_dead(w, f"no report for {self.cfg.dead_after_s}s")
             waited, running = self.ledger.expired()

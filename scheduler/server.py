@@ -57,7 +57,7 @@ from pagefleet.common.tls import (
 )
 from pagefleet.protos import cluster_pb2, cluster_pb2_grpc
 
-from .core import ClusterScheduler, SchedulerConfig
+from .core import ClusterScheduler, SchedulerConfig, StaleScheduler
 from .moves import MoveConfig
 from .placement import PLACEMENTS, PlacementConfig
 from .prefix_index import DEFAULT_MAX_KEYS
@@ -272,9 +272,12 @@ async def serve(args) -> int:
         freeze_startup_heap()
         log.info("scheduler.active", port=port, policy=args.policy, placement=args.placement)
         done, _ = await asyncio.wait([run, lease, stopping], return_when=asyncio.FIRST_COMPLETED)
+        # Another scheduler's epoch fenced this one's writes before its own lease task noticed
+        # the lease gone (it stalled past its lease, and a standby took over): as a lost lease.
+        stale = run in done and not run.cancelled() and isinstance(run.exception(), StaleScheduler)
         if lease in done or run in done:
             rc = 1
-            if run in done and not run.cancelled() and run.exception() is not None:
+            if run in done and not run.cancelled() and run.exception() is not None and not stale:
                 log.error("scheduler.failed", error=repr(run.exception()), exc_info=run.exception())
         run.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -285,16 +288,22 @@ async def serve(args) -> int:
             with contextlib.suppress(Exception):
                 await redis.eval(LEASE_RELEASE, 1, keys.lease, me)
             break
-        if lease in done and run not in done and not stop.is_set():
+        if (lease in done and run not in done or stale) and not stop.is_set():
             # The lease is gone (lapsed unclaimed, taken by a standby, or not renewed for a whole
             # lease: Redis away, a primary failing over): everything this scheduler placed was
             # fenced by its epoch, and a new one comes with the lease. Stand by, as a standby
             # does, and start again from Redis if it comes back to this one; exiting left a
             # cluster with one scheduler a shard without any (and `up` stopped everything).
             await set_serving(health, names, False)
-            after = lease.exception() if not lease.cancelled() else None
-            log.warning("scheduler.standby", port=port, instance=me,
-                        after=f"the lease was {lease.result() if after is None else repr(after)}")
+            if stale:
+                lease.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await lease
+                why = f"another scheduler fenced this one: {run.exception()}"
+            else:
+                after = lease.exception() if not lease.cancelled() else None
+                why = f"the lease was {lease.result() if after is None else repr(after)}"
+            log.warning("scheduler.standby", port=port, instance=me, after=why)
             rc = 0
             continue
         break

@@ -160,6 +160,37 @@ def test_admission_is_exact_under_concurrency_and_never_trims(redis_server):
     assert retried is False
 
 
+def test_a_first_callers_cancel_waits_for_a_retry_sent_right_after(redis_server):
+    """A client gave up on a stalled stream of its own id and retried it at once through the
+    other gateway; the first gateway's cancel (sent as its caller left) reached Redis before the
+    retry's admission (both had waited for a frozen Redis), found no retry counted, and ended the
+    request: the retry relayed an abort. The first caller's cancel now looks the claim up
+    ``RETRY_GRACE_S`` later; a retry sent within it is counted first."""
+    from pagefleet.gateway import core as gateway_core
+
+    async def go():
+        r = connect(redis_server.url)
+        first, other = _gateway(r), _gateway(r)
+        req = _request("mine-1")
+        q = await first._enqueue_one(req, list(req.prompt_token_ids.ids), "", client_id=True)
+        first.leave(q)  # its caller gave up ...
+        await asyncio.sleep(0.05)
+        retry = await other._enqueue_one(req, list(req.prompt_token_ids.ids), "", client_id=True)  # ... and retried
+        await asyncio.sleep(gateway_core.RETRY_GRACE_S + 0.5)
+        kinds = [f[b"kind"] for _, f in await r.xrange(first.keys.requests)]
+        lone = _request("mine-2")  # no retry: cancelled after the grace
+        q2 = await first._enqueue_one(lone, list(lone.prompt_token_ids.ids), "", client_id=True)
+        first.leave(q2)
+        await asyncio.sleep(gateway_core.RETRY_GRACE_S + 0.5)
+        cancels = [f[b"rid"] for _, f in await r.xrange(first.keys.requests) if f[b"kind"] == b"cancel"]
+        await first.stop()
+        await other.stop()
+        await r.aclose()
+        return q.fresh, retry.fresh, kinds, cancels
+
+    assert asyncio.run(go()) == (True, False, [b"generate"], [b"mine-2"])
+
+
 def test_a_client_id_is_claimed_only_with_its_entry(redis_server):
     """Claim and entry are one atomic step: Redis gone after the gateway's first command left a
     claim without an entry (every retry of that id then waited for output that never came).
@@ -470,6 +501,43 @@ def test_a_live_gateway_whose_steps_read_hangs_keeps_its_requests(redis_server, 
     assert alive and done is None, "a live gateway's request of a gateway-chosen id was cancelled"
 
 
+def test_a_scheduler_that_stalled_does_not_count_its_stall_as_its_workers_silence(redis_server):
+    """A scheduler frozen (or starved of CPU) past --dead-after, though within its lease,
+    declared every worker dead on waking, before reading the reports that had waited for it,
+    and fenced and recomputed every request in flight. A late tick now excuses the workers the
+    time it could not hear them."""
+    import time as clock
+
+    from pagefleet.common.redis import GROUP
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+    from pagefleet.scheduler.workers import WorkerEntry
+
+    async def go():
+        r = connect(redis_server.url)
+        keys = Keys("stall")
+        await r.set(keys.scheduler_epoch, 7)
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        s = ClusterScheduler(r, keys, SchedulerConfig(dead_after_s=0.5), epoch=7)
+        w = WorkerEntry("w1", "127.0.0.1:1")
+        s.ledger.add_worker(w)
+        w.last_report_at = clock.monotonic()
+        tick = asyncio.create_task(s._tick())
+        await asyncio.sleep(0.1)
+        clock.sleep(1.0)  # the whole process stalls; the worker's reports wait in the socket
+        await asyncio.sleep(0.02)  # the tick runs first ...
+        w.last_report_at = clock.monotonic()  # ... then the report that waited is read
+        await asyncio.sleep(0.2)
+        alive = w.alive
+        await asyncio.sleep(0.7)  # and a worker that goes silent for real is still found
+        dead = not w.alive
+        tick.cancel()
+        await s.close()
+        await r.aclose()
+        return alive, dead
+
+    assert asyncio.run(go()) == (True, True)
+
+
 def test_a_gateway_killed_leaves_no_request_of_its_own_ids_running(tmp_path):
     """A gateway killed with -9 (real processes, simulated workers stepping slowly): the
     requests it queued under ids of its own choosing are cancelled once its liveness key has
@@ -673,7 +741,8 @@ def test_a_lease_lost_says_whether_another_holds_it():
 def test_a_scheduler_whose_lease_lapsed_or_was_taken_stands_by_and_takes_it_again(tmp_path):
     """A scheduler that stood still longer than its lease (a loaded machine) found the lease
     lapsed with nobody holding it, and exited: a cluster without a standby had no scheduler.
-    It now starts again from Redis under a new epoch, as a standby taking over would."""
+    It now starts again from Redis under a new epoch, as a standby taking over would; likewise
+    when the lease was taken, and when another's epoch fenced its writes first."""
     from cluster_fixtures import log_events, wait_for
 
     from pagefleet.common.service import free_port
@@ -704,6 +773,16 @@ def test_a_scheduler_whose_lease_lapsed_or_was_taken_stands_by_and_takes_it_agai
             r.set(keys.lease, "another", px=2500)
             wait_for(lambda: len(events("scheduler.active")) == 3, 30, "the scheduler active a third time")
             assert proc.poll() is None and int(r.get(keys.scheduler_epoch)) > second
+            # Fenced by another's epoch before its own lease task noticed the lease gone (it
+            # stalled past its lease, a standby took over, and its first write after waking was
+            # refused: StaleScheduler): it exited 1. It stands by now.
+            third = int(r.get(keys.scheduler_epoch))
+            r.incr(keys.scheduler_epoch)  # another scheduler's takeover
+            r.xadd(keys.requests, {"kind": "cancel", "rid": "nobody"})  # its finish is fenced off
+            wait_for(lambda: len(events("scheduler.active")) == 4, 30, "the scheduler active a fourth time")
+            assert proc.poll() is None and int(r.get(keys.scheduler_epoch)) > third + 1
+            assert any("fenced" in e.get("after", "") for e in events("scheduler.standby"))
+            assert not events("scheduler.failed")
         finally:
             proc.terminate()
             assert proc.wait(30) == 0
