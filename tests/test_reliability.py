@@ -122,6 +122,18 @@ def _request(rid: str = "") -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=rid, prompt_token_ids=pb.TokenIds(ids=list(range(3, 200))))
 
 
+async def _scheduler_on(r, namespace: str, **config):
+    """``(keys, scheduler)``: a scheduler of epoch 7 for namespace ``namespace`` on ``r``, with
+    its consumer group made (not run: a test drives its parts)."""
+    from pagefleet.common.redis import GROUP
+    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
+
+    keys = Keys(namespace)
+    await r.set(keys.scheduler_epoch, 7)
+    await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+    return keys, ClusterScheduler(r, keys, SchedulerConfig(**config), epoch=7)
+
+
 def test_admission_is_exact_under_concurrency_and_never_trims(redis_server):
     """40 concurrent enqueues against a bound of 10 (two gateways racing, half with client
     ids): exactly 10 are queued and 30 refused, none trimmed. The bound was checked before
@@ -321,14 +333,10 @@ def test_a_request_cancelled_before_its_entry_was_read_leaves_no_entry(redis_ser
     entry, which then stayed in the requests stream for ever."""
     from pagefleet.common.redis import GROUP
     from pagefleet.protos import cluster_pb2
-    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
 
     async def go():
         r = connect(redis_server.url)
-        keys = Keys("early")
-        await r.set(keys.scheduler_epoch, 7)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
+        keys, s = await _scheduler_on(r, "early")
         await s._cancel("req-1")  # its cancel entry, read first
         msg = cluster_pb2.AssignRequest(request_id="req-1", prompt_token_ids=[1, 2, 3])
         msg.sampling.max_tokens = 100
@@ -354,14 +362,10 @@ def test_an_entry_taken_in_while_its_cancels_final_is_written_is_acknowledged(re
     write is on its way, and the finish then forgot the request, its entry unacknowledged."""
     from pagefleet.common.redis import GROUP
     from pagefleet.protos import cluster_pb2
-    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
 
     async def go():
         r = connect(redis_server.url)
-        keys = Keys("during")
-        await r.set(keys.scheduler_epoch, 7)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
+        keys, s = await _scheduler_on(r, "during")
         msg = cluster_pb2.AssignRequest(request_id="req-1", prompt_token_ids=[1, 2, 3])
         msg.sampling.max_tokens = 100
         real_write = s.fencing.write
@@ -397,17 +401,13 @@ def test_the_requests_of_a_gone_gateway_process_are_cancelled_unless_a_client_na
     import pagefleet.scheduler.core as core
     from pagefleet.common.redis import GROUP
     from pagefleet.protos import cluster_pb2
-    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
 
     monkeypatch.setattr(core, "GATEWAY_CHECK_S", 0.05)
     monkeypatch.setattr(core, "GATEWAY_GONE_S", 0.3)
 
     async def go():
         r = connect(redis_server.url)
-        keys = Keys("gw")
-        await r.set(keys.scheduler_epoch, 7)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
+        keys, s = await _scheduler_on(r, "gw")
         for rid, gateway, chosen in (("mine-1", "a", True), ("mine-2", "a", True), ("client-1", "a", False),
                                      ("other-1", "b", True), ("unseen-1", "c", True)):
             msg = cluster_pb2.AssignRequest(request_id=rid, prompt_token_ids=[1, 2, 3], reply_to=gateway,
@@ -454,7 +454,6 @@ def test_a_live_gateway_whose_steps_read_hangs_keeps_its_requests(redis_server, 
     from pagefleet.common.redis import GROUP
     from pagefleet.gateway.relay import StepReader
     from pagefleet.protos import cluster_pb2
-    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
 
     monkeypatch.setattr(relay, "GATEWAY_TTL_S", 1)
     monkeypatch.setattr(relay, "REFRESH_S", 0.1)
@@ -463,9 +462,7 @@ def test_a_live_gateway_whose_steps_read_hangs_keeps_its_requests(redis_server, 
 
     async def go():
         r = connect(redis_server.url)
-        keys = Keys("hung")
-        await r.set(keys.scheduler_epoch, 7)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+        keys, s = await _scheduler_on(r, "hung")
         reader = StepReader(r, keys)
         real_read, calls = reader._read, [0]
 
@@ -478,7 +475,6 @@ def test_a_live_gateway_whose_steps_read_hangs_keeps_its_requests(redis_server, 
 
         reader._read = read
         reader.start()
-        s = ClusterScheduler(r, keys, SchedulerConfig(), epoch=7)
         msg = cluster_pb2.AssignRequest(request_id="g-1", prompt_token_ids=[1, 2, 3], reply_to=reader.reply_to,
                                         gateway_chosen_id=True)
         msg.sampling.max_tokens = 100
@@ -508,16 +504,11 @@ def test_a_scheduler_that_stalled_does_not_count_its_stall_as_its_workers_silenc
     time it could not hear them."""
     import time as clock
 
-    from pagefleet.common.redis import GROUP
-    from pagefleet.scheduler.core import ClusterScheduler, SchedulerConfig
     from pagefleet.scheduler.workers import WorkerEntry
 
     async def go():
         r = connect(redis_server.url)
-        keys = Keys("stall")
-        await r.set(keys.scheduler_epoch, 7)
-        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
-        s = ClusterScheduler(r, keys, SchedulerConfig(dead_after_s=0.5), epoch=7)
+        keys, s = await _scheduler_on(r, "stall", dead_after_s=0.5)
         w = WorkerEntry("w1", "127.0.0.1:1")
         s.ledger.add_worker(w)
         w.last_report_at = clock.monotonic()
