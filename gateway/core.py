@@ -55,6 +55,7 @@ _ATTEMPTS = 5
 CANCEL_BATCH = 256  # cancels sent in one pipeline
 # A client's own id whose caller went away is cancelled this much later, unless a retry came.
 RETRY_GRACE_S = 1.0
+_GRACE_ROUNDS = 5  # claim lookups at most, while Redis answers them late
 
 log = structlog.get_logger("gateway")
 
@@ -189,9 +190,10 @@ class GatewayCore:
 
     async def stop(self) -> None:
         self.stopping = True
-        for handle, request_id in list(self._graced.items()):  # their grace ends now
+        for handle, request_id in list(self._graced.items()):  # left for their retries, as ``leave`` leaves them now
             handle.cancel()
-            self._queue_cancel(request_id, True)
+            log.info("request.left_for_retry", request_id=request_id)
+        self._graced.clear()
         if self._cancel_sender is not None:  # the cancels of streams cut at shutdown go out before Redis closes
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._cancel_queue.join(), 5.0)
@@ -399,7 +401,15 @@ class GatewayCore:
                     pipe.get(self.shard_of(rid).idempotency(rid))
                 return await pipe.execute()
 
-            counts = await retry(claims, what="get_claims")
+            for _ in range(_GRACE_ROUNDS):
+                asked = time.monotonic()
+                counts = await retry(claims, what="get_claims")
+                if time.monotonic() - asked < RETRY_GRACE_S / 2:
+                    break
+                # Redis answered late (frozen, or away): a retry sent meanwhile may still be
+                # waiting behind it (on a connection of its own, opened as Redis woke); the
+                # grace counts from a prompt answer, so look again one grace later.
+                await asyncio.sleep(RETRY_GRACE_S)
             # A claim is the request's fingerprint, and a '+' for each retry (``ADMIT_AND_QUEUE``);
             # a gateway's from before fingerprints, a count.
             retried = {rid for rid, held in zip(checked, counts, strict=True) if held is not None and (

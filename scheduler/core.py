@@ -81,7 +81,8 @@ _CANCELS_IN_FLIGHT = 64
 ASSIGN_MESSAGE_BYTES = 16 << 20
 _LEASE_POLL_S = 0.02  # how often a dispatcher unsure of its lease looks again
 _TICK_S = 0.05  # the tick's period (dead workers, deadlines, the published queue length)
-_STALL_S = 0.5  # a tick this late: the process stalled, and no worker's silence counts for it
+_STALL_S = 0.5  # a tick this late: the process stalled (the reports that waited are read first)
+_CATCH_UP_S = 0.5  # ... for this long after it, before a worker's silence is judged
 CONSUMER = "scheduler"  # one active scheduler: the lease makes the consumer name unique
 GATEWAY_CHECK_S = 2.0  # how often the gateway processes that relay requests are looked up
 # A gateway process whose liveness key was seen, then found missing at every look for this
@@ -697,18 +698,23 @@ class ClusterScheduler:
 
     async def _tick(self) -> None:
         """Dead-worker timeouts, deadlines, aging and the published queue length. A tick that
-        comes late (this process stalled: frozen, starved of CPU, a long pause) first excuses
-        every worker the time it could not read their reports in: the reports that waited are
-        read after, and the workers that sent them are not dead."""
+        comes late (this process stalled: frozen, starved of CPU, a long pause) judges no
+        worker's silence for ``_CATCH_UP_S``: the reports that waited for this process are read
+        first, and the workers that sent them are not dead. Once per stall: a process slow all
+        the time judges every other tick (on the workers' real silence, never shifted), so a
+        worker gone silent is still found within ``--dead-after`` and a tick or two."""
+        judge_from, judged = 0.0, True  # no judging before; judged once since the last stall
         while True:
             slept_at = time.monotonic()
             await asyncio.sleep(_TICK_S)
-            late = time.monotonic() - slept_at - _TICK_S
-            if late > _STALL_S:
-                log.warning("scheduler.stalled", seconds=round(late, 3))
-                self.ledger.excuse(late)
-            for w in self.ledger.silent_workers(self.cfg.dead_after_s):
-                await self._worker_dead(w, f"no report for {self.cfg.dead_after_s}s")
+            now = time.monotonic()
+            if now - slept_at - _TICK_S > _STALL_S and judged:
+                log.warning("scheduler.stalled", seconds=round(now - slept_at - _TICK_S, 3))
+                judge_from, judged = now + _CATCH_UP_S, False
+            if now >= judge_from:
+                judged = True
+                for w in self.ledger.silent_workers(self.cfg.dead_after_s):
+                    await self._worker_dead(w, f"no report for {self.cfg.dead_after_s}s")
             waited, running = self.ledger.expired()
             for p in waited:
                 await self._finish(p.request_id, "error", DEADLINE_WAITING)

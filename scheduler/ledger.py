@@ -727,12 +727,6 @@ class Ledger:
             yield context, pool
 
     # -- time ------------------------------------------------------------------------------------
-    def excuse(self, seconds: float) -> None:
-        """This process could not read reports for ``seconds`` (it stalled): no worker's
-        silence counts for them."""
-        for w in self.workers.values():
-            w.last_report_at += seconds
-
     def silent_workers(self, dead_after_s: float) -> list[WorkerEntry]:
         """Workers without a report for longer than ``dead_after_s`` (the caller declares them dead)."""
         now = self.clock()

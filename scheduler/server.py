@@ -243,6 +243,7 @@ async def serve(args) -> int:
         loop.add_signal_handler(sig, stop.set)
     stopping = asyncio.create_task(stop.wait())
     rc = 0
+    stale_in_a_row = 0  # stand-bys in a row because another's epoch fenced this one
     while True:  # a scheduler whose lease lapsed unclaimed (it stood still) stands by again
         acquired = asyncio.Event()
         holder = Lease(redis, keys, me, args.lease_ms)
@@ -299,8 +300,16 @@ async def serve(args) -> int:
                 lease.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await lease
+                # Still named by the lease (a takeover that had not taken it yet): let it go, so
+                # no scheduler waits for it to lapse (compare-and-delete: only if it is ours).
+                with contextlib.suppress(Exception):
+                    await redis.eval(LEASE_RELEASE, 1, keys.lease, me)
                 why = f"another scheduler fenced this one: {run.exception()}"
+                stale_in_a_row += 1
+                if stale_in_a_row >= 3:  # no takeover does that: something else moves the epoch
+                    log.error("scheduler.fenced_again", times=stale_in_a_row, error=repr(run.exception()))
             else:
+                stale_in_a_row = 0
                 after = lease.exception() if not lease.cancelled() else None
                 why = f"the lease was {lease.result() if after is None else repr(after)}"
             log.warning("scheduler.standby", port=port, instance=me, after=why)

@@ -203,6 +203,47 @@ def test_a_first_callers_cancel_waits_for_a_retry_sent_right_after(redis_server)
     assert asyncio.run(go()) == (True, False, [b"generate"], [b"mine-2"])
 
 
+@pytest.mark.parametrize("busy", [True, False])
+def test_a_first_callers_cancel_waits_for_a_retry_behind_a_frozen_redis(redis_server, busy):
+    """The same, Redis frozen meanwhile (SIGSTOP): the other gateway's connections all wait, so
+    its retry goes out on a new one whose handshake waits for Redis too, after the first
+    gateway's claim lookup. The grace counts from a prompt answer now: a lookup Redis answered
+    late is made again one grace later. ``busy``: another call of the other gateway waits too."""
+    import os
+    import signal
+
+    from pagefleet.gateway import core as gateway_core
+
+    async def go():
+        r1, r2 = connect(redis_server.url), connect(redis_server.url)
+        first, other = _gateway(r1), _gateway(r2)
+        await r2.ping()
+        req = _request("mine-1")
+        q = await first._enqueue_one(req, list(req.prompt_token_ids.ids), "", client_id=True)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            holder = asyncio.create_task(r2.get("anything")) if busy else None
+            await asyncio.sleep(0.05)
+            first.leave(q)  # its caller gave up on the stalled stream ...
+            await asyncio.sleep(0.05)
+            retry = asyncio.create_task(other._enqueue_one(req, list(req.prompt_token_ids.ids), "", client_id=True))
+            await asyncio.sleep(gateway_core.RETRY_GRACE_S + 1.0)  # ... the grace ends while Redis is frozen
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        retried = await retry
+        if holder is not None:
+            await holder
+        await asyncio.sleep(gateway_core.RETRY_GRACE_S + 0.5)
+        kinds = [f[b"kind"] for _, f in await r1.xrange(first.keys.requests)]
+        await first.stop()
+        await other.stop()
+        await r1.aclose()
+        await r2.aclose()
+        return retried.fresh, kinds
+
+    assert asyncio.run(go()) == (False, [b"generate"])
+
+
 def test_a_client_id_is_claimed_only_with_its_entry(redis_server):
     """Claim and entry are one atomic step: Redis gone after the gateway's first command left a
     claim without an entry (every retry of that id then waited for output that never came).
@@ -527,6 +568,35 @@ def test_a_scheduler_that_stalled_does_not_count_its_stall_as_its_workers_silenc
         return alive, dead
 
     assert asyncio.run(go()) == (True, True)
+
+
+def test_a_scheduler_slow_all_the_time_still_finds_a_silent_worker(redis_server):
+    """The first form of the stall fix shifted every worker's last report by each late tick's
+    lateness: a scheduler whose loop was busy 0.7 s at a time, over and over, found a worker
+    silent for good only after ~dead_after / 0.05 ticks (14 s at --dead-after 1). Silence is
+    never shifted now; a stall defers the judging once."""
+    import time as clock
+
+    from pagefleet.scheduler.workers import WorkerEntry
+
+    async def go():
+        r = connect(redis_server.url)
+        keys, s = await _scheduler_on(r, "slow", dead_after_s=1.0)
+        w = WorkerEntry("w1", "127.0.0.1:1")
+        s.ledger.add_worker(w)
+        w.last_report_at = silent_since = clock.monotonic()  # it never reports again
+        tick = asyncio.create_task(s._tick())
+        while w.alive and clock.monotonic() - silent_since < 20:
+            clock.sleep(0.7)  # the loop busy, again and again
+            await asyncio.sleep(0.02)
+        found = clock.monotonic() - silent_since
+        tick.cancel()
+        await s.close()
+        await r.aclose()
+        return w.alive, found
+
+    alive, found = asyncio.run(go())
+    assert not alive and found < 4.0, found
 
 
 def test_a_gateway_killed_leaves_no_request_of_its_own_ids_running(tmp_path):
