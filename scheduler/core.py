@@ -639,7 +639,8 @@ class ClusterScheduler:
                     relayed.setdefault(p.assign.reply_to, []).append(rid)
             seen &= relayed.keys()
             missing = {n: t for n, t in missing.items() if n in seen}
-            gone = {n: t for n, t in gone.items() if time.monotonic() - t < GATEWAY_GONE_MEMORY_S}
+            now = time.monotonic()
+            gone = {n: t for n, t in gone.items() if now - t < GATEWAY_GONE_MEMORY_S}
             if not relayed:
                 continue
             names = list(relayed)

@@ -541,8 +541,8 @@ def test_a_live_gateway_whose_steps_read_hangs_keeps_its_requests(redis_server, 
 def test_a_scheduler_that_stalled_does_not_count_its_stall_as_its_workers_silence(redis_server):
     """A scheduler frozen (or starved of CPU) past --dead-after, though within its lease,
     declared every worker dead on waking, before reading the reports that had waited for it,
-    and fenced and recomputed every request in flight. A late tick now excuses the workers the
-    time it could not hear them."""
+    and fenced and recomputed every request in flight. A late tick now judges no worker's
+    silence for a moment, so the reports that waited are read first."""
     import time as clock
 
     from pagefleet.scheduler.workers import WorkerEntry
