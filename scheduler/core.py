@@ -474,10 +474,7 @@ class ClusterScheduler:
             epoch = await self._fence(rid, "")  # the last worker stays named: its output is read next
             if epoch == 0:  # finished already, maybe by a write that had no entry of it to
                 # acknowledge (a cancel read before the entry): its entry goes now
-                p = self.ledger.known.get(rid)
-                self.ledger.forget(rid)
-                if p is not None and p.entry_id:
-                    await self._ack(p.entry_id)
+                await self._forget_finished(rid)
                 return False
             emitted, finish = (await record_emitted(self.redis, self.keys, rid, record) if record is not None
                                else await take_over(self.redis, self.keys, rid))
@@ -493,12 +490,18 @@ class ClusterScheduler:
             # write. Forgetting the request now would leave it running unowned: fence again.
         # Its entry taken in while the write was on its way (a cancel read before it): that
         # write could not acknowledge it, and forgetting the request would leave it for good.
-        late = self.ledger.known.get(rid)
-        self.ledger.forget(rid)
-        if late is not None and late.entry_id and late.entry_id != write.entry_id:
-            await self._ack(late.entry_id)
+        await self._forget_finished(rid, acknowledged=write.entry_id)
         log.info("request.finished_by_scheduler", request_id=rid, finish_reason=reason, error=error)
         return True
+
+    async def _forget_finished(self, rid: str, acknowledged: str = "") -> None:
+        """Forget ``rid``, finished, and acknowledge the entry the ledger knows it by unless
+        that is ``acknowledged`` (its final write did): an entry of it taken in after the
+        finish was written would otherwise stay in the requests stream for good."""
+        p = self.ledger.known.get(rid)
+        self.ledger.forget(rid)
+        if p is not None and p.entry_id and p.entry_id != acknowledged:
+            await self._ack(p.entry_id)
 
     async def _ack(self, entry_id: str) -> None:
         async def ack():
