@@ -167,7 +167,7 @@ class OpenAIDoor:
                 choices.set_prompt_tokens(i, q.num_prompt_tokens)
             relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
             # The client's own header back (a mesh's, whatever its form), else the id chosen here.
-            headers = {"X-Request-Id": request.headers.get("x-request-id") or base_id}
+            headers = {"X-Request-Id": request.headers.get("x-request-id") or req.request_id or base_id}
             if req.stream:
                 return EventStream(self._events(choices, relays, call), relays, call,
                                    headers={**headers, "Cache-Control": "no-cache"})
@@ -189,7 +189,8 @@ class OpenAIDoor:
                                "model_not_found")
             if req.chat:
                 self.render_messages(req)
-            client_id = request.headers.get("x-request-id") or None  # an empty header: none
+            # The header's id, else the body's (vLLM's ``request_id``); an empty one: none.
+            client_id = request.headers.get("x-request-id") or req.request_id
             base_id = request_id_of(client_id) if client_id else self.core.new_id(req.id_prefix, req.num_choices)
             call.describe(_request_attributes(req, self.served_model_name, base_id))
             self._tokenize_bad_words(req)

@@ -24,6 +24,7 @@ from .limits import Limits
 _DEFAULT_LIMITS = Limits()
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
+MAX_CLIENT_REQUEST_ID = 1024  # a body's request_id, as long as a header may be
 _UINT32 = 2**32
 _UINT64 = 2**64
 _INT32 = 2**31
@@ -33,7 +34,7 @@ _COMMON = ("model", "n", "stream", "stream_options", "max_tokens", "max_completi
            # vLLM's extras (``extra_body`` of the openai client)
            "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "priority", "stop_token_ids",
            "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-           "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+           "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "request_id", "return_tokens_as_token_ids",
            # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
            "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
            "guided_decoding_backend", "structured_outputs")
@@ -52,6 +53,11 @@ UNSUPPORTED = {
     "functions": [], "function_call": "none", "guided_whitespace_pattern": _OFF, "parallel_tool_calls": _OFF,
     "audio": _OFF, "modalities": ["text"], "prediction": _OFF, "store": False, "metadata": {},
     "reasoning_effort": _OFF, "service_tier": _OFF, "web_search_options": _OFF,
+    # vLLM's own request fields (what its clients may send at their defaults): refused only when set.
+    # ``chat_template`` too: vLLM itself refuses a request's template unless told to trust them.
+    "use_beam_search": False, "length_penalty": 1.0, "logits_processors": _OFF, "return_token_ids": False,
+    "cache_salt": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF, "prompt_embeds": _OFF,
+    "documents": _OFF, "chat_template": _OFF, "mm_processor_kwargs": _OFF,
 }
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # ``reasoning`` is vLLM's newer name of ``reasoning_content`` (an assistant turn's thinking,
@@ -101,6 +107,8 @@ class ApiRequest:
     api: str = ""  # "responses": a /v1/responses body read as a chat (responses_api.py)
     held_logprobs: int = 0  # log-probabilities this (unstreamed) request may hold at the gateway (OpenAIDoor._hold)
     responses: dict[str, Any] = field(default_factory=dict)  # what the response object repeats
+    request_id: str | None = None  # vLLM's body field: the client's id, as an X-Request-Id header gives it
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: log-probabilities name tokens "token_id:<id>"
 
     @property
     def id_prefix(self) -> str:
@@ -310,6 +318,11 @@ def _finish(req: ApiRequest, p: dict[str, Any], limits: Limits) -> ApiRequest:
     req.priority = -_int("priority", p.get("priority", 0), -(_INT32 - 1), _INT32 - 1)
     if "user" in p:
         req.user = _str("user", p["user"])
+    if "request_id" in p:
+        req.request_id = _str("request_id", p["request_id"]) or None
+        if req.request_id is not None and len(req.request_id) > MAX_CLIENT_REQUEST_ID:
+            raise BadParam("request_id", f"request_id: at most {MAX_CLIENT_REQUEST_ID} characters")
+    req.tokens_as_ids = _bool("return_tokens_as_token_ids", p.get("return_tokens_as_token_ids", False))
     return req
 
 
@@ -567,6 +580,8 @@ def _is_int(v: Any) -> bool:
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> int:
+    if isinstance(v, float) and v.is_integer():  # 2.0 is 2, as vLLM's request models read it
+        v = int(v)
     if not _is_int(v) or not lo <= v <= hi:
         raise BadParam(name, f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
     return v

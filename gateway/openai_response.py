@@ -44,8 +44,14 @@ def sse(obj: Any) -> bytes:
     return b"data: " + _COMPACT.encode(obj).encode() + b"\n\n"
 
 
+# The byte tokenizer's special tokens by name (their text in log-probabilities, as a tokenizer's
+# own special tokens are named there).
+_BYTE_SPECIALS = {ByteTokenizer.BOS: "<s>", ByteTokenizer.EOS: "</s>", ByteTokenizer.PAD: "<pad>"}
+
+
 class TokenPieces:
-    """Each token's own text and bytes (what log-probabilities are reported for)."""
+    """Each token's own text and bytes (what log-probabilities are reported for): a special
+    token's is its name (``</s>``), as vLLM gives it, not the nothing it adds to the text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -55,10 +61,10 @@ class TokenPieces:
         piece = self._cache.get(token_id)
         if piece is None:
             if isinstance(self._tokenizer, ByteTokenizer):
-                raw = bytes((token_id,)) if token_id < 256 else b""
+                raw = bytes((token_id,)) if token_id < 256 else _BYTE_SPECIALS.get(token_id, "").encode()
                 piece = (raw.decode("utf-8", errors="replace"), list(raw))
             else:
-                text = self._tokenizer.decode([token_id])
+                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
                 piece = (text, list(text.encode("utf-8")))
             if len(self._cache) < 65536:
                 self._cache[token_id] = piece
@@ -255,9 +261,10 @@ class Choices:
         out in its chunks and are not kept: what a stream holds does not grow with its output)."""
         entries = []
         offset = c.text_len
+        pieces = _as_token_ids if self.req.tokens_as_ids else self.pieces
         for token_id, lp in zip(msg.token_ids, msg.logprobs, strict=False):
-            text, raw = self.pieces(token_id)
-            tops = [(self.pieces(t.token_id), _finite(t.logprob)) for t in lp.top_logprobs]
+            text, raw = pieces(token_id)
+            tops = [(pieces(t.token_id), _finite(t.logprob)) for t in lp.top_logprobs]
             if self.req.chat:
                 entries.append({"token": text, "logprob": _finite(lp.logprob), "bytes": raw,
                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for (t, b), v in tops]})
@@ -265,10 +272,16 @@ class Choices:
                 top = {t: v for (t, _), v in tops}
                 top.setdefault(text, _finite(lp.logprob))
                 entries.append((text, _finite(lp.logprob), top, min(offset, c.text_len + len(msg.text))))
-                offset += len(text)
+                offset += len(self.pieces(token_id)[0])  # the token's own text, however it is named
         if not self.req.stream:
             c.logprobs.extend(entries)
         return entries
+
+
+def _as_token_ids(token_id: int) -> tuple[str, list[int]]:
+    """A token named by its id (``return_tokens_as_token_ids``), as vLLM names it."""
+    name = f"token_id:{token_id}"
+    return name, list(name.encode())
 
 
 def _completion_logprobs(entries: list[tuple[str, float, dict[str, float], int]]) -> dict[str, list[Any]]:

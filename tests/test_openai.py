@@ -84,9 +84,10 @@ CONVERSATIONS = [
 ]
 
 
-def build_tokenizer(path: Path) -> int:
-    """A byte-level BPE tokenizer (BOS added like Llama's) trained here; its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def build_tokenizer(path: Path, added: tuple[str, ...] = ()) -> int:
+    """A byte-level BPE tokenizer (BOS added like Llama's) trained here; its vocabulary size.
+    ``added``: tokens added as text, not special (as Qwen's ``<think>``)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -96,6 +97,7 @@ def build_tokenizer(path: Path) -> int:
     corpus = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
               "Bonjour à tous, ça va très bien", "request 1: count to ten, then stop"] * 50
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(path / "tokenizer.json"))
     return tok.get_vocab_size()
@@ -879,3 +881,33 @@ def test_full_queue_is_429_with_retry_after_and_dead_redis_is_503(lonely_gateway
     conn, resp = _raw(url, "GET", "/health")
     conn.close()
     assert resp.status == 503
+
+
+# vLLM's own request fields at the values its clients send when they mean nothing: taken.
+VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "documents": None, "chat_template": None,
+                 "mm_processor_kwargs": None, "kv_transfer_params": None, "return_tokens_as_token_ids": False,
+                 "return_token_ids": False, "cache_salt": None, "logits_processors": None, "vllm_xargs": None,
+                 "request_id": "abc"}
+
+
+@pytest.mark.parametrize("name", sorted(VLLM_DEFAULTS))
+def test_vllms_own_fields_at_their_defaults_are_taken(name):
+    parse_chat({"messages": [{"role": "user", "content": "x"}], name: VLLM_DEFAULTS[name]})
+    if name not in ("documents", "chat_template", "mm_processor_kwargs"):  # chat's alone
+        parse_completion({"prompt": "x", name: VLLM_DEFAULTS[name]})
+
+
+@pytest.mark.parametrize(("name", "value"), [("use_beam_search", True), ("length_penalty", 0.5),
+                                             ("chat_template", "{{ messages }}"), ("cache_salt", "s"),
+                                             ("return_token_ids", True)])
+def test_vllms_own_fields_set_are_refused_by_name(name, value):
+    with pytest.raises(BadParam) as info:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], name: value})
+    assert (info.value.param, info.value.code) == (name, "unsupported_parameter")
+
+
+def test_an_integral_float_is_an_integer_as_vllm_reads_it():
+    assert parse_completion({"prompt": "x", "max_tokens": 2.0, "n": 1.0}).sampling.max_tokens == 2
+    with pytest.raises(BadParam) as info:
+        parse_completion({"prompt": "x", "max_tokens": 2.5})
+    assert info.value.param == "max_tokens"

@@ -157,6 +157,45 @@ def test_skip_special_tokens(client, hf):
     assert kept.choices[0].text == "<|end|>" * 3 == hf.decode([end] * 3, skip_special_tokens=False)
 
 
+def test_logprobs_name_special_tokens_and_token_ids_as_vllm(client, hf):
+    """A special token's logprob entry is its name (``</s>``, vLLM's ``decode([id])``), not the
+    nothing it adds to the text; ``return_tokens_as_token_ids`` names every token ``token_id:<id>``."""
+    end, the = _id(hf, "<|end|>"), _id(hf, "the")
+    kwargs = dict(model=MODEL, prompt="hello", max_tokens=2, temperature=0, logprobs=1)
+    out = client.completions.create(**kwargs, extra_body={"allowed_token_ids": [end], "ignore_eos": True})
+    assert out.choices[0].logprobs.tokens == ["<|end|>", "<|end|>"] and out.choices[0].text == ""
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, logprobs=True, top_logprobs=1,
+                                          extra_body={"allowed_token_ids": [end, the], "logit_bias": {str(end): 100},
+                                                      "ignore_eos": True})
+    assert [c.token for c in chat.choices[0].logprobs.content] == ["<|end|>", "<|end|>"]
+    assert chat.choices[0].logprobs.content[0].bytes == list(b"<|end|>")
+    ids = client.completions.create(**kwargs, extra_body={"allowed_token_ids": [the], "ignore_eos": True,
+                                                           "return_tokens_as_token_ids": True})
+    assert ids.choices[0].logprobs.tokens == [f"token_id:{the}"] * 2 and ids.choices[0].text == "thethe"
+    assert ids.choices[0].logprobs.text_offset == [0, 3]
+
+
+def test_a_bodys_request_id_is_the_clients_own_id(cluster):
+    """vLLM's ``request_id`` field: as an X-Request-Id header, the request's id (sent back), and
+    a second request of the same id and body is its retry (the same answer, not a new run)."""
+    import http.client
+
+    u = urlsplit(cluster.http_url)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 1.0, "request_id": "body-rid-7"}
+    answers = []
+    for _ in range(2):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            answers.append((resp.status, resp.getheader("X-Request-Id"), json.loads(resp.read())))
+        finally:
+            conn.close()
+    (s1, h1, a1), (s2, h2, a2) = answers
+    assert (s1, s2, h1, h2) == (200, 200, "body-rid-7", "body-rid-7")
+    assert a1["choices"][0]["text"] == a2["choices"][0]["text"]
+
+
 def test_echo_and_truncate_prompt_tokens(client):
     out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=3, temperature=0, echo=True,
                                     extra_body={"ignore_eos": True})

@@ -299,3 +299,99 @@ def test_min_tokens_with_only_end_tokens_allowed_is_refused_at_the_door_and_by_t
     fine = SamplingParams(max_tokens=4, min_tokens=3, allowed_token_ids=[eos, 65])
     assert check(pb.GenerateRequest(prompt="hi", sampling=to_proto(fine)), model, 512)
     assert engine.generate([[1, 2, 3]], fine)[0].token_ids[:3] == [65, 65, 65]
+
+
+ADDED_AS_TEXT = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # as Qwen's tokenizer adds them
+LITERALS = [
+    StructuredOutputs(choice=("<think>yes", "<think>no")),
+    StructuredOutputs(regex="abc</think>hello"),
+    StructuredOutputs(regex="x</s>y"),  # a special token's text, as text
+    StructuredOutputs(json=json.dumps({"type": "object", "properties": {"tag": {"const": "<tool_call>"}},
+                                       "required": ["tag"], "additionalProperties": False})),
+]
+
+
+@pytest.fixture(scope="module")
+def added_tokens_checkpoint(tmp_path_factory):
+    from conftest import make_checkpoint
+    from test_openai import build_tokenizer, write_tokenizer_config
+
+    path = tmp_path_factory.mktemp("added-tokens")
+    vocab_size = build_tokenizer(path, added=ADDED_AS_TEXT)
+    make_checkpoint(path, "llama", vocab_size=vocab_size, max_position_embeddings=512)
+    write_tokenizer_config(path, None)
+    return path
+
+
+def _fits(text: str, so: StructuredOutputs) -> bool:
+    if so.choice:
+        return text in so.choice
+    if so.regex is not None:
+        return re.fullmatch(so.regex, text) is not None
+    return json.loads(text) == {"tag": "<tool_call>"}
+
+
+@pytest.mark.parametrize("so", LITERALS, ids=["choice", "added-regex", "special-regex", "json-const"])
+def test_every_token_a_mask_allows_its_matcher_takes(added_tokens_checkpoint, so):
+    """llguidance's own loader makes every added token special yet forced a literal's text as
+    them: the mask allowed ``<think>``'s id, its matcher refused it, and the request ended
+    quietly with half a choice. Every allowed token, at every step of a path, is taken."""
+    import random
+
+    import numpy as np
+    from llguidance import LLMatcher
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    from pagefleet.common.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(added_tokens_checkpoint / "tokenizer.json", (2,), 1)
+    vocab = tok.vocab_size + 5  # a model's padded vocabulary
+    ll = grammar.ll_tokenizer(tok, vocab, (2,))
+    rng = random.Random(0)
+    for attempt in range(4):
+        m = LLMatcher(ll, grammar.grammar_of(so), log_level=0)
+        out: list[int] = []
+        while not m.is_stopped() and len(out) < 40:
+            bm = allocate_token_bitmask(1, vocab)
+            fill_next_token_bitmask(m, bm, 0)
+            allowed = np.nonzero(np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little")[0, :vocab])[0].tolist()
+            assert allowed, tok.decode(out, skip_special_tokens=False)
+            for t in allowed:
+                trial = m.deep_copy()
+                assert trial.consume_token(t) and not trial.is_error(), (t, trial.get_error())
+            # Prefer the added token where the mask offers it (what a model of that vocabulary draws).
+            added = [t for t in allowed if t >= tok.vocab_size - len(ADDED_AS_TEXT) and t < tok.vocab_size]
+            t = added[0] if added and attempt % 2 == 0 else rng.choice(allowed)
+            if t == 2:
+                break
+            assert m.consume_token(t)
+            out.append(t)
+        assert _fits(tok.decode(out, skip_special_tokens=False), so)
+
+
+def test_an_engine_keeps_literals_of_added_and_special_tokens_text(added_tokens_checkpoint):
+    """On a real checkpoint whose tokenizer adds ``<think>`` as text: every output is one of
+    its constraint's, whatever the seed (the random model draws the added tokens too)."""
+    engine = Engine(str(added_tokens_checkpoint), device="cpu")
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=seed, structured_outputs=so)
+              for so in LITERALS for seed in range(4)]
+    outs = engine.generate(["think about it"] * len(params), params)
+    for o, p in zip(outs, params, strict=True):
+        assert o.finish_reason == "stop" and _fits(o.text, p.structured_outputs), (o.text, o.token_ids)
+
+
+def test_tokens_after_a_met_constraint_are_no_error_and_a_refused_token_is_one():
+    """A constraint met (its matcher stopped) and then an end token the request does not end on
+    (``ignore_eos``, another end id) is no failure: only the end goes through after it. A token
+    the matcher refuses ends the request with why, in one line, not as a quiet ``stop``."""
+    from pagefleet.common.tokenizer import ByteTokenizer
+    from pagefleet.worker.structured import GrammarCompiler
+
+    compiler = GrammarCompiler(ByteTokenizer(), ByteTokenizer.vocab_size, (ByteTokenizer.EOS,))
+    so = StructuredOutputs(choice=("ab",))
+    met = compiler.request_grammar(so)
+    assert met.matcher(list(b"ab") + [ByteTokenizer.EOS, ByteTokenizer.EOS]) is not None and met.error is None
+    refused = compiler.request_grammar(so)
+    assert refused.matcher(list(b"ax")) is None and refused.failed
+    assert refused.error and "\n" not in refused.error
+    compiler.close()

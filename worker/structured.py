@@ -117,14 +117,17 @@ class RequestGrammar:
                 self.failed = True
                 self.error = (e.reason if isinstance(e, GrammarError) else str(e)) or type(e).__name__
                 return None
-        n = len(output_token_ids)
-        if n > self.num_consumed:
-            self._matcher.consume_tokens(output_token_ids[self.num_consumed:])
-            self.num_consumed = n
-        if self._matcher.is_error():
+        m, n = self._matcher, len(output_token_ids)
+        for t in output_token_ids[self.num_consumed:n]:
+            if m.is_stopped():  # the constraint is met: what follows (an end token the request
+                break           # does not end on) is no error; its mask lets only the end through
+            m.consume_token(t)
+        self.num_consumed = max(self.num_consumed, n)
+        if m.is_error():  # handed a token it does not allow: the request ends with why
             self.failed = True
+            self.error = (m.get_error() or "").strip().split("\n")[0] or "the output left its constraint"
             return None
-        return self._matcher
+        return m
 
 
 def start_grammar_masks(reqs: list[Request]) -> None:

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from .sampling_params import StructuredOutputs
 
@@ -114,6 +114,42 @@ def check(so: StructuredOutputs, tokenizer: LLTokenizer | None = None) -> str:
     return grammar
 
 
+class _HFTokens:
+    """A ``tokenizer.json`` as llguidance's ``TokenizerWrapper`` reads one: each token's bytes as
+    llguidance's own loader gives them, but only the tokenizer's special tokens special.
+
+    llguidance's loader makes every added token special (matched only by a grammar's
+    ``<|name|>`` or ``<[id]>``), Qwen's ``<think>`` and ``<tool_call>`` too, which the tokenizer
+    adds as text; yet it tokenizes text with them, and with the special ones (``</s>``), when it
+    forces a grammar's literal: the forced token was then one its matcher refused, and the
+    request ended quietly (``"<think>yes"`` as a choice came out ``"<think>"``). Here an added
+    token that is not special is text, and a special token's text in a literal is tokenized
+    as text (its bytes), never as the special token."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: list[int] | None) -> None:
+        base = LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
+        self._base = base
+        self.tokens = [base.decode_bytes([i]) for i in range(vocab_size)]
+        # Past the tokenizer's own ids (a model's padded vocabulary): special, named <[id]>.
+        self._special = (tokenizer.special_token_ids() | set(eos or ())
+                         | set(range(tokenizer.vocab_size, vocab_size)))
+        self.special_token_ids = sorted(self._special)
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = tokenizer.bos_token_id
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids = self._base.tokenize_bytes(text)
+        if self._special.isdisjoint(ids):
+            return ids
+        out: list[int] = []
+        for i in ids:
+            if i in self._special:
+                out.extend(self._base.greedy_tokenize(self.tokens[i].decode("utf-8", "replace")))
+            else:
+                out.append(i)
+        return out
+
+
 class _ByteTokens:
     """The built-in byte tokenizer as llguidance's ``TokenizerWrapper`` reads one."""
 
@@ -130,13 +166,11 @@ class _ByteTokens:
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> LLTokenizer:
     """llguidance's tokenizer for one of ours (``HFTokenizer`` or ``ByteTokenizer``), with the
     model's vocabulary size (its logits' width) and end-of-sequence ids."""
-    from llguidance import TokenizerWrapper
-
     from .tokenizer import ByteTokenizer, HFTokenizer
 
     eos = list(eos_token_ids) or None
     if isinstance(tokenizer, HFTokenizer):
-        return LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
+        return LLTokenizer(TokenizerWrapper(_HFTokens(tokenizer, vocab_size, eos)), n_vocab=vocab_size, eos_token=eos)
     if isinstance(tokenizer, ByteTokenizer):
         return LLTokenizer(TokenizerWrapper(_ByteTokens(tokenizer)), n_vocab=vocab_size, eos_token=eos)
     raise GrammarError("structured_outputs", "this model's tokenizer cannot drive structured output")

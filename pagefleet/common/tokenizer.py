@@ -79,6 +79,11 @@ class HFTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def special_token_ids(self) -> set[int]:
+        """The added tokens marked special (``</s>``, ``<|im_end|>``); not those added as text
+        (Qwen's ``<think>``, ``<tool_call>``)."""
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
     def stream(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> _HFStream:
         return _HFStream(self._tok, prompt_token_ids, skip_special_tokens)
 
