@@ -87,7 +87,15 @@ CONVERSATIONS = [
 def build_tokenizer(path: Path, added: tuple[str, ...] = ()) -> int:
     """A byte-level BPE tokenizer (BOS added like Llama's) trained here; its vocabulary size.
     ``added``: tokens added as text, not special (as Qwen's ``<think>``)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
