@@ -143,7 +143,9 @@ class Choices:
                 # As OpenAI's and vLLM's: calls the model chose end "tool_calls", a named one "stop".
                 if c.finish_reason == "stop" and (self.req.tools is None or self.req.tools.choice != "named"):
                     c.finish_reason = "tool_calls"
-            choice["delta"] = delta if delta or not msg.finish_reason else {}
+            if not delta and not msg.finish_reason and not logprobs:
+                return chunks  # nothing to say yet (text a parser holds back): no chunk, as vLLM sends none
+            choice["delta"] = delta
             choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}
         else:
             choice["text"] = text
@@ -167,6 +169,8 @@ class Choices:
         c.text_len += len(text)
         if self.req.chat:
             c.content.append(text)
+            if not text and c.finish_reason is None:
+                return []  # a token whose character is not complete yet: nothing to send
             fields = f',"delta":{{"content":{_json_str(text)}}}' if text else ',"delta":{}'
         else:
             fields = f',"text":{_json_str(text)}'

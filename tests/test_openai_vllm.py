@@ -470,6 +470,22 @@ def test_reasoning_content_streamed_and_not(client):
 
 
 # -- the Responses API --------------------------------------------------------------------------
+def test_a_stream_sends_no_chunk_that_says_nothing(client, hf):
+    """Text a parser holds back (``<think>``, a tool call being read) or a character not yet
+    complete sends no chunk of its own, as vLLM's streams send none."""
+    steer = {"guided_choice": ["<think>pondering it</think>the answer"]}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, extra_body=steer,
+                                                 stream=True))
+    lead = _id(hf, "Ã")  # half of a two-byte character: a token whose text is not out yet
+    chunks += list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0,
+                                                  stream=True, extra_body={"allowed_token_ids": [lead],
+                                                                           "ignore_eos": True}))
+    for c in chunks:
+        for choice in c.choices:
+            d = choice.delta
+            assert choice.finish_reason or d.role or d.content or getattr(d, "reasoning_content", None), c
+
+
 def test_responses_text_is_the_chats_streamed_and_not(client):
     kwargs = dict(model=MODEL, input="hello world", instructions="be brief", max_output_tokens=8, temperature=0,
                   extra_body={"ignore_eos": True})
