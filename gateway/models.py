@@ -135,17 +135,23 @@ class Router:
         if len(self.cores) == 1 and len(self.default.shards) == 1:
             await self.default.cancel(request_id)
             return True
-        for core in self.cores.values():
-            if core.relaying(request_id):  # relayed by this process: its shard is known
-                await core.cancel(request_id)
-                return True
+        if len(self.cores) == 1 and self.default.relaying(request_id):  # relayed here: its shard is known
+            await self.default.cancel(request_id)
+            return True
+        # Several models: an id is claimed per model, so two models may each hold a request of
+        # it (through different gateways, or this one); the cancel stops every one.
         found = False
         for core in self.cores.values():
+            hit = False
             for keys in core.shards:
                 if await retry(lambda k=keys, c=core: c.redis.exists(k.idempotency(request_id)),
                                what="cancel_lookup", attempts=CANCEL_LOOKUP_ATTEMPTS):  # then UNAVAILABLE
                     await core.cancel(request_id, keys=keys)
-                    found = True
+                    hit = True
+            if not hit and core.relaying(request_id):  # its claim gone (past its TTL): its shard by the id
+                await core.cancel(request_id)
+                hit = True
+            found = found or hit
         if not found and len(self.cores) == 1:
             await self.default.cancel(request_id)  # not queued yet: where it will be
             return True

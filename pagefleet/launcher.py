@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pagefleet.common.redis import RedisServer, redacted
+from pagefleet.common.redis import RedisServer, namespace_flag, redacted
 from pagefleet.common.service import EnvArgumentParser, add_common_flags, free_port, guarded_argv
 from pagefleet.scheduler.placement import PLACEMENTS
 
@@ -487,7 +487,7 @@ def build_parser() -> EnvArgumentParser:
                         "throwaway cluster of 3 primaries with a replica each is started here")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (every worker on this device)")
     p.add_argument("--redis-url", default=None, help="an external Redis (default: start one in a temp dir)")
-    p.add_argument("--namespace", default="pf",
+    p.add_argument("--namespace", default="pf", type=namespace_flag,
                    help="the prefix of every Redis key: two clusters on one --redis-url need two namespaces")
     p.add_argument("--redis-socket", action="store_true",
                    help="the processes reach the Redis started here over its unix socket (they share this host): "

@@ -39,6 +39,11 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> 
     (["gateway", "--port", "-1"], {}, "--port"),
     (["generate", "hi", "--max-tokens", "-1"], {}, "--max-tokens"),
     (["generate", "hi", "--priority", "99999999999"], {}, "--priority"),
+    # A hash tag in the namespace would put every shard's keys in one slot of a Redis Cluster.
+    (["up", "--namespace", "x{y}"], {}, "--namespace"),
+    (["scheduler", "--namespace", "x{y}", "--redis-cluster"], {}, "--namespace"),
+    (["gateway", "--namespace", ""], {}, "--namespace"),
+    (["bench", "token-path", "--primaries", "3"], {}, "--primaries sizes the throwaway Redis Cluster"),  # was ignored
 ])
 def test_a_bad_value_is_one_line_naming_it_before_anything_starts(args, env, says):
     t0 = time.monotonic()

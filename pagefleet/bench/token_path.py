@@ -433,8 +433,10 @@ def add_shard_flags(p: argparse.ArgumentParser) -> None:
                         "figures per Redis primary and per scheduler")
     g.add_argument("--redis-cluster", action="store_true",
                    help="on a Redis Cluster: a throwaway one of --primaries primaries, or --redis-url's")
-    g.add_argument("--primaries", type=int, default=3, help="primaries of the throwaway Redis Cluster (1, or 3+)")
-    g.add_argument("--replicas", type=int, default=0, help="replicas of each primary of the throwaway Redis Cluster")
+    g.add_argument("--primaries", type=int, default=None,
+                   help="primaries of the throwaway Redis Cluster (1, or 3+; default 3); with --redis-cluster only")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="replicas of each primary of the throwaway Redis Cluster (default 0); with --redis-cluster only")
     g.add_argument("--redis-url", default=None,
                    help="a running Redis (with --redis-cluster: a node of a running cluster) instead of a throwaway one")
 
@@ -443,6 +445,11 @@ def shard_flags_error(args) -> str | None:
     """What is wrong with the shard flags, or None."""
     if args.shards is not None and not 1 <= args.shards <= args.workers:
         return f"--shards must be between 1 and --workers ({args.workers}), got {args.shards}"
+    for flag, value in (("--primaries", args.primaries), ("--replicas", args.replicas)):
+        if value is not None and not args.redis_cluster:
+            return f"{flag} sizes the throwaway Redis Cluster: it needs --redis-cluster"
+    args.primaries = 3 if args.primaries is None else args.primaries
+    args.replicas = 0 if args.replicas is None else args.replicas
     if args.primaries < 1 or args.primaries == 2:
         return f"--primaries: 1, or 3 and more (redis-cli --cluster create wants 3), got {args.primaries}"
     if args.replicas < 0:

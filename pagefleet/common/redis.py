@@ -239,7 +239,20 @@ def add_redis_flags(parser) -> None:
     parser.add_argument("--redis-cluster", action="store_true",
                         help="--redis-url is a node of a Redis Cluster (the client finds the others); every "
                              "key of a shard carries the shard's hash tag, so each shard lives in one slot")
-    parser.add_argument("--namespace", default="pf", help="prefix of every Redis key")
+    parser.add_argument("--namespace", default="pf", type=namespace_flag,
+                        help="prefix of every Redis key (no braces: each shard's hash tag follows it)")
+
+
+def namespace_flag(value: str) -> str:
+    """``--namespace``: a key prefix that holds no hash tag of its own. Redis Cluster hashes a key
+    by its first ``{...}``: a namespace ``x{y}`` would put every shard's keys in the slot of ``y``."""
+    import argparse
+
+    if not value or "{" in value or "}" in value:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: a namespace is not empty and holds no '{{' or '}}' (Redis Cluster hashes a key by its "
+            "first {...}: every shard's keys would land in one slot)")
+    return value
 
 
 SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
