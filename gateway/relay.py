@@ -478,12 +478,13 @@ async def relay_steps(redis, keys: Keys, r: StepRelay, num_prompt_tokens: int,
     fed it, merged into one message while its client was away; from the request's own output
     stream once detached or when it saw nothing for ``SILENCE_S`` while that stream holds more.
     ``stream_interval``: hold tokens back until that many are waiting (or the request ends).
-    ``on_silence``: awaited after each ``SILENCE_S`` without a message while none was relayed
-    yet (the gateway checks the request was not lost)."""
+    ``on_silence``: awaited after each ``SILENCE_S`` without a message (the gateway checks the
+    request was not lost: a failover that rolls back its entry and its assignment may come after
+    its first tokens were relayed, and its scheduler then withdraws it from its worker)."""
     r.wake_after = stream_interval
     while True:
         fed = await r.wait(SILENCE_S)
-        if not fed and on_silence is not None and r.order.next_index == 0:
+        if not fed and on_silence is not None:
             await on_silence()
         behind = r.detached or (not fed and await _stream_ahead(redis, keys, r.request_id, r.order))
         if behind or r.finished or r.num_tokens >= stream_interval:

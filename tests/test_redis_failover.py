@@ -269,3 +269,90 @@ def test_a_planned_failover_of_a_shards_primary_leaves_its_scheduler_running(tmp
                 assert client.generate("x", max_tokens=5, timeout=30).finish_reason == "length"
         finally:
             c.stop()
+
+
+def test_a_relay_silent_after_its_first_tokens_still_looks_for_its_request(monkeypatch):
+    """A failover that rolls back a request's entry and its assignment can come after the
+    request's first tokens were relayed (its scheduler, rebuilt from Redis, then withdraws it
+    from its worker as an orphan): a relay silent for ``SILENCE_S`` looks for its request
+    whatever it relayed, or its client waits for ever (a review's forced-loss run: four streams
+    stopped at ~500 of 800 tokens until their deadlines)."""
+    from pagefleet.common.redis import RedisServer
+    from pagefleet.gateway import relay as relay_mod
+
+    monkeypatch.setattr(relay_mod, "SILENCE_S", 0.05)
+    with RedisServer() as server:
+        async def go():
+            r = connect(server.url)
+            looks = []
+
+            async def on_silence():
+                looks.append(time.monotonic())
+
+            step = relay_mod.StepRelay("half-done")
+            step.feed_row(0, [5, 6, 7], "abc")
+            messages = relay_mod.relay_steps(r, Keys("t"), step, 3, on_silence=on_silence)
+            first = await messages.__anext__()
+            assert list(first.token_ids) == [5, 6, 7]
+            waiting = asyncio.ensure_future(messages.__anext__())
+            await asyncio.sleep(0.5)
+            assert len(looks) >= 3 and not waiting.done()  # silent: looked, and looked again
+            waiting.cancel()
+            await r.aclose()
+
+        asyncio.run(go())
+
+
+def test_requests_streaming_through_a_loss_that_takes_their_assignments_and_the_lease_come_back_whole(tmp_path):
+    """A loss long enough to take the scheduler's lease too (2.5 s, a 2 s lease): requests queued
+    during it stream their first tokens, then Redis loses their entries, their assignments and
+    the lease. The scheduler, rebuilt from what survived, finds them on its worker as orphans and
+    withdraws them; each relay, silent, finds its request gone and queues it again. Every stream
+    whole and equal to an undisturbed run (a review found them waiting until their deadlines at
+    ~500 of 800 tokens: a relay looked for its request only while it had relayed nothing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster_fixtures import PROMPTS, log_events, start_cluster
+
+    from pagefleet.client import Client
+
+    max_tokens = 1500  # ~600 of them stream during the loss here
+    prompts = PROMPTS[:4]
+    seeds = [None, 2001, None, 2003]
+    want = _engine_reference(prompts, max_tokens, seeds)
+    with RedisClusterServer(auto_failover=False, node_timeout_ms=1000) as redis_cluster:
+        fleet = start_cluster(tmp_path, num_workers=1, redis_url=redis_cluster.url, redis_cluster=True,
+                              worker_args=["--num-blocks", "256"], scheduler_args=["--lease-ms", "2000"],
+                              env={"OMP_NUM_THREADS": "1"})
+        try:
+            seen = [0] * len(prompts)
+
+            def one(c, i):
+                kwargs = {"temperature": 0} if seeds[i] is None else {"temperature": 0.9, "seed": seeds[i]}
+                tokens, finish = [], 0
+                for msg in c.generate_stream(prompts[i], max_tokens=max_tokens, ignore_eos=True, timeout=180,
+                                             **kwargs):
+                    assert msg.index == len(tokens), "a token shown twice or skipped"
+                    tokens.extend(msg.token_ids)
+                    seen[i] = len(tokens)
+                    finish = msg.finish_reason or finish
+                return tokens, finish
+
+            with Client(fleet.gateway_target) as c, ThreadPoolExecutor(len(prompts)) as pool:
+                futures = []
+
+                def write():
+                    futures.extend(pool.submit(one, c, i) for i in range(len(prompts)))
+                    start = time.monotonic()
+                    while (min(seen) < 8 or time.monotonic() - start < 2.5) and time.monotonic() - start < 30:
+                        time.sleep(0.02)
+                    assert max(seen) < max_tokens, "a request finished before the loss: nothing left to test"
+
+                assert lose_writes(redis_cluster, Keys("pf", "s0").requests, write) > 0
+                results = [f.result(timeout=180) for f in futures]
+        finally:
+            fleet.stop()
+        requeued = {e["request_id"] for e in log_events(tmp_path, "gateway") if e.get("event") == "request.requeued_lost"}
+    assert [t for t, _ in results] == want
+    assert all(f == 2 for _, f in results)  # FINISH_REASON_LENGTH
+    assert requeued, "the loss was meant to take requests that had streamed tokens"
