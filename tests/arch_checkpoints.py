@@ -23,6 +23,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", {}),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True, mlp_only_layers=[1])),
+    # transformers' Qwen3-MoE slides on every layer, max_window_layers or not (Qwen2/3 slide from it on).
+    "qwen3_moe-window": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     # Untied heads: a tied Gemma of random weights mostly repeats its last token.
     "gemma2": ("Gemma2Config", dict(sliding_window=WINDOW, tie_word_embeddings=False, attn_logit_softcapping=0.5,
                                     final_logit_softcapping=5.0, query_pre_attn_scalar=24)),

@@ -144,6 +144,10 @@ class ModelConfig:
         if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None
         layer_types = tuple(cfg.get("layer_types") or _default_layer_types(model_type, cfg))
+        if model_type == "qwen3_moe":
+            # transformers' Qwen3-MoE gives every layer the window (its attention reads
+            # config.sliding_window alone: no max_window_layers, no layer_types), unlike Qwen2/3.
+            layer_types = ()
         if window is None:
             layer_types = ()
         return cls(
@@ -208,7 +212,7 @@ def _default_layer_types(model_type: str, cfg: dict[str, Any]) -> tuple[str, ...
                "gemma3_text": cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6}
     if model_type in pattern:
         return tuple(SLIDING if (i + 1) % pattern[model_type] else FULL for i in range(n))
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen3"):
         first = cfg.get("max_window_layers", 28)
         return tuple(SLIDING if i >= first else FULL for i in range(n))
     return ()
