@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pagefleet import Engine, SamplingParams
 
-    engine = Engine(args.model, device=args.device)
+    try:
+        engine = Engine(args.model, device=args.device)
+    except (ValueError, OSError) as e:  # a model that does not load: why, in one line
+        print(f"pagefleet run: --model {args.model}: {e}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
         ids = [engine.add_request(p, params) for p in args.prompt]

@@ -141,3 +141,19 @@ def test_up_takes_a_namespace_for_a_second_cluster_on_one_redis(monkeypatch):
     with pytest.raises(Stop):
         launcher.main(["--namespace", "second", "--redis-url", "redis://127.0.0.1:1", "--port", "0", "--http-port", "0"])
     assert seen == {"namespace": "second"}
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line_naming_why(tmp_path):
+    """``pagefleet models DIR`` printed the checkpoint's table (exit 0) for an activation no
+    layer has, and ``run`` a traceback; both now name it in one line, as the gateway refuses it."""
+    from conftest import make_checkpoint
+
+    from pagefleet.common.model_config import load_model_spec
+
+    path = make_checkpoint(tmp_path / "relu2", "llama", hidden_act="relu2")
+    with pytest.raises(ValueError, match="hidden_act 'relu2'"):
+        load_model_spec(str(path))
+    for args in (["models", str(path)], ["run", "--model", str(path), "hi"], ["models", str(tmp_path / "none")]):
+        out = _run(*args)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (args, out.stderr[-2000:])
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr

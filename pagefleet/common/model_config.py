@@ -34,6 +34,9 @@ SUPPORTED = {
     "gpt_oss": "GptOssForCausalLM",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# The MLP activations the worker's layers have (worker/models/layers.py ``ACTIVATIONS``), checked
+# here so that a gateway or ``pagefleet models`` refuses a checkpoint its workers cannot load.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 # Each architecture's config defaults, as transformers' config classes have them: a key that
 # config.json leaves out (transformers drops values equal to its defaults when it saves, and
 # Gemma 3's vision-language checkpoints give only a few of their text model's) means this.
@@ -138,6 +141,9 @@ class ModelConfig:
         theta, rope_type, rope = _rope_of(cfg)
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = cfg.get("sliding_window")
@@ -170,7 +176,7 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            hidden_act=act,
             layer_types=layer_types,
             hf=dict(cfg),
         )

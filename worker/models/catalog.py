@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         for model_type, hf_name in SUPPORTED.items():
             print(f"{model_type:<{width}}  {hf_name:<32} {summary(model_type)}")
         return 0
-    for key, value in features(args.checkpoint).items():
+    try:
+        table = features(args.checkpoint)
+    except (ValueError, OSError) as e:  # a checkpoint that does not load: why, in one line
+        parser.exit(2, f"pagefleet models: {args.checkpoint}: {e}\n")
+    for key, value in table.items():
         print(f"{key:<20} {value}")
     return 0
