@@ -243,3 +243,15 @@ def test_yarn_extends_the_context_as_the_model_cards_say(tmp_path):
     engine = Engine(str(path), device="cpu")
     assert engine.max_model_len == 64
     assert engine.generate([prompt], GREEDY)[0].token_ids == hf_greedy(path, [prompt], MAX_TOKENS)[0]
+
+
+def test_attention_both_ways_is_refused_not_run_causally(tmp_path):
+    """A Gemma 3 text config with ``use_bidirectional_attention`` (EmbeddingGemma's) ran causally,
+    its tokens other than transformers' from the first; it is refused by name."""
+    import transformers
+
+    transformers.Gemma3TextConfig(vocab_size=199, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  use_bidirectional_attention=True).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        load_model_spec(str(tmp_path))

@@ -141,6 +141,9 @@ class ModelConfig:
         theta, rope_type, rope = _rope_of(cfg)
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+        if cfg.get("use_bidirectional_attention"):  # EmbeddingGemma's: every token sees every other
+            raise ValueError("use_bidirectional_attention: not a causal language model (attention both ways "
+                             "is for embeddings, which pagefleet does not serve)")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
