@@ -102,6 +102,11 @@ def request_id_of(header: str) -> str:
     return "xrid-" + hashlib.blake2b(header.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
 
 
+def _header_safe(value: str) -> bool:
+    """Whether ``value`` can be an HTTP header's value as it is (printable ASCII)."""
+    return value.isascii() and value.isprintable()
+
+
 def _rename(checked: list[tuple[pb.GenerateRequest, list[int]]], base_id: str) -> str:
     """Give the choices the ids of ``base_id`` (``fan_out``'s: itself alone, else
     ``<base_id>-<choice>``); the first choice's."""
@@ -154,6 +159,8 @@ class OpenAIDoor:
         except BaseException:
             _end(call, 500)
             raise
+        relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
+        handed = False  # to the stream or the collector, which close it however they end
         try:
             # The answer's id, as vLLM's: the route's prefix and the request's id (a client's too).
             answer_id = base_id if base_id.startswith(req.id_prefix) else f"{req.id_prefix}{base_id}"
@@ -165,14 +172,20 @@ class OpenAIDoor:
                                   self.chat_outputs(req))
             for i, q in enumerate(queued):
                 choices.set_prompt_tokens(i, q.num_prompt_tokens)
-            relays = self.core.relay_all(queued)  # from here on, closing it cancels what has not finished
-            # The client's own header back (a mesh's, whatever its form), else the id chosen here.
-            headers = {"X-Request-Id": request.headers.get("x-request-id") or req.request_id or base_id}
+            # The client's own header back (a mesh's, whatever its form), else the id chosen here;
+            # a body's id where it can be a header's value (it may hold any character).
+            body_id = req.request_id if req.request_id and _header_safe(req.request_id) else None
+            headers = {"X-Request-Id": request.headers.get("x-request-id") or body_id or base_id}
             if req.stream:
-                return EventStream(self._events(choices, relays, call), relays, call,
-                                   headers={**headers, "Cache-Control": "no-cache"})
+                stream = EventStream(self._events(choices, relays, call), relays, call,
+                                     headers={**headers, "Cache-Control": "no-cache"})
+                handed = True
+                return stream
+            handed = True
             return await self._collect(request, choices, relays, call, headers)
         finally:
+            if not handed:  # failed before anyone read them: cancelled, not left running for no one
+                await relays.aclose()
             self._release(req)  # what an unstreamed answer held (``_hold``): nothing for a stream
 
     async def _admit(self, request: Request, parse, call: CallObserver) -> tuple[ApiRequest, list[Queued], str]:

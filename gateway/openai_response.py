@@ -56,6 +56,21 @@ class TokenPieces:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._lengths: dict[tuple[int, bool], int] = {}
+
+    def text_length(self, token_id: int, skip_special_tokens: bool = True) -> int:
+        """The characters ``token_id`` adds to an output's text (none for a special token skipped;
+        completions' ``text_offset`` moves by it)."""
+        key = (token_id, skip_special_tokens)
+        n = self._lengths.get(key)
+        if n is None:
+            if isinstance(self._tokenizer, ByteTokenizer):
+                n = 1 if token_id < 256 else 0
+            else:
+                n = len(self._tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens))
+            if len(self._lengths) < 65536:
+                self._lengths[key] = n
+        return n
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         piece = self._cache.get(token_id)
@@ -266,6 +281,7 @@ class Choices:
         entries = []
         offset = c.text_len
         pieces = _as_token_ids if self.req.tokens_as_ids else self.pieces
+        skip = not self.req.sampling.HasField("skip_special_tokens") or self.req.sampling.skip_special_tokens
         for token_id, lp in zip(msg.token_ids, msg.logprobs, strict=False):
             text, raw = pieces(token_id)
             tops = [(pieces(t.token_id), _finite(t.logprob)) for t in lp.top_logprobs]
@@ -276,7 +292,7 @@ class Choices:
                 top = {t: v for (t, _), v in tops}
                 top.setdefault(text, _finite(lp.logprob))
                 entries.append((text, _finite(lp.logprob), top, min(offset, c.text_len + len(msg.text))))
-                offset += len(self.pieces(token_id)[0])  # the token's own text, however it is named
+                offset += self.pieces.text_length(token_id, skip)  # what it adds to the text, however it is named
         if not self.req.stream:
             c.logprobs.extend(entries)
         return entries

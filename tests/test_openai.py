@@ -84,9 +84,10 @@ CONVERSATIONS = [
 ]
 
 
-def build_tokenizer(path: Path, added: tuple[str, ...] = ()) -> int:
+def build_tokenizer(path: Path, added: tuple = ()) -> int:
     """A byte-level BPE tokenizer (BOS added like Llama's) trained here; its vocabulary size.
-    ``added``: tokens added as text, not special (as Qwen's ``<think>``)."""
+    ``added``: tokens added as text, not special (as Qwen's ``<think>``): strings, or
+    ``tokenizers.AddedToken``s as they are."""
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -105,7 +106,7 @@ def build_tokenizer(path: Path, added: tuple[str, ...] = ()) -> int:
     corpus = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
               "Bonjour à tous, ça va très bien", "request 1: count to ten, then stop"] * 50
     tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    tok.add_tokens([t if isinstance(t, AddedToken) else AddedToken(t, special=False, normalized=False) for t in added])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(path / "tokenizer.json"))
     return tok.get_vocab_size()
@@ -919,3 +920,22 @@ def test_an_integral_float_is_an_integer_as_vllm_reads_it():
     with pytest.raises(BadParam) as info:
         parse_completion({"prompt": "x", "max_tokens": 2.5})
     assert info.value.param == "max_tokens"
+
+
+def test_text_offsets_move_by_what_a_token_adds_to_the_text_not_its_name():
+    """A special token's logprob entry is its name (``</s>``); its text offset moves by the
+    nothing it adds to the text (a review found offsets of [0, 2, 2, 2] for "abc")."""
+    from pagefleet.common.tokenizer import ByteTokenizer
+    from pagefleet.gateway.openai_response import Choices, TokenPieces
+    from pagefleet.protos import generation_pb2 as pb
+
+    req = parse_completion({"prompt": "x", "logprobs": 0, "max_tokens": 4, "ignore_eos": True})
+    choices = Choices(req, "cmpl-1", "m", TokenPieces(ByteTokenizer()))
+    for msg in (pb.GenerateResponse(request_id="r", index=0, token_ids=[ByteTokenizer.EOS, 97, 98], text="ab"),
+                pb.GenerateResponse(request_id="r", index=3, token_ids=[99], text="c",
+                                    finish_reason=pb.FINISH_REASON_LENGTH)):
+        for _ in msg.token_ids:
+            msg.logprobs.add().logprob = -0.1
+        choices.add(0, msg)
+    lp = choices.body()["choices"][0]["logprobs"]
+    assert (lp["tokens"], lp["text_offset"]) == (["</s>", "a", "b", "c"], [0, 0, 1, 2])

@@ -194,6 +194,19 @@ def test_a_bodys_request_id_is_the_clients_own_id(cluster):
     (s1, h1, a1), (s2, h2, a2) = answers
     assert (s1, s2, h1, h2) == (200, 200, "body-rid-7", "body-rid-7")
     assert a1["choices"][0]["text"] == a2["choices"][0]["text"]
+    # An id no header can carry as it is (any string is one in vLLM): answered, the header the id
+    # chosen from it (it was a 500 after the request was queued, which then ran for no one).
+    for rid, stream in (("请求-1", True), ("a\nb", False)):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                         body=json.dumps({**body, "request_id": rid, "stream": stream}))
+            resp = conn.getresponse()
+            text = resp.read().decode()
+            assert resp.status == 200 and resp.getheader("X-Request-Id", "").startswith("xrid-"), (rid, text)
+            assert '"finish_reason":"length"' in text.replace(" ", ""), text
+        finally:
+            conn.close()
 
 
 def test_echo_and_truncate_prompt_tokens(client):

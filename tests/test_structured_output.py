@@ -301,13 +301,24 @@ def test_min_tokens_with_only_end_tokens_allowed_is_refused_at_the_door_and_by_t
     assert engine.generate([[1, 2, 3]], fine)[0].token_ids[:3] == [65, 65, 65]
 
 
-ADDED_AS_TEXT = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # as Qwen's tokenizer adds them
+def _added_as_text() -> tuple:
+    from tokenizers import AddedToken
+
+    # As Qwen's tokenizer adds them; then one of byte-level symbols (its bytes are not its text's)
+    # and one that takes the space before it (matched in " <tag>", its bytes "<tag>").
+    return ("<think>", "</think>", "<tool_call>", "</tool_call>", "é!",
+            AddedToken("<tag>", lstrip=True, special=False, normalized=False))
+
+
+ADDED_AS_TEXT = _added_as_text()
 LITERALS = [
     StructuredOutputs(choice=("<think>yes", "<think>no")),
     StructuredOutputs(regex="abc</think>hello"),
     StructuredOutputs(regex="x</s>y"),  # a special token's text, as text
     StructuredOutputs(json=json.dumps({"type": "object", "properties": {"tag": {"const": "<tool_call>"}},
                                        "required": ["tag"], "additionalProperties": False})),
+    StructuredOutputs(choice=("café!", "non")),
+    StructuredOutputs(regex="x <tag>y"),
 ]
 
 
@@ -331,7 +342,8 @@ def _fits(text: str, so: StructuredOutputs) -> bool:
     return json.loads(text) == {"tag": "<tool_call>"}
 
 
-@pytest.mark.parametrize("so", LITERALS, ids=["choice", "added-regex", "special-regex", "json-const"])
+@pytest.mark.parametrize("so", LITERALS, ids=["choice", "added-regex", "special-regex", "json-const", "byte-symbols",
+                                               "lstrip"])
 def test_every_token_a_mask_allows_its_matcher_takes(added_tokens_checkpoint, so):
     """llguidance's own loader makes every added token special yet forced a literal's text as
     them: the mask allowed ``<think>``'s id, its matcher refused it, and the request ended

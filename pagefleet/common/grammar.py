@@ -139,15 +139,22 @@ class _HFTokens:
 
     def __call__(self, text: bytes) -> list[int]:
         ids = self._base.tokenize_bytes(text)
-        if self._special.isdisjoint(ids):
+        tokens = self.tokens
+        if self._special.isdisjoint(ids) and b"".join([tokens[i] for i in ids]) == text:
             return ids
-        out: list[int] = []
-        for i in ids:
-            if i in self._special:
-                out.extend(self._base.greedy_tokenize(self.tokens[i].decode("utf-8", "replace")))
-            else:
-                out.append(i)
-        return out
+        # A special token, or an added token whose bytes are not the text it was matched in (one
+        # that strips the space before it; one of byte-level symbols): the text, token by token
+        # of the vocabulary's own (llguidance's greedy walk, which uses no added token).
+        try:
+            return self._base.greedy_tokenize(text.decode("utf-8"))
+        except UnicodeDecodeError:  # part of a character: as the tokenizer gave it, specials as text
+            out: list[int] = []
+            for i in ids:
+                if i in self._special:
+                    out.extend(self._base.greedy_tokenize(tokens[i].decode("utf-8", "replace")))
+                else:
+                    out.append(i)
+            return out
 
 
 class _ByteTokens:
