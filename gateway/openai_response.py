@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring as _json_str
 from typing import Any
 
+from pagefleet.common.step_write import stop_of
 from pagefleet.common.tokenizer import ByteTokenizer
 from pagefleet.protos import generation_pb2 as pb
 
@@ -92,6 +93,7 @@ class _Choice:
     num_tokens: int = 0
     num_prompt_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token that ended it
     error: str = ""
     text_len: int = 0  # characters of text so far (completions' text_offset)
     logprobs: list[Any] = field(default_factory=list)  # chat entries, or completions' (token, lp, top, offset)
@@ -144,6 +146,7 @@ class Choices:
         c.num_tokens += len(msg.token_ids)
         if msg.finish_reason:
             c.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
+            c.stop_reason = stop_of(msg)
             c.error = msg.error
         logprobs = self._logprobs(c, msg) if self.req.logprobs is not None else None
         c.text_len += len(msg.text)
@@ -154,7 +157,7 @@ class Choices:
             if calls:
                 chunks.append(self._chunk([{"index": index, "delta": {"tool_calls": [
                     {"index": k, **call.as_openai()} for k, call in enumerate(calls)]},
-                    "logprobs": None, "finish_reason": None}]))
+                    "logprobs": None, "finish_reason": None, "stop_reason": None}]))
                 # As OpenAI's and vLLM's: calls the model chose end "tool_calls", a named one "stop".
                 if c.finish_reason == "stop" and (self.req.tools is None or self.req.tools.choice != "named"):
                     c.finish_reason = "tool_calls"
@@ -166,6 +169,7 @@ class Choices:
             choice["text"] = text
             choice["logprobs"] = None if logprobs is None else _completion_logprobs(logprobs)
         choice["finish_reason"] = c.finish_reason
+        choice["stop_reason"] = c.stop_reason
         return [*chunks, self._chunk([choice])]
 
     def events(self, index: int, msg: pb.GenerateResponse) -> list[bytes]:
@@ -180,6 +184,7 @@ class Choices:
         c.num_tokens += len(msg.token_ids)
         if msg.finish_reason:
             c.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
+            c.stop_reason = stop_of(msg)
             c.error = msg.error
         c.text_len += len(text)
         if self.req.chat:
@@ -190,7 +195,10 @@ class Choices:
         else:
             fields = f',"text":{_json_str(text)}'
         reason = "null" if c.finish_reason is None else _json_str(c.finish_reason)
-        return [f'{self._head}{index}{fields},"logprobs":null,"finish_reason":{reason}}}]{self._tail}'.encode()]
+        stop = c.stop_reason
+        stop = "null" if stop is None else _json_str(stop) if isinstance(stop, str) else str(stop)
+        return [f'{self._head}{index}{fields},"logprobs":null,"finish_reason":{reason},"stop_reason":{stop}}}]'
+                f'{self._tail}'.encode()]
 
     def _chat_delta(self, c: _Choice, text: str, last: bool) -> tuple[dict[str, Any], list[Any]]:
         """A chat message's delta (content and reasoning) and, with the last, its tool calls."""
@@ -227,7 +235,7 @@ class Choices:
     def role_chunk(self, index: int) -> dict[str, Any]:
         """Chat streams open each choice with the assistant's role."""
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
+                             "logprobs": None, "finish_reason": None, "stop_reason": None}])
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
@@ -260,6 +268,7 @@ class Choices:
                 choice["text"] = text
                 choice["logprobs"] = None if self.req.logprobs is None else _completion_logprobs(c.logprobs)
             choice["finish_reason"] = c.finish_reason
+            choice["stop_reason"] = c.stop_reason
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}

@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 
 from pagefleet.common.fencing import entry_of, outputs_of, read_record, steps_field
 from pagefleet.common.redis import GATEWAY_TTL_S, SCHEDULER_STEPS, Keys, OutEntry, retry
-from pagefleet.common.step_write import row_fields
+from pagefleet.common.step_write import row_fields, set_stop, stop_of
 from pagefleet.protos import cluster_pb2
 from pagefleet.protos import generation_pb2 as pb
 
@@ -286,6 +286,8 @@ class StepRelay:
         if last is not None:
             msg.finish_reason = FINISH.get(last.finish_reason, pb.FINISH_REASON_ERROR)
             msg.error = last.error
+            if (stop := stop_of(last)) is not None:
+                set_stop(msg, stop)
         self._start = self.order.next_index
         self._clear()
         return msg
@@ -522,4 +524,6 @@ def _merged(request_id: str, ms: list[OutEntry]) -> pb.GenerateResponse:
     if last.finish_reason:
         msg.finish_reason = FINISH.get(last.finish_reason, pb.FINISH_REASON_ERROR)
         msg.error = last.error
+        if last.stop is not None:
+            set_stop(msg, last.stop)
     return msg

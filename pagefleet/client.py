@@ -45,6 +45,7 @@ class Completion:
     error: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stop_reason: str | int | None = None  # with "stop": the stop string or stop token that ended it
 
     def add(self, msg: pb.GenerateResponse) -> None:
         if msg.index != len(self.token_ids):
@@ -57,6 +58,8 @@ class Completion:
             self.error = msg.error
             self.prompt_tokens = msg.usage.prompt_tokens
             self.completion_tokens = msg.usage.completion_tokens
+            kind = msg.WhichOneof("stop_reason")
+            self.stop_reason = getattr(msg, kind) if kind else None
 
 
 def build_request(

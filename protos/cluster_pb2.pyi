@@ -488,7 +488,7 @@ class SchedulerState(_message.Message):
     def __init__(self, active: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., waiting_request_ids: _Optional[_Iterable[str]] = ..., num_preemptions: _Optional[int] = ..., num_reassigned: _Optional[int] = ..., policy: _Optional[str] = ..., placement: _Optional[str] = ..., num_prefix_index_keys: _Optional[int] = ..., num_migrated: _Optional[int] = ..., num_transfers_expired: _Optional[int] = ..., num_in_transfer: _Optional[int] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "error", "logprobs", "text_lengths")
+    __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "error", "logprobs", "text_lengths", "stop_string", "stop_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +497,8 @@ class StepOutput(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -505,7 +507,9 @@ class StepOutput(_message.Message):
     error: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
     text_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., text_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., text_lengths: _Optional[_Iterable[int]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("outputs", "column_request_ids", "column_indices", "column_num_tokens", "column_token_ids", "column_texts")

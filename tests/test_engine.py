@@ -310,3 +310,19 @@ def test_bad_sampling_params_are_refused_when_added_and_harm_no_other_request(ba
     while engine.has_unfinished_requests():
         engine.step()
     assert "bad" not in engine.requests
+
+
+def test_stop_reason_is_the_stop_string_or_token_that_ended_it():
+    """As vLLM's ``stop_reason``: the stop string that appeared, or the request's own stop token;
+    None when the length ended it."""
+    engine = Engine("tiny", num_blocks=64)
+    free = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert free.stop_reason is None and free.finish_reason == "length"
+    cut = free.text[3:5]
+    by_string = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                            stop=[cut]))[0]
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", cut)
+    token = free.token_ids[4]
+    by_token = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                           stop_token_ids=[token]))[0]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)

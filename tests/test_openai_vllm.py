@@ -146,6 +146,32 @@ def test_stop_string_included_on_request(client, hf):
     assert incl.choices[0].text == "thethe" and incl.choices[0].finish_reason == "stop"
 
 
+def test_stop_reason_names_the_stop_string_or_token_as_vllm(cluster, client, hf):
+    """vLLM's ``stop_reason``: the stop string, or the stop token's id (one of the request's
+    ``stop_token_ids``), that ended a choice; null when the length or the model's end did."""
+    the = _id(hf, "the")
+    kwargs = dict(model=MODEL, prompt="hello", max_tokens=8, temperature=0, logit_bias={str(the): 100})
+    by_string = client.completions.create(**kwargs, stop=["ethe"], extra_body={"ignore_eos": True})
+    assert (by_string.choices[0].finish_reason, by_string.choices[0].stop_reason) == ("stop", "ethe")
+    by_token = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "stop_token_ids": [the]})
+    assert (by_token.choices[0].finish_reason, by_token.choices[0].stop_reason) == ("stop", the)
+    by_length = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert (by_length.choices[0].finish_reason, by_length.choices[0].stop_reason) == ("length", None)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                                 logit_bias={str(the): 100}, stop=["ethe"], stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [(e.finish_reason, e.stop_reason) for e in ends] == [("stop", "ethe")]
+    from pagefleet.client import Client
+
+    with Client(cluster.gateway_target) as c:  # gRPC: GenerateResponse.stop_string / stop_token_id
+        free = c.generate("hello", model=MODEL, max_tokens=8, temperature=0, ignore_eos=True)
+        cut = c.generate("hello", model=MODEL, max_tokens=8, temperature=0, ignore_eos=True, stop=[free.text[2:4]])
+        token = c.generate("hello", model=MODEL, max_tokens=8, temperature=0, ignore_eos=True,
+                           stop_token_ids=[free.token_ids[3]])
+    assert (free.stop_reason, cut.stop_reason, token.stop_reason) == (None, free.text[2:4], free.token_ids[3])
+
+
 def test_skip_special_tokens(client, hf):
     end = _id(hf, "<|end|>")
     kwargs = dict(model=MODEL, prompt="hello", max_tokens=3, temperature=0)

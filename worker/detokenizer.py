@@ -23,7 +23,7 @@ class StreamingTokenizer(Protocol):
 
 class IncrementalDetokenizer:
     __slots__ = ("_stream", "_done", "_tail", "_stops", "_hold", "_include_stop", "_min_tokens", "_num_pushed",
-                 "_stopped")
+                 "_stopped", "stop_string")
 
     def __init__(self, tokenizer: StreamingTokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
                  *, include_stop: bool = False, skip_special_tokens: bool = True, min_tokens: int = 0):
@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         self._min_tokens = min_tokens
         self._num_pushed = 0  # tokens pushed (counted where there are stop strings)
         self._stopped = False  # a stop string appeared: every later push is None too
+        self.stop_string: str | None = None  # the one that appeared
 
     @property
     def text(self) -> str:
@@ -84,6 +85,7 @@ class IncrementalDetokenizer:
                 at, s = min(found, key=lambda f: f[0])
                 self._tail = tail[:at + len(s)] if self._include_stop else tail[:at]
                 self._stopped = True
+                self.stop_string = s
                 return None
         cut = len(tail) - self._hold
         if cut <= 0:

@@ -362,7 +362,7 @@ class Engine:
         index = req.num_emitted_tokens
         req.num_emitted_tokens = len(out_ids)
         return TokenDelta(req.request_id, out_ids[index:], text, index, req.finish_reason,
-                          None if lps is None else lps[len(lps) - len(out_ids) + index:])
+                          None if lps is None else lps[len(lps) - len(out_ids) + index:], stop=stop_reason_of(req))
 
     def _failed(self, req: Request, error: str) -> TokenDelta:
         """``req`` cannot go on (its constraint does not compile for this model's vocabulary): it
@@ -406,7 +406,7 @@ class Engine:
                 raise RuntimeError("engine stalled with requests pending")
         return [
             RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.detokenizer.text, r.finish_reason,
-                          r.output_logprobs)
+                          r.output_logprobs, stop_reason_of(r))
             for r in reqs
         ]
 
@@ -444,3 +444,14 @@ class Engine:
         self.kv.check_integrity()
         if self.scheduler.swap is not None:
             self.scheduler.swap.check_integrity()
+
+
+def stop_reason_of(req: Request) -> str | int | None:
+    """What stopped a finished request, as vLLM's ``stop_reason``: the stop string that appeared,
+    or the stop token of its own (``stop_token_ids``; not the model's end of sequence); else None."""
+    if req.status != RequestStatus.FINISHED_STOPPED:
+        return None
+    if req.detokenizer.stop_string is not None:
+        return req.detokenizer.stop_string
+    last = req.output_token_ids[-1] if req.output_token_ids else None
+    return last if last in req.stop_token_ids and last not in req.eos_token_ids else None

@@ -104,13 +104,14 @@ class Held:
         text = req.detokenizer.text_since(self.num_pieces, self.num_written_pieces)
         lengths = self.text_lengths.tolist()  # the characters of text each token brought
         finish_reason = error = ""
+        stop = None
         if last is not None:
             if last.token_ids:
                 end = last.index + len(last.token_ids)
                 lengths += [len(last.text)] + [0] * (len(last.token_ids) - 1)
             # (a last message of no token: its text comes after every token, past the lengths' sum)
             text += last.text
-            finish_reason, error = last.finish_reason, last.error
+            finish_reason, error, stop = last.finish_reason, last.error, last.stop
         if len(lengths) != end - index or sum(lengths) > len(text):
             lengths = []  # not one a token (never seen): the record's text is not cut, as before
         lps = req.output_logprobs
@@ -118,7 +119,7 @@ class Held:
             base = len(req.output_token_ids) - len(lps)  # the output index of lps[0]
             lps = lps[max(0, index - base):end - base] or None
         return OutEntry(index, req.output_token_ids[index:end], text, finish_reason, error, lps or None,
-                        lengths or None)
+                        lengths or None, stop)
 
 
 class EngineLoop:
@@ -266,7 +267,7 @@ class EngineLoop:
         for d in deltas:
             if d.finish_reason:
                 entry = OutEntry(d.index, list(d.token_ids), d.text, d.finish_reason, d.error or "",
-                                 logprobs=d.logprobs)
+                                 logprobs=d.logprobs, stop=d.stop)
                 enc.finish(self._final(d.request_id, entry))
                 continue
             token_ids, text = d.token_ids, d.text

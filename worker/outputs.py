@@ -20,6 +20,7 @@ class RequestOutput:
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None  # with "stop": the stop string or stop token that ended it (vLLM's)
 
 
 @dataclass(slots=True)
@@ -39,6 +40,9 @@ class TokenDelta:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # with finish_reason "error": why
+    # With "stop": the stop string that ended it, or the stop token's id (SamplingParams.stop_token_ids);
+    # None for the model's own end of sequence, as vLLM's ``stop_reason``.
+    stop: str | int | None = None
 
     @property
     def finished(self) -> bool:

@@ -57,7 +57,7 @@ from pagefleet.protos import cluster_pb2
 from .redis import GROUP, SCHEDULER_STEPS, Keys, OutEntry, execute_pipeline, retry
 from .redis_lane import BlockingLane, pack
 from .scripts import ASSIGN, FINISH
-from .step_write import Final, StepEncoder, StepWrite, messages, piece, set_output
+from .step_write import Final, StepEncoder, StepWrite, messages, piece, set_output, stop_of
 
 # A running request's owner record lives this long after its assignment (or the worker's refresh).
 REQUEST_TTL_S = 3600
@@ -119,19 +119,21 @@ def outputs_of(fields: dict, only: Iterable[bytes] | None = None):
 def add_step_output(steps, request_id: str, e: OutEntry):
     """Append ``e`` to ``steps`` (a ``StepOutputs``), built in place; the new ``StepOutput``."""
     o = steps.outputs.add()
-    set_output(o, request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs, e.text_lengths)
+    set_output(o, request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs, e.text_lengths,
+               e.stop)
     return o
 
 
 def step_piece(request_id: str, e: OutEntry) -> bytes:
     """``e`` as a one-message ``StepOutputs`` (pieces concatenated: the StepOutputs of all)."""
-    return piece(request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs, e.text_lengths)
+    return piece(request_id, e.index, e.token_ids, e.text, e.finish_reason, e.error, e.logprobs, e.text_lengths,
+                 e.stop)
 
 
 def entry_of(o) -> OutEntry:
     """A ``StepOutput`` as an ``OutEntry`` (its logprobs kept as protobuf messages)."""
     return OutEntry(o.index, list(o.token_ids), o.text, o.finish_reason, o.error, list(o.logprobs) or None,
-                    list(getattr(o, "text_lengths", ())) or None)  # a Row (one step's) has none
+                    list(getattr(o, "text_lengths", ())) or None, stop_of(o))  # a Row (one step's) has none
 
 
 class Fencing:

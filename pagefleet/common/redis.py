@@ -425,6 +425,7 @@ class OutEntry:
     error: str = ""
     logprobs: list[TokenLogprobs] | None = None
     text_lengths: list[int] | None = None
+    stop: str | int | None = None  # with "stop": the stop string, or the stop token's id, that ended it
 
     def text_from(self, skip: int) -> str:
         """The text of its tokens from its ``skip``-th on (all of it at 0; "" where it cannot be
@@ -443,7 +444,7 @@ class OutEntry:
         """The message from its ``skip``-th token on (its text and logprobs with them)."""
         return OutEntry(self.index + skip, self.token_ids[skip:], self.text_from(skip), self.finish_reason,
                         self.error, None if self.logprobs is None else self.logprobs[skip:],
-                        self.text_lengths[skip:] if self.text_lengths else None)
+                        self.text_lengths[skip:] if self.text_lengths else None, self.stop)
 
 
 def encode_request_entry(p, enqueued_ms: int) -> dict[str, bytes | str | int]:

@@ -140,7 +140,7 @@ class StepWrite:
 
 
 def set_output(o, request_id: str, index: int, token_ids, text: str, finish_reason: str = "",
-               error: str = "", logprobs=None, text_lengths=None) -> None:
+               error: str = "", logprobs=None, text_lengths=None, stop: str | int | None = None) -> None:
     """Fill ``o``, a new ``StepOutput``: its fields set one by one, the empty ones not at all
     (0.7 µs, against 1.2 for ``add(**fields)``; built in place, as appending a built one copies)."""
     o.request_id = request_id
@@ -156,6 +156,27 @@ def set_output(o, request_id: str, index: int, token_ids, text: str, finish_reas
         add_logprobs(o, logprobs)
     if text_lengths:
         o.text_lengths.extend(text_lengths)
+    if stop is not None:
+        set_stop(o, stop)
+
+
+def set_stop(o, stop: str | int) -> None:
+    """What ended a request (a ``StepOutput``'s or ``GenerateResponse``'s ``stop_reason``): the
+    stop string, or the stop token's id."""
+    if isinstance(stop, str):
+        o.stop_string = stop
+    else:
+        o.stop_token_id = stop
+
+
+def stop_of(o) -> str | int | None:
+    """The stop string or stop token id that ended a message's request (an ``OutEntry``, a
+    ``StepOutput`` or a ``GenerateResponse``), None if none did (or a row, which ends nothing)."""
+    which = getattr(o, "WhichOneof", None)
+    if which is None:  # an OutEntry (a row has no stop either)
+        return getattr(o, "stop", None)
+    kind = which("stop_reason")
+    return getattr(o, kind) if kind else None
 
 
 def add_logprobs(o, logprobs) -> None:
@@ -169,10 +190,11 @@ def add_logprobs(o, logprobs) -> None:
 
 
 def piece(request_id: str, index: int, token_ids, text: str = "", finish_reason: str = "", error: str = "",
-          logprobs=None, text_lengths=None) -> bytes:
+          logprobs=None, text_lengths=None, stop: str | int | None = None) -> bytes:
     """One message as a one-message ``StepOutputs`` (pieces concatenated: the StepOutputs of all)."""
     steps = cluster_pb2.StepOutputs()
-    set_output(steps.outputs.add(), request_id, index, token_ids, text, finish_reason, error, logprobs, text_lengths)
+    set_output(steps.outputs.add(), request_id, index, token_ids, text, finish_reason, error, logprobs, text_lengths,
+               stop)
     return steps.SerializeToString()
 
 
