@@ -169,7 +169,11 @@ def test_stop_reason_names_the_stop_string_or_token_as_vllm(cluster, client, hf)
         cut = c.generate("hello", model=MODEL, max_tokens=8, temperature=0, ignore_eos=True, stop=[free.text[2:4]])
         token = c.generate("hello", model=MODEL, max_tokens=8, temperature=0, ignore_eos=True,
                            stop_token_ids=[free.token_ids[3]])
+        rid = f"stop-replayed-{time.monotonic_ns()}"
+        first, replayed = (c.generate("hello", model=MODEL, max_tokens=8, temperature=0, ignore_eos=True,
+                                      stop=[free.text[2:4]], request_id=rid) for _ in range(2))  # the second: a retry
     assert (free.stop_reason, cut.stop_reason, token.stop_reason) == (None, free.text[2:4], free.token_ids[3])
+    assert first.stop_reason == replayed.stop_reason == free.text[2:4]  # kept in the record a retry replays
 
 
 def test_skip_special_tokens(client, hf):
