@@ -73,12 +73,14 @@ class QueueUnavailable(Exception):
 
 
 class IdInUse(Exception):
-    """A client's request id is another request's (another prompt or sampling) while that one's
-    claim lasts: nothing was queued, and nothing of the other is relayed to this caller."""
+    """A client's request id is another request's (another prompt or sampling, or another
+    model's) while that one's claim lasts: nothing was queued, and nothing of the other is
+    relayed to this caller."""
 
-    def __init__(self, request_id: str) -> None:
-        super().__init__(f"request_id {request_id!r} is already the id of another request (another prompt or "
-                         "sampling); a retry must repeat its request exactly: give a new request a new id")
+    def __init__(self, request_id: str, model: str | None = None) -> None:
+        other = f"a request of model {model!r}" if model else "another request (another prompt or sampling)"
+        super().__init__(f"request_id {request_id!r} is already the id of {other}; a retry must repeat its "
+                         "request exactly: give a new request a new id")
         self.request_id = request_id
 
 
@@ -149,6 +151,8 @@ class GatewayCore:
         # Claim every request id in its shard (``req:<id>``), not only clients' own: set by a
         # gateway serving several models, whose Cancel looks a request's shard up by it.
         self.claim_every_id = False
+        # The other models' cores of this gateway (``Router``): a client's id is one model's at a time.
+        self.siblings: list[GatewayCore] = []
         # Set as the process shuts down (SIGTERM: a rolling restart): the streams it cuts did not
         # lose their clients, who retry elsewhere; requests with the client's own id run on.
         self.stopping = False
@@ -246,6 +250,8 @@ class GatewayCore:
         rid = request.request_id
         keys = self.shard_of(rid)
         reader = self.readers[keys.shard]
+        if client_id and self.siblings:
+            await self._refuse_if_another_models(rid)
         deadline = int(time.time() * 1000) + request.deadline_ms if request.HasField("deadline_ms") else 0
         size = self.args.block_size
         sampling = pb.SamplingParams()
@@ -306,6 +312,16 @@ class GatewayCore:
                  priority=request.priority, traceparent=msg.traceparent, model=self.name, shard=keys.shard)
         entry_id = answer[1].decode() if isinstance(answer[1], bytes) else str(answer[1])
         return Queued(rid, len(prompt_ids), fresh=True, entry_id=entry_id, fields=fields, client_id=client_id)
+
+    async def _refuse_if_another_models(self, rid: str) -> None:
+        """``IdInUse`` if another model served here holds a request of client id ``rid``: an id is
+        claimed in its model's shard, and a Cancel by the id stops the requests of every model.
+        (Looked up before this model claims it: two first calls of one id to two models at the
+        same moment may both pass.)"""
+        for other in self.siblings:
+            for keys in other.shards:
+                if await retry(lambda k=keys, o=other: o.redis.exists(k.idempotency(rid)), what="exists_claim"):
+                    raise IdInUse(rid, other.name)
 
     async def requeue_if_lost(self, q: Queued) -> None:
         """Queue ``q``'s entry again if Redis lost it: neither its entry nor an owner record is

@@ -120,6 +120,11 @@ async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int,
     retry, and of a relay whose client fell behind."""
     order = order or Reorder()
     worker, key, cursor = None, None, "0-0"
+    # The scheduler's own stream too, from its last entry before the record's first read: a
+    # final it writes (a Cancel, a deadline, a request it ends) comes there, not in the worker's.
+    ends = keys.steps(SCHEDULER_STEPS)
+    last = await retry(lambda: redis.xrevrange(ends, count=1), what="xrevrange_ends")
+    ends_cursor = last[0][0] if last else "0-0"
     while True:
         ready = [m for e in await read_record(redis, keys, request_id) for m in order.add(e)]
         if ready:
@@ -139,11 +144,16 @@ async def relay(redis, keys: Keys, request_id: str, num_prompt_tokens: int,
         if key is None:
             await asyncio.sleep(0.2)  # waiting to be placed
             continue
-        resp = await retry(lambda k=key, c=cursor: redis.xread({k: c}, count=256, block=BLOCK_MS), what="xread")
+        resp = await retry(lambda k=key, c=cursor, e=ends_cursor: redis.xread({k: c, ends: e}, count=256,
+                                                                               block=BLOCK_MS), what="xread")
         ready = []
-        for _, entries in resp or ():
+        for stream, entries in resp or ():
+            from_ends = (stream.decode() if isinstance(stream, bytes) else stream) == ends
             for entry_id, fields in entries:
-                cursor = entry_id
+                if from_ends:
+                    ends_cursor = entry_id
+                else:
+                    cursor = entry_id
                 ready += [m for o in outputs_of(fields) if o.request_id == request_id for m in order.add(entry_of(o))]
         if ready:  # what this read found, in one message
             msg = _finished(_merged(request_id, ready), order, num_prompt_tokens)

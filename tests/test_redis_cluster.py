@@ -145,20 +145,21 @@ def test_cancel_by_id_alone_reaches_the_shard_through_another_gateway(fleet):
              "the cancelled request's blocks freed")
 
 
-def test_a_cancel_stops_the_requests_of_its_id_in_every_model(fleet):
-    """An id is claimed per model: two models may each run a request of it. A Cancel by the id
-    (through the gateway relaying both, whose first look found one) stops both."""
-    rid = f"both-models-{time.monotonic_ns()}"
+def test_a_clients_id_is_one_models_at_a_time(fleet):
+    """An id is claimed in its model's shard: the same id sent to another model ran as a second
+    request, and a Cancel by it stopped both. It is refused (ALREADY_EXISTS, naming the model that
+    has it), and the Cancel stops the one request."""
+    rid = f"one-model-{time.monotonic_ns()}"
     with Client(fleet.gateway_targets[0]) as c:
-        streams = [c.generate_stream(LLAMA_PROMPTS[2], model="llama", max_tokens=400, temperature=0,
-                                     ignore_eos=True, request_id=rid, timeout=120),
-                   c.generate_stream("both models", model="tiny", max_tokens=2000, temperature=0,
-                                     ignore_eos=True, request_id=rid, timeout=120)]
-        firsts = [next(s) for s in streams]  # both run
+        stream = c.generate_stream(LLAMA_PROMPTS[2], model="llama", max_tokens=400, temperature=0,
+                                   ignore_eos=True, request_id=rid, timeout=120)
+        got = [next(stream)]  # it runs
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("both models", model="tiny", max_tokens=20, request_id=rid, timeout=60)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "'llama'" in e.value.details()
         assert c.cancel(rid) is True
-        ends = [[f, *s] for f, s in zip(firsts, streams, strict=True)]
-    assert [e[-1].finish_reason for e in ends] == [3, 3]  # FINISH_REASON_ABORT, each
-    assert sum(len(m.token_ids) for m in ends[0]) < 400 and sum(len(m.token_ids) for m in ends[1]) < 2000
+        got += list(stream)
+    assert got[-1].finish_reason == 3 and sum(len(m.token_ids) for m in got) < 400  # FINISH_REASON_ABORT
 
 
 def test_worker_and_scheduler_metrics_carry_the_model_and_the_shard(fleet):

@@ -302,3 +302,33 @@ def test_a_step_output_fed_out_of_order_is_placed_not_raised():
         assert (list(msg.token_ids), msg.finish_reason, msg.error) == ([7], pb.FINISH_REASON_ERROR, "deadline")
 
     asyncio.run(go())
+
+
+def test_a_relay_from_redis_hears_a_final_the_scheduler_writes_at_once(redis_url):
+    """A retry's relay (from Redis) blocks on its worker's stream; a final the scheduler writes
+    (a Cancel, a deadline) goes to the scheduler's own stream, and the retry heard it only at its
+    next look, ``BLOCK_MS`` (5 s) later, where the first caller's relay heard it at once."""
+    async def go():
+        r, keys = await _cluster(redis_url, "scheduler-final")
+        worker = await _writer(r, keys, "w1")
+        epoch = await worker.assign("a", 1, "w1")
+        await worker.write([Write("a", epoch, OutEntry(0, [1, 2], "xx", ""))])
+        got: list[tuple[float, pb.GenerateResponse]] = []
+
+        async def read():
+            async for msg in relay_mod.relay(r, keys, "a", 3):
+                got.append((time.monotonic(), msg))
+
+        task = asyncio.ensure_future(read())
+        await _until(lambda: got)  # its tokens so far; then it waits on w1's stream
+        await asyncio.sleep(0.3)
+        scheduler = Fencing(r, keys)  # the scheduler's writer: its own stream
+        ended = time.monotonic()
+        fenced = await scheduler.assign("a", 1, "")
+        assert (await scheduler.write([Write("a", fenced, OutEntry(2, [], "", "abort"))]))[0]
+        await asyncio.wait_for(task, 10)
+        assert [list(m.token_ids) for _, m in got] == [[1, 2], []] and got[-1][1].finish_reason == pb.FINISH_REASON_ABORT
+        assert got[-1][0] - ended < 2.0, f"the final came {got[-1][0] - ended:.2f} s after it was written"
+        await r.aclose()
+
+    asyncio.run(go())
