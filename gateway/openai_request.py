@@ -24,6 +24,7 @@ from .limits import Limits
 _DEFAULT_LIMITS = Limits()
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
+MAX_ALLOWED_TOKEN_IDS = 262_144  # past the largest vocabularies served (Gemma's 262,144); each id is checked
 MAX_CLIENT_REQUEST_ID = 1024  # a body's request_id, as long as a header may be
 _UINT32 = 2**32
 _UINT64 = 2**64
@@ -474,6 +475,9 @@ def _sampling(p: dict[str, Any]) -> pb.SamplingParams:
     if "logit_bias" in p:
         s.logit_bias.update(_logit_bias(p["logit_bias"]))
     if "allowed_token_ids" in p:
+        if isinstance(p["allowed_token_ids"], list) and len(p["allowed_token_ids"]) > MAX_ALLOWED_TOKEN_IDS:
+            raise BadParam("allowed_token_ids", f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                                                f"got {len(p['allowed_token_ids'])}")
         ids = _list_of("allowed_token_ids", p["allowed_token_ids"], int, "token ids")
         if not ids:
             raise BadParam("allowed_token_ids", "allowed_token_ids must not be empty")

@@ -69,6 +69,9 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         name = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), "sampling")
         name = _PROTO_NAMES.get(name, name)
         raise BadField(f"sampling.{name}" if name != "sampling" else name, msg) from None
+    if len(req.sampling.allowed_token_ids) > model.vocab_size:  # (each id checked below: a bound first)
+        raise BadField("sampling.allowed_token_ids", f"at most the vocabulary's {model.vocab_size} ids, "
+                                                     f"got {len(req.sampling.allowed_token_ids)}")
     for name, ids in (("logit_bias", req.sampling.logit_bias), ("allowed_token_ids", req.sampling.allowed_token_ids),
                       ("bad_words_token_ids", [t for w in req.sampling.bad_words_token_ids for t in w.ids])):
         if ids and max(ids) >= model.vocab_size:  # most requests have none: no generator a request

@@ -939,3 +939,18 @@ def test_text_offsets_move_by_what_a_token_adds_to_the_text_not_its_name():
         choices.add(0, msg)
     lp = choices.body()["choices"][0]["logprobs"]
     assert (lp["tokens"], lp["text_offset"]) == (["</s>", "a", "b", "c"], [0, 0, 1, 2])
+
+
+def test_allowed_token_ids_are_bounded_before_each_is_checked():
+    """1.5 million allowed ids were taken, each checked, and held the gateway's loop ~0.5 s."""
+    from pagefleet.gateway.validate import BadField, check
+    from pagefleet.protos import generation_pb2 as pb
+
+    with pytest.raises(BadParam) as info:
+        parse_completion({"prompt": "x", "allowed_token_ids": [1] * 300_000})
+    assert info.value.param == "allowed_token_ids" and "at most" in info.value.message
+    spec = load_model_spec("tiny")  # 259 ids
+    req = pb.GenerateRequest(request_id="r", prompt="hi", sampling=pb.SamplingParams(allowed_token_ids=[1] * 300))
+    with pytest.raises(BadField) as bad:
+        check(req, spec, 2048)
+    assert "allowed_token_ids" in str(bad.value) and "259" in str(bad.value)

@@ -383,6 +383,10 @@ def test_grpc_structured_outputs_on_the_same_path(cluster):
         with pytest.raises(grpc.RpcError) as e:
             c.generate("pick", max_tokens=10, structured_outputs=pb.StructuredOutputs(regex="a(b"))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs.regex" in e.value.details()
+        # Present and empty ("at most one of these is set"): free text, as unset (it was refused).
+        free = c.generate("pick", max_tokens=4, temperature=0, ignore_eos=True,
+                          structured_outputs=pb.StructuredOutputs())
+        assert free.finish_reason == "length" and len(free.token_ids) == 4
 
 
 @pytest.mark.parametrize(

@@ -29,9 +29,17 @@ def from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(msg.allowed_token_ids) or None,
         bad_words_token_ids=[list(w.ids) for w in msg.bad_words_token_ids] or None,
-        structured_outputs=structured_from_proto(msg.structured_outputs)
-        if msg.HasField("structured_outputs") else None,
+        structured_outputs=_structured_or_none(msg),
     )
+
+
+def _structured_or_none(msg: pb.SamplingParams) -> StructuredOutputs | None:
+    """The message's constraint; None when none is set, its message present but empty included
+    ("at most one of these is set": a builder that fills every sub-message sends it empty)."""
+    if not msg.HasField("structured_outputs"):
+        return None
+    so = structured_from_proto(msg.structured_outputs)
+    return so if so.num_set else None
 
 
 def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputs:
