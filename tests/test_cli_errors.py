@@ -157,3 +157,52 @@ def test_a_checkpoint_that_does_not_load_is_one_line_naming_why(tmp_path):
         out = _run(*args)
         assert out.returncode == 2 and "Traceback" not in out.stderr, (args, out.stderr[-2000:])
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def _worker_pids(up_pid: int) -> dict[str, int]:
+    """``up``'s worker processes by worker id."""
+    out = {}
+    for pid in _children(up_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+        except OSError:
+            continue
+        if "worker" in argv and "--worker-id" in argv:
+            out[argv[argv.index("--worker-id") + 1]] = pid
+    return out
+
+
+def test_up_serves_on_when_a_worker_is_drained_or_killed():
+    """A worker drained (SIGTERM: its requests move or resume elsewhere, then it exits 0) stopped
+    the whole of `up`, and every request in flight with it. The others serve on; `up` says so,
+    and stops once no worker is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "pagefleet", "up", "--port", "0", "--http-port", "0",
+                             "--workers", "2", "--workers-per-process", "1", "--engine", "sim", "--log-level",
+                             "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("pagefleet ready") or not line:
+                break
+        assert line.startswith("pagefleet ready"), line
+        target = line.split("gateway ", 1)[1].split(",", 1)[0]
+        workers = _worker_pids(proc.pid)
+        assert sorted(workers) == ["worker-0", "worker-1"], workers
+        os.kill(workers["worker-0"], signal.SIGTERM)
+        said = ""
+        while not said.startswith("pagefleet up:"):  # (the components' warnings come here too)
+            said = proc.stderr.readline()
+            assert said, "up's stderr ended"
+        assert "worker-0 drained; 1 worker processes serve on" in said, said
+        out = _run("generate", "--target", target, "--max-tokens", "4", "hello")
+        assert out.returncode == 0 and proc.poll() is None, (out.stdout, out.stderr)
+        os.kill(workers["worker-1"], signal.SIGKILL)
+        assert proc.wait(60) == 1
+        rest = proc.stderr.read()
+        assert "worker-1 exited with -9; 0 worker processes serve on" in rest and "no worker process is left" in rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
