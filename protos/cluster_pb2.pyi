@@ -179,7 +179,7 @@ class OccupancyRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ..., deltas: _Optional[bool] = ...) -> None: ...
 
 class OccupancyReport(_message.Message):
-    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions", "stored_block_hashes", "evicted_block_hashes", "block_hashes_reset", "prefix_cache_queries_total", "prefix_cache_hits_total", "holdings_delta", "released_request_ids", "role", "drain_by_migration", "prefilled_request_ids")
+    __slots__ = ("worker_id", "seq", "num_blocks", "num_free_blocks", "block_size", "num_swap_blocks", "num_free_swap_blocks", "num_swapped_blocks", "num_running", "num_waiting", "num_swapped", "blocks_per_request", "request_ids", "finished_request_ids", "max_num_seqs", "max_model_len", "draining", "num_preemptions", "stored_block_hashes", "evicted_block_hashes", "block_hashes_reset", "prefix_cache_queries_total", "prefix_cache_hits_total", "holdings_delta", "released_request_ids", "role", "drain_by_migration", "prefilled_request_ids", "kv_layout")
     class BlocksPerRequestEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class OccupancyReport(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_BY_MIGRATION_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     seq: int
     num_blocks: int
@@ -243,7 +244,8 @@ class OccupancyReport(_message.Message):
     role: WorkerRole
     drain_by_migration: bool
     prefilled_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[bytes]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hashes_reset: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., holdings_delta: _Optional[bool] = ..., released_request_ids: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., drain_by_migration: _Optional[bool] = ..., prefilled_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., num_swapped_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., blocks_per_request: _Optional[_Mapping[str, int]] = ..., request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., stored_block_hashes: _Optional[_Iterable[bytes]] = ..., evicted_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hashes_reset: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., holdings_delta: _Optional[bool] = ..., released_request_ids: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., drain_by_migration: _Optional[bool] = ..., prefilled_request_ids: _Optional[_Iterable[str]] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)

@@ -60,7 +60,16 @@ from dataclasses import dataclass, field
 
 from pagefleet.protos import cluster_pb2
 
-from .moves import MoveConfig, Transfer, balance_moves, best_target, decodes, drain_moves, prefills
+from .moves import (
+    MoveConfig,
+    Transfer,
+    balance_moves,
+    best_target,
+    decodes,
+    drain_moves,
+    exchanges_kv,
+    prefills,
+)
 from .placement import Placement, PlacementConfig, Placer
 from .prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
 from .queue import GlobalQueue, Pending
@@ -515,7 +524,8 @@ class Ledger:
     def _handovers(self) -> list[Transfer]:
         if not self._awaiting_decode:
             return []
-        rnd = self.placer.round([w for w in self.workers.values() if decodes(w)])
+        decoders = [w for w in self.workers.values() if decodes(w)]
+        rounds = {}  # by the sources' KV layouts: a prompt's KV goes to a worker whose blocks mean the same
         refused = self._refused_recently()
         moves = []
         for rid in list(self._awaiting_decode):
@@ -525,6 +535,14 @@ class Ledger:
                 del self._awaiting_decode[rid]
                 continue
             p = self.known[rid]
+            source = self.workers[self.where[rid]]
+            rnd = rounds.get(source.kv_layout)
+            if rnd is None:
+                peers = [w for w in decoders if exchanges_kv(source, w)]
+                rnd = rounds[source.kv_layout] = self.placer.round(peers) if peers else None
+            if rnd is None:  # no decoding worker can take its blocks: it decodes where it is
+                del self._awaiting_decode[rid]
+                continue
             placement = rnd.choose(p, self.cfg.headroom_tokens)
             if placement is None:
                 break  # nothing fits: the later ones wait behind it

@@ -106,13 +106,21 @@ def fits_moved(w: WorkerEntry, p: Pending, headroom_tokens: int) -> bool:
     return w.ready and w.has_room(p.num_tokens + p.num_remaining_tokens, w.blocks_taken(p, headroom_tokens))
 
 
+def exchanges_kv(a: WorkerEntry, b: WorkerEntry) -> bool:
+    """Whether KV can move between ``a`` and ``b``: their pools' blocks mean the same thing (the
+    layouts they report are equal; a worker that reports none, an older one, is not refused here:
+    its target checks the pairing when they meet)."""
+    la, lb = a.kv_layout, b.kv_layout
+    return not la or not lb or la == lb
+
+
 def best_target(workers: Iterable[WorkerEntry], p: Pending, source: WorkerEntry, headroom_tokens: int,
                 below: float = 1.0) -> WorkerEntry | None:
     """The decoding worker other than ``source`` with the most room left after taking ``p``,
-    if that leaves it below ``below`` occupancy (None if none can)."""
+    if that leaves it below ``below`` occupancy (None if none can), its KV layout ``source``'s."""
     best, best_occ = None, below
     for w in workers:
-        if w is source or not decodes(w) or not fits_moved(w, p, headroom_tokens):
+        if w is source or not decodes(w) or not fits_moved(w, p, headroom_tokens) or not exchanges_kv(source, w):
             continue
         occ = occupancy(w, w.blocks_taken(p, headroom_tokens))
         if occ < best_occ:

@@ -126,6 +126,11 @@ class WorkerEntry:
     def block_size(self) -> int:
         return self.report.block_size if self.report else 16
 
+    @property
+    def kv_layout(self) -> str:
+        """What its KV pool's blocks hold (``OccupancyReport.kv_layout``; "" if it has no transport)."""
+        return self.report.kv_layout if self.report else ""
+
     def num_owed_blocks(self, rid: str, pl: Placed) -> int:
         """Blocks ``pl`` may still claim on this worker beyond the device blocks it has now."""
         if pl.finished:

@@ -120,7 +120,10 @@ def test_the_scheduler_balances_load_by_live_migration(tmp_path):
         assert placed == {"worker-0"}
         moved = [e for e in transfers_ended(c, "balance") if e["outcome"] == "migrated"]
         assert moved and (moved[0]["source"], moved[0]["target"]) == ("worker-0", "worker-1"), moved
-        assert c.scheduler_state().num_reassigned == 0
+        state = c.scheduler_state()
+        assert state.num_reassigned == 0
+        layouts = {w.report.kv_layout for w in state.workers}  # what the scheduler pairs them by
+        assert len(layouts) == 1 and "/16/" in layouts.pop()
     finally:
         c.stop()
 

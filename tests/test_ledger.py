@@ -1177,3 +1177,43 @@ def test_a_finished_requests_blocks_are_shared_with_no_later_request():
     ledger.take("r3", "e3", assign("r3", [9] * (64 - w.blocks_needed(p, HEADROOM)) * BS, max_tokens=1))
     assert ledger.decide_round().claims == []  # no room past the pool's size
     ledger.check_integrity()
+
+
+def _layouts(ledger: Ledger, layouts: dict[str, str], held: dict[str, dict[str, int]] | None = None) -> None:
+    """Each worker reports the KV layout its transport has (and the requests it holds)."""
+    for wid, layout in layouts.items():
+        blocks = (held or {}).get(wid, {})
+        ledger.on_report(ledger.workers[wid], report(wid, free=256 - sum(blocks.values()), request_ids=list(blocks),
+                                                     blocks_per_request=blocks, kv_layout=layout))
+
+
+def test_kv_moves_only_between_workers_whose_blocks_mean_the_same():
+    """A review paired a worker of 16-token blocks with one of 32: every drain, balance and
+    handover was tried, refused by the target (FAILED_PRECONDITION) and tried again each second
+    for the life of each request. Workers report their KV layout; moves go only between equals."""
+    a16, b32, c16 = "tiny/float32/16/2/2/32/L", "tiny/float32/32/2/2/32/L", "tiny/float32/16/2/2/32/L"
+    ledger = roled({"a": "both", "b": "both", "c": "both"})
+    for i in range(4):
+        ledger.take(f"r{i}", f"e{i}", assign(f"r{i}", [i + 1] * 100, max_tokens=8))
+    placed = dict(place_all(ledger))
+    on_a = {rid: 7 for rid, wid in placed.items() if wid == "a"}
+    _layouts(ledger, {"b": b32, "c": c16})
+    ledger.on_report(ledger.workers["a"], report("a", free=256 - 7 * len(on_a), request_ids=list(on_a),
+                                                 blocks_per_request=on_a, draining=True, drain_by_migration=True,
+                                                 kv_layout=a16))
+    moves = ledger.decide_moves()
+    assert moves and {t.target.worker_id for t in moves} == {"c"}, "b's blocks are another size"
+    ledger.check_integrity()
+
+
+def test_a_prompt_no_decoding_worker_can_take_decodes_where_it_was_prefilled():
+    _, moves = prefilled_on_p()  # no layouts reported (workers without one): handed over
+    assert [t.target.worker_id for t in moves] == ["d"]
+    ledger2 = roled({"p": "prefill", "d": "decode"})
+    _layouts(ledger2, {"p": "m/bf16/16/2/2/64/L", "d": "m/bf16/32/2/2/64/L"})
+    ledger2.take("r", "e", assign("r", [1] * 300))
+    assert place_all(ledger2) == [("r", "p")]
+    ledger2.on_report(ledger2.workers["p"], report("p", free=256 - 19, request_ids=["r"], blocks_per_request={"r": 19},
+                                                   kv_layout="m/bf16/16/2/2/64/L"))
+    assert ledger2.prefilled("r") == [] and ledger2.decide_moves() == []
+    ledger2.check_integrity()

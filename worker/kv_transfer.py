@@ -67,6 +67,11 @@ class KVLayout:
         num_layers, _, _, block_size, num_kv_heads, head_dim = cache.shape
         return cls(model, str(cache.dtype).removeprefix("torch."), block_size, num_layers, num_kv_heads, head_dim)
 
+    def key(self) -> str:
+        """Every field as one string: two pools exchange blocks exactly when their keys are equal
+        (what a worker reports, ``OccupancyReport.kv_layout``)."""
+        return "/".join(str(v) for v in asdict(self).values())
+
     def check_compatible(self, peer: KVLayout) -> None:
         """Raise ``IncompatiblePeer`` naming every field that differs from ``peer``'s."""
         diffs = [f"{k}: ours {v!r}, peer's {getattr(peer, k)!r}"

@@ -313,6 +313,7 @@ class Worker:
         self.drain_timeout = args.drain_timeout
         self.address = ""
         self.kv_transport = None  # with --kv-transfer nixl: the pool registered (start_kv_transfer)
+        self.kv_layout_key = ""  # its pool's KVLayout.key(): reported, so that KV moves only between equals
         self.migrations = Migrations(self)
         self.loop.track_prefilled = args.role == "prefill"
 
@@ -327,6 +328,7 @@ class Worker:
 
         transport = NixlTransport(self.args.model, agent_name=f"{self.worker_id}-{uuid.uuid4().hex[:6]}")
         transport.register(self.engine.kv_cache)
+        self.kv_layout_key = transport.layout.key()
         self.kv_transport = LockedTransport(transport)  # the engine thread and the event loop share it
 
     async def progress_kv_transfer(self) -> None:
@@ -370,6 +372,7 @@ class Worker:
             block_hashes_reset=reset, holdings=holdings, role=self.args.role,
         )
         report.drain_by_migration = self.draining and self.drains_by_migration
+        report.kv_layout = self.kv_layout_key
         if self.loop.track_prefilled:
             report.prefilled_request_ids.extend(self.loop.prefilled_ids)
         return report
