@@ -213,7 +213,7 @@ class ClusterScheduler:
         self._finishing: dict[str, asyncio.Future] = {}
         self.metrics.bind(self.ledger)
         self.transfers = TransferRunner(self.ledger, self.metrics, redis, keys, resume=self._requeue, worker_dead=self._worker_dead,
-                                        cancel=self._tell_cancel_soon, wake=self._wake.set)
+                                        cancel=self._tell_cancel_soon, wake=self._wake.set, cancel_now=self._tell_cancel)
 
     # -- life ------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -48,6 +48,7 @@ REASONS = {
 }
 # The whole migration's deadline the source is given (seconds); the call waits a little longer.
 MIGRATION_DEADLINE_S = 30.0
+DROP_WAIT_S = 1.0  # how long a resume waits for the drop at a move's target (TransferRunner.handed_over)
 
 
 class TransferRunner:
@@ -57,11 +58,15 @@ class TransferRunner:
 
     def __init__(self, ledger: Ledger, metrics, redis, keys: Keys, *, resume: Callable[[Pending], Awaitable[None]],
                  worker_dead: Callable[[WorkerEntry, str], Awaitable[None]],
-                 cancel: Callable[[WorkerEntry, str], None], wake: Callable[[], None]) -> None:
+                 cancel: Callable[[WorkerEntry, str], None], wake: Callable[[], None],
+                 cancel_now: Callable[[WorkerEntry, str], Awaitable[object]] | None = None) -> None:
+        """``cancel``: tell a worker to drop a request, in the background; ``cancel_now``: the
+        same, awaited (before the request is placed again: it may land on that worker)."""
         self.ledger, self.metrics, self.redis, self.keys = ledger, metrics, redis, keys
         self._counted: set[int] = set()  # ids of the transfers whose outcome was counted
         self._settling: set[str] = set()  # requests whose source died mid-transfer, Redis not yet asked
         self.resume, self.worker_dead, self.cancel, self.wake = resume, worker_dead, cancel, wake
+        self.cancel_now = cancel_now
         self._calls: set[asyncio.Task] = set()
         self._prefilled: dict[str, set[str]] = {}  # prefill worker id -> the prefilled requests it named
 
@@ -101,7 +106,13 @@ class TransferRunner:
         finally:
             self._settling.discard(p.request_id)
         if worker != t.target.worker_id or not self.ledger.handover_found(p, t.target):
-            self._drop_at_target(t)
+            # Waited for: the request resumes next and may be placed on this very target; a drop
+            # sent in the background landed after that assignment and cancelled it (a review's
+            # runs: resumed requests stalled until the finish went unconfirmed, 3-6 s).
+            await self._drop_at_target_now(t)
+            self._count(t, "source_died")
+            log.info("transfer.ended", request_id=p.request_id, source=t.source.worker_id, target=t.target.worker_id,
+                     reason=t.reason, outcome="source_died")
             return False
         self._count(t, "migrated")
         log.info("transfer.handed_over", request_id=p.request_id, source=t.source.worker_id,
@@ -176,6 +187,19 @@ class TransferRunner:
         elif current:
             self.ledger.transfer_refused(rid)
         self.wake()
+
+    async def _drop_at_target_now(self, t: Transfer) -> None:
+        """``_drop_at_target``, waited for (``DROP_WAIT_S`` at most: a target slow to answer is
+        left to answer in the background, as the others' requests resume)."""
+        rid = t.request_id
+        if self.cancel_now is None:
+            self._drop_at_target(t)
+        elif self.ledger.where.get(rid) != t.target.worker_id and rid not in self._settling:
+            call = asyncio.ensure_future(self.cancel_now(t.target, rid))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(call), DROP_WAIT_S)
 
     def _drop_at_target(self, t: Transfer) -> None:
         """Tell ``t``'s target to drop what it received of a move called off (best effort: once

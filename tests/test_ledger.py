@@ -6,6 +6,8 @@ checks the invariants after every step and that every request ends exactly once.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -1217,3 +1219,42 @@ def test_a_prompt_no_decoding_worker_can_take_decodes_where_it_was_prefilled():
                                                    kv_layout="m/bf16/16/2/2/64/L"))
     assert ledger2.prefilled("r") == [] and ledger2.decide_moves() == []
     ledger2.check_integrity()
+
+
+def test_a_move_whose_source_died_is_dropped_at_its_target_before_the_request_resumes():
+    """The source of a move died; the request resumes from its tokens and may be placed on the
+    move's own target. The drop of what the target received went in the background, landed
+    after that new assignment and cancelled it (a review's runs: resumed requests stalled 3-6 s,
+    until their finish went unconfirmed). It is awaited before the resume; and counted."""
+    from types import SimpleNamespace
+
+    from pagefleet.common.redis import Keys, RedisServer, connect
+    from pagefleet.scheduler.moves import Transfer
+    from pagefleet.scheduler.transfers import TransferRunner
+
+    events: list[str] = []
+    counted: list[tuple[str, str]] = []
+
+    async def cancel_now(w, rid):
+        await asyncio.sleep(0.05)  # the worker answers between two of its steps
+        events.append(f"dropped {rid} at {w.worker_id}")
+
+    with RedisServer() as server:
+        async def go():
+            r = connect(server.url)
+            ledger = roled({"p": "prefill", "d": "decode"})
+            ledger.take("r", "e", assign("r", [1] * 300))
+            place_all(ledger)
+            t = Transfer(ledger.known["r"], ledger.workers["p"], ledger.workers["d"], "disaggregation", 1e9, 19)
+            metrics = SimpleNamespace(transfers=SimpleNamespace(labels=lambda **kw: SimpleNamespace(
+                inc=lambda: counted.append((kw["reason"], kw["outcome"])))))
+            runner = TransferRunner(ledger, metrics, r, Keys("t"), resume=None, worker_dead=None,
+                                    cancel=lambda w, rid: events.append("in the background"), wake=lambda: None,
+                                    cancel_now=cancel_now)
+            ledger.where.pop("r", None)  # the source's death took it off: it resumes next
+            assert await runner.handed_over(t.pending, {"r": t}) is False  # Redis names no new owner
+            events.append("resumed")
+            assert events == ["dropped r at d", "resumed"] and counted == [("disaggregation", "source_died")]
+            await r.aclose()
+
+        asyncio.run(go())
