@@ -106,8 +106,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--migrate-above", type=float, default=None, metavar="OCCUPANCY",
                    help="load balance by live migration: a worker whose KV occupancy (0-1) is past this sheds "
                         "a running request with its KV to the emptiest worker (default: off)")
-    p.add_argument("--migrate-below", type=float, default=m.migrate_below, metavar="OCCUPANCY",
-                   help="--migrate-above: the target's occupancy after taking the request must stay below this")
+    p.add_argument("--migrate-below", type=float, default=None, metavar="OCCUPANCY",
+                   help="--migrate-above: the target's occupancy after taking the request must stay below this "
+                        f"(default: {m.migrate_below}, or --migrate-above where that is lower)")
     p.add_argument("--migrate-victims", action="store_true",
                    help="a preemption victim moves with its KV to a worker that can hold it, instead of being "
                         "swapped out or recomputed")
@@ -331,12 +332,21 @@ def placement_config(args) -> PlacementConfig:
     return PlacementConfig(args.placement, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
 
 
+def _migrate_below(args) -> float:
+    """``--migrate-below``, else its default, no higher than ``--migrate-above`` (``--migrate-above
+    0.5`` alone was refused: the default 0.7 was above it)."""
+    if args.migrate_below is not None:
+        return args.migrate_below
+    default = MoveConfig().migrate_below
+    return default if args.migrate_above is None else min(default, args.migrate_above)
+
+
 def move_config(args) -> MoveConfig:
     """The KV moves the flags ask for; ``ValueError`` naming what to fix."""
     try:
         return MoveConfig(short_prompt_tokens=args.short_prompt_tokens, decode_cache_threshold=args.decode_cache_threshold,
                           prefill_queue_tokens=args.prefill_queue_tokens, migrate_above=args.migrate_above,
-                          migrate_below=args.migrate_below, migrate_victims=args.migrate_victims,
+                          migrate_below=_migrate_below(args), migrate_victims=args.migrate_victims,
                           timeout_s=args.transfer_timeout)
     except ValueError as e:
         raise ValueError(f"--migrate-above/--migrate-below/--transfer-timeout/--short-prompt-tokens/"

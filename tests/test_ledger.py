@@ -1258,3 +1258,14 @@ def test_a_move_whose_source_died_is_dropped_at_its_target_before_the_request_re
             await r.aclose()
 
         asyncio.run(go())
+
+
+def test_migrate_above_alone_takes_a_migrate_below_no_higher():
+    """``--migrate-above 0.5`` alone was refused: ``--migrate-below`` defaulted to 0.7, above it."""
+    from pagefleet.scheduler.server import build_parser, move_config
+
+    parse = build_parser().parse_args
+    assert move_config(parse(["--migrate-above", "0.5"])).migrate_below == 0.5
+    assert move_config(parse(["--migrate-above", "0.9"])).migrate_below == 0.7
+    with pytest.raises(ValueError, match="migrate_below <= migrate_above"):
+        move_config(parse(["--migrate-above", "0.5", "--migrate-below", "0.7"]))  # both given: as asked
