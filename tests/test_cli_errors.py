@@ -83,6 +83,24 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _up_ready(args: list[str], stderr) -> tuple[subprocess.Popen, str]:
+    """``pagefleet up`` on simulated workers (free ports, a session of its own), once its ready
+    line came: the process and that line (killed if it never came)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pagefleet", "up", "--port", "0", "--http-port", "0",
+                             "--engine", "sim", "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    deadline = time.monotonic() + 90
+    line = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("pagefleet ready") or not line:
+            break
+    if not line.startswith("pagefleet ready"):
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"up never said it was ready: {line!r}")
+    return proc, line
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -97,16 +115,8 @@ def test_up_leaves_no_process_behind_when_its_terminal_closes_or_it_is_killed(si
     """SIGHUP (the terminal closed) ended `up` without its cleanup, and SIGKILL cannot be
     caught: Redis, the scheduler, the workers and the gateway served on, orphaned. `up` stops
     them on SIGHUP, and each dies with it however it dies."""
-    proc = subprocess.Popen([sys.executable, "-m", "pagefleet", "up", "--port", "0", "--http-port", "0",
-                             "--workers", "1", "--engine", "sim", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc, _ = _up_ready(["--workers", "1"], stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("pagefleet ready") or not line:
-                break
-        assert line.startswith("pagefleet ready"), line
         children = _children(proc.pid)
         assert len(children) >= 4, children  # redis, scheduler, worker, gateway
         proc.send_signal(sig)
@@ -177,17 +187,8 @@ def test_up_serves_on_when_a_worker_is_drained_or_killed():
     """A worker drained (SIGTERM: its requests move or resume elsewhere, then it exits 0) stopped
     the whole of `up`, and every request in flight with it. The others serve on; `up` says so,
     and stops once no worker is left."""
-    proc = subprocess.Popen([sys.executable, "-m", "pagefleet", "up", "--port", "0", "--http-port", "0",
-                             "--workers", "2", "--workers-per-process", "1", "--engine", "sim", "--log-level",
-                             "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc, line = _up_ready(["--workers", "2", "--workers-per-process", "1"], stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("pagefleet ready") or not line:
-                break
-        assert line.startswith("pagefleet ready"), line
         target = line.split("gateway ", 1)[1].split(",", 1)[0]
         workers = _worker_pids(proc.pid)
         assert sorted(workers) == ["worker-0", "worker-1"], workers
