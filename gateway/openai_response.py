@@ -103,6 +103,12 @@ class _Choice:
     content: list[str] = field(default_factory=list)
     tool_calls: list[Any] = field(default_factory=list)
 
+    def ended(self, msg: pb.GenerateResponse) -> None:
+        """Its last message: why it finished (and what stopped it, what failed)."""
+        self.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
+        self.stop_reason = stop_of(msg)
+        self.error = msg.error
+
 
 class Choices:
     """The OpenAI objects of one request's choices."""
@@ -145,9 +151,7 @@ class Choices:
             text, c.echo = c.echo + text, ""
         c.num_tokens += len(msg.token_ids)
         if msg.finish_reason:
-            c.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
-            c.stop_reason = stop_of(msg)
-            c.error = msg.error
+            c.ended(msg)
         logprobs = self._logprobs(c, msg) if self.req.logprobs is not None else None
         c.text_len += len(msg.text)
         choice: dict[str, Any] = {"index": index}
@@ -183,9 +187,7 @@ class Choices:
         c.text.append(text)
         c.num_tokens += len(msg.token_ids)
         if msg.finish_reason:
-            c.finish_reason = FINISH_REASONS.get(msg.finish_reason, "error")
-            c.stop_reason = stop_of(msg)
-            c.error = msg.error
+            c.ended(msg)
         c.text_len += len(text)
         if self.req.chat:
             c.content.append(text)
