@@ -191,11 +191,10 @@ class TransferRunner:
     async def _drop_at_target_now(self, t: Transfer) -> None:
         """``_drop_at_target``, waited for (``DROP_WAIT_S`` at most: a target slow to answer is
         left to answer in the background, as the others' requests resume)."""
-        rid = t.request_id
         if self.cancel_now is None:
             self._drop_at_target(t)
-        elif self.ledger.where.get(rid) != t.target.worker_id and rid not in self._settling:
-            call = asyncio.ensure_future(self.cancel_now(t.target, rid))
+        elif self._to_drop(t):
+            call = asyncio.ensure_future(self.cancel_now(t.target, t.request_id))
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -204,10 +203,15 @@ class TransferRunner:
     def _drop_at_target(self, t: Transfer) -> None:
         """Tell ``t``'s target to drop what it received of a move called off (best effort: once
         the request resumes elsewhere under a newer epoch, the target's writes are refused
-        anyway), unless the request lives on there (a handover found in Redis) or may."""
+        anyway)."""
+        if self._to_drop(t):
+            self.cancel(t.target, t.request_id)
+
+    def _to_drop(self, t: Transfer) -> bool:
+        """Whether ``t``'s target is to drop its request: not if it lives on there (a handover
+        found in Redis) or may (its source's death not yet settled)."""
         rid = t.request_id
-        if self.ledger.where.get(rid) != t.target.worker_id and rid not in self._settling:
-            self.cancel(t.target, rid)
+        return self.ledger.where.get(rid) != t.target.worker_id and rid not in self._settling
 
     async def _renew(self, rid: str) -> None:
         """Renew ``rid``'s transfer in the ledger while its Migrate call is in flight."""
