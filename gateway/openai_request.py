@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagefleet.common.sampling_params import MAX_BAD_WORDS
+from pagefleet.common.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS
 from pagefleet.protos import generation_pb2 as pb
 
 from .limits import Limits
@@ -24,7 +24,6 @@ from .limits import Limits
 _DEFAULT_LIMITS = Limits()
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
-MAX_ALLOWED_TOKEN_IDS = 262_144  # past the largest vocabularies served (Gemma's 262,144); each id is checked
 MAX_CLIENT_REQUEST_ID = 1024  # a body's request_id, as long as a header may be
 _UINT32 = 2**32
 _UINT64 = 2**64

@@ -19,7 +19,11 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from pagefleet.common import grammar
 from pagefleet.common.model_config import ModelSpec
-from pagefleet.common.sampling_params import StructuredOutputs, only_finish_tokens_allowed
+from pagefleet.common.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    StructuredOutputs,
+    only_finish_tokens_allowed,
+)
 from pagefleet.common.sampling_proto import from_proto
 from pagefleet.protos import generation_pb2 as pb
 
@@ -61,7 +65,14 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         raise BadField("deadline_ms", "must be > 0 when set")
     if error := limits.stop_error(req.sampling.stop):
         raise BadField("sampling.stop", error)
+    if len(req.sampling.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:  # a bound before each id is read
+        raise BadField("sampling.allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                                                     f"got {len(req.sampling.allowed_token_ids)}")
     params = from_proto(req.sampling)
+    if params.structured_outputs is None and req.sampling.HasField("structured_outputs"):
+        # Present and empty: none ("at most one of these is set"); not passed on as set, so a
+        # worker of an older version (which refused it) runs it too.
+        req.sampling.ClearField("structured_outputs")
     try:
         params.validate()
     except ValueError as e:
@@ -69,9 +80,6 @@ def check(req: pb.GenerateRequest, model: ModelSpec, max_model_len: int, limits:
         name = next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), "sampling")
         name = _PROTO_NAMES.get(name, name)
         raise BadField(f"sampling.{name}" if name != "sampling" else name, msg) from None
-    if len(req.sampling.allowed_token_ids) > model.vocab_size:  # (each id checked below: a bound first)
-        raise BadField("sampling.allowed_token_ids", f"at most the vocabulary's {model.vocab_size} ids, "
-                                                     f"got {len(req.sampling.allowed_token_ids)}")
     for name, ids in (("logit_bias", req.sampling.logit_bias), ("allowed_token_ids", req.sampling.allowed_token_ids),
                       ("bad_words_token_ids", [t for w in req.sampling.bad_words_token_ids for t in w.ids])):
         if ids and max(ids) >= model.vocab_size:  # most requests have none: no generator a request

@@ -411,11 +411,25 @@ class LocalCluster:
         gone = [(name, p.returncode) for name, p in self.procs.items()
                 if name.startswith("worker-") and p.poll() is not None]
         for name, _ in gone:
-            self.procs.pop(name)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.procs.pop(name).pid, signal.SIGKILL)  # its group: anything it left behind
         return gone
 
-    def check_alive(self) -> None:
+    def workers_left(self) -> dict[str, int]:
+        """Worker processes still watched, by model."""
+        model_of = {shard: model for shard, model, _ in self.shards}
+        left = dict.fromkeys(model_of.values(), 0)
+        for name in self.procs:
+            if name.startswith("worker-"):
+                left[model_of[self.worker_shards[name]]] += 1
+        return left
+
+    def check_alive(self, workers_may_end: bool = False) -> None:
+        """``RuntimeError`` naming a process that ended; ``workers_may_end``: not a worker (``up``
+        reaps them, ``reap_workers``)."""
         for name, p in self.procs.items():
+            if workers_may_end and name.startswith("worker-"):
+                continue
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited with {p.returncode}" +
                                    (f"; see {self.cfg.log_dir}/{name}.log" if self.cfg.log_dir else ""))
@@ -751,13 +765,13 @@ def main(argv: list[str]) -> int:
         else:
             while True:
                 for name, code in cluster.reap_workers():
-                    left = sum(n.startswith("worker-") for n in cluster.procs)
+                    left = cluster.workers_left()
                     how = "drained" if code == 0 else f"exited with {code}"
-                    print(f"pagefleet up: {name} {how}; {left} worker processes serve on", file=sys.stderr,
-                          flush=True)
-                    if left == 0:
-                        raise RuntimeError("no worker process is left")
-                cluster.check_alive()
+                    print(f"pagefleet up: {name} {how}; {sum(left.values())} worker processes serve on",
+                          file=sys.stderr, flush=True)
+                    if none := [m for m, n in left.items() if n == 0]:
+                        raise RuntimeError(f"no worker process of model {none[0]!r} is left")
+                cluster.check_alive(workers_may_end=True)
                 time.sleep(0.5)
     except KeyboardInterrupt:
         pass

@@ -691,8 +691,11 @@ class ClusterScheduler:
             self.metrics.forget_worker(w.worker_id)
         await retry(lambda: self.redis.hdel(self.keys.workers, w.worker_id), what="hdel_worker")
         log.warning("worker.dead", worker_id=w.worker_id, reason=reason, num_requests=num_placed)
-        for p in resume:
-            if await self.transfers.handed_over(p, moving):  # it runs on its transfer's target
+        # Each move's end settled at once (its drop at the target waited for together: one
+        # DROP_WAIT_S in all, however many it was moving), then the others resume, in order.
+        handed = await asyncio.gather(*(self.transfers.handed_over(p, moving) for p in resume))
+        for p, on_target in zip(resume, handed, strict=True):
+            if on_target:  # it runs on its transfer's target
                 continue
             self.metrics.reassignments.inc()
             await self._requeue(p, worker_dead=w.worker_id)

@@ -525,7 +525,9 @@ class Ledger:
         if not self._awaiting_decode:
             return []
         decoders = [w for w in self.workers.values() if decodes(w)]
-        rounds = {}  # by the sources' KV layouts: a prompt's KV goes to a worker whose blocks mean the same
+        # By the sources' KV layouts: a prompt's KV goes to a worker whose blocks mean the same.
+        rounds = {}
+        full: set[str] = set()  # layouts whose first waiting request fits nowhere now
         refused = self._refused_recently()
         moves = []
         for rid in list(self._awaiting_decode):
@@ -536,16 +538,20 @@ class Ledger:
                 continue
             p = self.known[rid]
             source = self.workers[self.where[rid]]
-            rnd = rounds.get(source.kv_layout)
+            layout = source.kv_layout
+            if layout in full:
+                continue  # behind one of its layout that fits nowhere: waits with it
+            rnd = rounds.get(layout)
             if rnd is None:
                 peers = [w for w in decoders if exchanges_kv(source, w)]
-                rnd = rounds[source.kv_layout] = self.placer.round(peers) if peers else None
-            if rnd is None:  # no decoding worker can take its blocks: it decodes where it is
-                del self._awaiting_decode[rid]
-                continue
+                if decoders and not peers:  # decoding workers, none can take its blocks: it decodes where it is
+                    del self._awaiting_decode[rid]
+                    continue
+                rnd = rounds[layout] = self.placer.round(peers)
             placement = rnd.choose(p, self.cfg.headroom_tokens)
             if placement is None:
-                break  # nothing fits: the later ones wait behind it
+                full.add(layout)  # nothing fits (or no decoding worker is up yet): the later ones of its layout wait
+                continue
             del self._awaiting_decode[rid]
             moves.append(self._start(p, self.workers[self.where[rid]], placement.worker, "disaggregation",
                                      placement.num_shared_blocks))

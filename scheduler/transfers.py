@@ -191,8 +191,8 @@ class TransferRunner:
     async def _drop_at_target_now(self, t: Transfer) -> None:
         """``_drop_at_target``, waited for (``DROP_WAIT_S`` at most: a target slow to answer is
         left to answer in the background, as the others' requests resume)."""
-        if self.cancel_now is None:
-            self._drop_at_target(t)
+        if self.cancel_now is None or not t.target.alive:
+            self._drop_at_target(t)  # (a target declared dead is told nothing)
         elif self._to_drop(t):
             call = asyncio.ensure_future(self.cancel_now(t.target, t.request_id))
             self._calls.add(call)

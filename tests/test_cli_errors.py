@@ -203,7 +203,51 @@ def test_up_serves_on_when_a_worker_is_drained_or_killed():
         os.kill(workers["worker-1"], signal.SIGKILL)
         assert proc.wait(60) == 1
         rest = proc.stderr.read()
-        assert "worker-1 exited with -9; 0 worker processes serve on" in rest and "no worker process is left" in rest
+        assert "worker-1 exited with -9; 0 worker processes serve on" in rest and "no worker process of model" in rest
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_reaped_worker_leaves_nothing_behind_and_a_late_one_stops_nothing(tmp_path):
+    """A worker process reaped by `up` was no longer in `stop()`'s list, so what it left in its
+    process group outlived `up`; and one that ended between the reap and the liveness check
+    stopped every component. Its group is killed at the reap; the check leaves workers to it."""
+    from pagefleet.launcher import LocalCluster
+
+    c = object.__new__(LocalCluster)
+    c.redis, c.cfg = None, type("Cfg", (), {"log_dir": None})()
+    child_pid = tmp_path / "child.pid"
+    worker = subprocess.Popen(["bash", "-c", f"sleep 300 & echo $! > {child_pid}; exit 0"], start_new_session=True)
+    gateway = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    c.procs = {"worker-0": worker, "gateway": gateway}
+    try:
+        deadline = time.monotonic() + 10
+        while worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.reap_workers() == [("worker-0", 0)]
+        child = int(child_pid.read_text())
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "what the worker left behind outlived it"
+
+        class EndsOnItsSecondLook:
+            returncode = None
+            pid = worker.pid  # (its group gone: reaped above)
+
+            def __init__(self):
+                self.looks = 0
+
+            def poll(self):
+                self.looks += 1
+                self.returncode = 0 if self.looks >= 2 else None
+                return self.returncode
+
+        c.procs["worker-1"] = EndsOnItsSecondLook()
+        assert c.reap_workers() == []
+        c.check_alive(workers_may_end=True)  # it ended since: left to the next reap, not an error
+        assert c.reap_workers() == [("worker-1", 0)]
+    finally:
+        c.procs.pop("worker-1", None)
+        c.stop(grace_s=1)

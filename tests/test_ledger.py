@@ -1269,3 +1269,37 @@ def test_migrate_above_alone_takes_a_migrate_below_no_higher():
     assert move_config(parse(["--migrate-above", "0.9"])).migrate_below == 0.7
     with pytest.raises(ValueError, match="migrate_below <= migrate_above"):
         move_config(parse(["--migrate-above", "0.5", "--migrate-below", "0.7"]))  # both given: as asked
+
+
+def test_a_prefilled_prompt_waits_for_a_decoding_worker_that_is_not_up_yet():
+    """With no decoding worker up (its only one restarting), a prefilled prompt waits for one, as
+    before the KV layouts were compared (the first form let it decode where it was, for good)."""
+    ledger = roled({"p": "prefill", "d": "decode"})
+    ledger.take("r", "e", assign("r", [1] * 300))
+    assert place_all(ledger) == [("r", "p")]
+    ledger.worker_dead(ledger.workers["d"])
+    holding(ledger, "p", {"r": 19})
+    assert ledger.prefilled("r") == []
+    ledger.add_worker(WorkerEntry("d2", "d2-addr", role="decode"))
+    ledger.on_report(ledger.workers["d2"], report("d2"))
+    holding(ledger, "p", {"r": 19})
+    assert [(t.request_id, t.target.worker_id) for t in ledger.decide_moves()] == [("r", "d2")]
+    ledger.check_integrity()
+
+
+def test_a_prompt_of_one_kv_layout_that_fits_nowhere_holds_back_only_its_own_layouts():
+    a, b = "m/bf16/16/2/2/64/L", "m/fp8/16/2/2/64/L"
+    ledger = roled({"p1": "prefill", "p2": "prefill", "dA": "decode", "dB": "decode"})
+    _layouts(ledger, {"dB": b, "p1": a, "p2": b})
+    ledger.on_report(ledger.workers["dA"], report("dA", free=5, kv_layout=a))  # no room for a prompt's KV
+    for rid, tokens in (("r1", 1), ("r2", 2)):
+        ledger.take(rid, f"e-{rid}", assign(rid, [tokens] * 300))
+    where = dict(place_all(ledger))
+    for w, layout in (("p1", a), ("p2", b)):
+        _layouts(ledger, {w: layout}, {w: {r: 19 for r, x in where.items() if x == w}})
+    on_a = next(r for r, w in where.items() if w == "p1")
+    on_b = next(r for r, w in where.items() if w == "p2")
+    assert ledger.prefilled(on_a) == []  # dA is full: it waits
+    moved = ledger.prefilled(on_b)  # behind it, but of the other layout: dB takes it
+    assert [(t.request_id, t.target.worker_id) for t in moved] == [(on_b, "dB")]
+    ledger.check_integrity()

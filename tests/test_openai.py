@@ -949,8 +949,24 @@ def test_allowed_token_ids_are_bounded_before_each_is_checked():
     with pytest.raises(BadParam) as info:
         parse_completion({"prompt": "x", "allowed_token_ids": [1] * 300_000})
     assert info.value.param == "allowed_token_ids" and "at most" in info.value.message
-    spec = load_model_spec("tiny")  # 259 ids
-    req = pb.GenerateRequest(request_id="r", prompt="hi", sampling=pb.SamplingParams(allowed_token_ids=[1] * 300))
+    spec = load_model_spec("tiny")
+    req = pb.GenerateRequest(request_id="r", prompt="hi", sampling=pb.SamplingParams(allowed_token_ids=[1] * 300_000))
     with pytest.raises(BadField) as bad:
         check(req, spec, 2048)
-    assert "allowed_token_ids" in str(bad.value) and "259" in str(bad.value)
+    assert "allowed_token_ids" in str(bad.value) and "at most 262144" in str(bad.value)
+    # Ids may repeat (as vLLM takes them): more than the vocabulary of them is no error.
+    check(pb.GenerateRequest(request_id="r", prompt="hi", sampling=pb.SamplingParams(allowed_token_ids=[1] * 300)),
+          spec, 2048)
+
+
+def test_an_empty_structured_outputs_is_not_passed_on_as_set():
+    """Taken as none, and cleared before it is queued: a worker of the version before (which
+    refused an empty one) runs the request too, in a rolling upgrade."""
+    from pagefleet.gateway.validate import check
+    from pagefleet.protos import generation_pb2 as pb
+
+    req = pb.GenerateRequest(request_id="r", prompt="hi", sampling=pb.SamplingParams(
+        structured_outputs=pb.StructuredOutputs()))
+    assert req.sampling.HasField("structured_outputs")
+    check(req, load_model_spec("tiny"), 2048)
+    assert not req.sampling.HasField("structured_outputs")

@@ -861,3 +861,57 @@ def test_redis_server_restarts_on_its_append_only_file():
         assert r.port == port and time.monotonic() - t < 10
         c = sync_redis.Redis(port=r.port)
         assert c.xlen("s") == 1 and c.get("lease") == b"me" and c.pttl("lease") > 0
+
+
+def test_a_dead_sources_moves_are_dropped_at_their_targets_together(redis_server):
+    """A prefill worker dies with five prompts on their way to a decode worker that answers
+    slowly. Each drop at the target is waited for before its request resumes (so that its new
+    assignment there is not cancelled by it); one after another they held the scheduler's tick
+    five times DROP_WAIT_S. Together: one DROP_WAIT_S at most, and every one resumes."""
+    from pagefleet.protos import cluster_pb2
+    from pagefleet.scheduler.moves import Transfer
+    from pagefleet.scheduler.transfers import DROP_WAIT_S
+    from pagefleet.scheduler.workers import WorkerEntry
+
+    async def go():
+        r = connect(redis_server.url)
+        _, sched = await _scheduler_on(r, "dead-source-drops")
+        ledger = sched.ledger
+        for wid, role in (("p", "prefill"), ("d", "decode")):
+            ledger.add_worker(WorkerEntry(wid, f"{wid}-addr", role=role))
+            ledger.on_report(ledger.workers[wid], cluster_pb2.OccupancyReport(
+                worker_id=wid, num_blocks=256, num_free_blocks=256, block_size=16, max_num_seqs=64,
+                max_model_len=4096))
+        for i in range(5):
+            ledger.take(f"r{i}", f"e{i}", cluster_pb2.AssignRequest(
+                request_id=f"r{i}", prompt_token_ids=[i + 1] * 300, sampling=pb.SamplingParams(max_tokens=8)))
+        while (d := ledger.decide_round()).claims:
+            for p, pl in d.claims:
+                ledger.settled(p, pl.worker, True)
+        for i in range(5):
+            rid = f"r{i}"
+            if ledger.where.get(rid) == "p":
+                ledger.transfers[rid] = Transfer(ledger.known[rid], ledger.workers["p"], ledger.workers["d"],
+                                                 "disaggregation", 1e9, 4)
+        moving = len(ledger.transfers)
+        assert moving >= 2, ledger.where
+
+        async def slow_drop(w, rid):
+            await asyncio.sleep(DROP_WAIT_S * 0.8)
+
+        resumed = []
+
+        async def requeue(p, worker_dead=""):
+            resumed.append(p.request_id)
+
+        sched.transfers.cancel_now = slow_drop
+        sched._requeue = requeue
+        started = time.monotonic()
+        await sched._worker_dead(ledger.workers["p"], "test")
+        took = time.monotonic() - started
+        assert len(resumed) >= moving  # every move resumed (and what p held besides)
+        assert took < 1.5 * DROP_WAIT_S, f"{moving} drops took {took:.2f} s"
+        await sched.transfers.close()
+        await r.aclose()
+
+    asyncio.run(go())

@@ -20,6 +20,9 @@ DEFAULT_MAX_TOKENS = 16
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_BAD_WORDS = 128
+# allowed_token_ids: past the largest vocabularies served (Gemma's 262,144; ids may repeat), bounded
+# before each is checked (1.5 million held a gateway's loop ~0.5 s).
+MAX_ALLOWED_TOKEN_IDS = 262_144
 MIN_REPETITION_PENALTY = 1e-6  # and at most its inverse
 
 
