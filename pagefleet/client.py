@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagefleet.common.service import CHANNEL_OPTIONS, EnvArgumentParser
+from pagefleet.common.step_write import stop_of
 from pagefleet.protos import generation_pb2 as pb
 from pagefleet.protos import generation_pb2_grpc
 
@@ -58,8 +59,7 @@ class Completion:
             self.error = msg.error
             self.prompt_tokens = msg.usage.prompt_tokens
             self.completion_tokens = msg.usage.completion_tokens
-            kind = msg.WhichOneof("stop_reason")
-            self.stop_reason = getattr(msg, kind) if kind else None
+            self.stop_reason = stop_of(msg)
 
 
 def build_request(
