@@ -530,6 +530,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--sim-profile", default="llama-3-8b-h100", help="--engine sim: the step-time profile")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="--engine sim: simulated seconds per real second (inf: never sleep)")
+    p.add_argument("--sim-wait", default="sleep", choices=("sleep", "spin"),
+                   help="--engine sim: the workers wait out a step asleep or spinning (`pagefleet worker --help`)")
     p.add_argument("--workers-per-process", type=int, default=None,
                    help="workers hosted by one worker process (default: 64 with --engine sim, else 1)")
     p.add_argument("--kv-transfer", default="off", choices=("nixl", "off"),
@@ -601,6 +603,8 @@ def _check_values(parser: EnvArgumentParser, args) -> None:
         parser.error(f"--workers-per-process must be at least 1, got {args.workers_per_process}")
     if not args.time_scale > 0:  # (nan is not; inf is: simulated steps never sleep)
         parser.error(f"--time-scale must be above 0, got {args.time_scale}")
+    if args.sim_wait != "sleep" and args.engine != "sim":
+        parser.error("--sim-wait needs --engine sim")
     if args.engine == "model":  # a checkpoint that cannot be read fails here, not in every worker
         from pagefleet.common.model_config import load_model_spec
         from pagefleet.gateway.models import served_models
@@ -690,6 +694,8 @@ def main(argv: list[str]) -> int:
         worker_args += ["--kv-transfer", args.kv_transfer]
     if args.engine == "sim":
         worker_args += ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale)]
+        if args.sim_wait != "sleep":
+            worker_args += ["--sim-wait", args.sim_wait]
     per_process = args.workers_per_process or (64 if args.engine == "sim" else 1)
     # The demo shows the stream, not every component's info logs (--log-level still wins).
     quiet = args.demo is not None and "--log-level" not in argv and "PAGEFLEET_LOG_LEVEL" not in os.environ

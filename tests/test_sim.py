@@ -163,6 +163,26 @@ def test_time_scale_paces_steps_in_real_time():
         assert e.executor.clock_s == pytest.approx(0.1)
 
 
+def test_a_step_spun_out_takes_its_time_and_counts_its_cpu_as_the_models():
+    """``wait="spin"``: the step's time passes on the clock as asleep, the tokens are the same,
+    and the thread's CPU while it spins is the model's (so the host path outside it stays what
+    it is); asleep, a wait costs the model nothing."""
+    prof = tiny_profile(a=0.02)
+    runs = {}
+    for wait in ("sleep", "spin"):
+        e = SimEngine(prof, time_scale=1.0, num_blocks=64, wait=wait)
+        t0 = time.perf_counter()
+        out = e.generate([[70, 71]], SamplingParams(max_tokens=5, ignore_eos=True, seed=3, temperature=1.0))
+        runs[wait] = (time.perf_counter() - t0, out[0].token_ids, e.executor.model_cpu_seconds_total)
+        assert e.executor.clock_s == pytest.approx(0.1)
+        assert runs[wait][0] >= 0.1
+    assert runs["spin"][1] == runs["sleep"][1]
+    assert runs["sleep"][2] < 0.02  # the cost model and token draw only
+    assert runs["spin"][2] > max(0.01, 2 * runs["sleep"][2])  # the spin: its thread on a CPU for much of 100 ms
+    with pytest.raises(ValueError, match="wait must be one of sleep, spin"):
+        SimEngine(prof, wait="nap")
+
+
 def test_shipped_profiles_load_and_cite_their_source():
     names = profile_names()
     assert {"llama-3-8b-h100", "llama-3-70b-tp8-h100"} <= set(names)

@@ -147,6 +147,9 @@ def build_parser() -> EnvArgumentParser:
                    help="--engine sim: a shipped profile name or a .toml/.json file (worker/sim_profiles)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="--engine sim: simulated seconds per real second (inf: never sleep)")
+    p.add_argument("--sim-wait", default="sleep", choices=("sleep", "spin"),
+                   help="--engine sim: wait out a step's time asleep, or spinning (its CPU the model's), as a GPU "
+                        "worker's thread spins in CUDA's synchronize: for machines with a core to spare a worker")
     p.add_argument("--count", type=int, default=1,
                    help="workers in this process, each with its own engine, port (--port + i when --port "
                         "is set) and id (--worker-id-i); --metrics-port serves the first one's metrics")
@@ -446,7 +449,7 @@ def make_engine(args):
     if args.engine == "sim":
         from pagefleet.worker.sim import SimEngine
 
-        return SimEngine(args.sim_profile, args.model, time_scale=args.time_scale, **common)
+        return SimEngine(args.sim_profile, args.model, time_scale=args.time_scale, wait=args.sim_wait, **common)
     from pagefleet.worker.engine import Engine
 
     return Engine(args.model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
@@ -527,8 +530,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.count < 1:
         parser.error(f"--count must be at least 1, got {args.count}")
-    if args.engine != "sim" and (args.time_scale != 1.0 or "--sim-profile" in argv):
-        parser.error("--sim-profile and --time-scale need --engine sim")
+    if args.engine != "sim" and (args.time_scale != 1.0 or "--sim-profile" in argv or args.sim_wait != "sleep"):
+        parser.error("--sim-profile, --time-scale and --sim-wait need --engine sim")
     if not args.time_scale > 0:
         parser.error(f"--time-scale must be > 0 (inf: never sleep), got {args.time_scale}")
     try:

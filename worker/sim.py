@@ -8,7 +8,11 @@ swap pool accounting) whose executor runs no model:
   bandwidth), accumulated on a simulated clock (``SimExecutor.clock_s``) and, with a finite
   ``time_scale``, slept out in real time: the engine's own work counts towards the sleep,
   and a step whose work took longer than its share sleeps not at all (simulated time then
-  runs slower than ``time_scale`` asks);
+  runs slower than ``time_scale`` asks). ``wait="spin"`` spins it out instead, its CPU counted
+  as the model's, as a GPU worker's host thread spins in CUDA's default synchronize while its
+  core has nothing else to run: a worker's host path then costs what it does warm, on a
+  machine with a core to spare a worker (a wait that sleeps pays the wake-up and cold caches
+  of every step: ``bench token-path --sim-wait``);
 * its tokens are a pure function of the request's seed (the engine's ``seed`` for requests
   without one; 0 for greedy requests, whose tokens a real model draws from no seed, so a
   greedy request's tokens are the same on every worker) and the position the token takes:
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 
 from pagefleet.common.logprobs import TokenLogprobs
@@ -44,6 +49,9 @@ DEFAULT_PROFILE = "llama-3-8b-h100"
 _M64 = (1 << 64) - 1
 # The log-probability given to the alternatives of a simulated token (all mass on the token).
 _UNLIKELY = -9999.0
+
+
+SIM_WAITS = ("sleep", "spin")
 
 
 def _mix64(x: int) -> int:
@@ -93,12 +101,15 @@ def step_shape(out: SchedulerOutput) -> tuple[int, int]:
 
 class SimExecutor(Executor):
     """Runs steps on a simulated clock (see the module docstring). ``time_scale``: simulated
-    seconds per real second (``math.inf``: never sleep)."""
+    seconds per real second (``math.inf``: never sleep); ``wait``: how a step's time is waited
+    out, ``sleep`` or ``spin`` (``SIM_WAITS``)."""
 
     def __init__(self, profile: SimProfile, spec: ModelSpec, *, max_model_len: int | None, seed: int,
-                 time_scale: float = 1.0) -> None:
+                 time_scale: float = 1.0, wait: str = "sleep") -> None:
         if not (isinstance(time_scale, int | float) and time_scale > 0):
             raise ValueError(f"time_scale must be > 0 (inf: as fast as possible), got {time_scale!r}")
+        if wait not in SIM_WAITS:
+            raise ValueError(f"wait must be one of {', '.join(SIM_WAITS)}, got {wait!r}")
         limit = profile.max_model_len
         if max_model_len is None:
             max_model_len = limit
@@ -111,6 +122,7 @@ class SimExecutor(Executor):
         self.seed = seed
         self.vocabulary = sim_vocabulary(spec)
         self.time_scale = float(time_scale)
+        self.wait = wait
         self.block_size = 0
         self.clock_s = 0.0  # simulated seconds of every step so far
         self.last_step_s = 0.0  # simulated seconds of the latest step
@@ -198,9 +210,22 @@ class SimExecutor(Executor):
         owed, self._unslept_s = self._unslept_s, 0.0
         if math.isinf(self.time_scale) or not owed:
             return
-        left = started_at + owed / self.time_scale - time.perf_counter()
-        if left > 0:
+        until = started_at + owed / self.time_scale
+        left = until - time.perf_counter()
+        if left <= 0:
+            return
+        if self.wait == "sleep":
             time.sleep(left)
+            return
+        # Spun out, the GIL let go at every turn (as torch lets it go in a CUDA synchronize) and
+        # the CPU given up only to a thread that wants it (sched_yield: no timer, no sleep, unlike
+        # time.sleep(0)), the thread's CPU the model's.
+        c0 = time.thread_time()
+        while time.perf_counter() < until:
+            os.sched_yield()
+        spent = time.thread_time() - c0
+        self.last_model_cpu_seconds += spent
+        self.model_cpu_seconds_total += spent
 
 
 class SimEngine(Engine):
@@ -212,17 +237,19 @@ class SimEngine(Engine):
     """
 
     def __init__(self, profile: str | SimProfile = DEFAULT_PROFILE, model: str = "tiny", *,
-                 time_scale: float = 1.0, **engine_args) -> None:
+                 time_scale: float = 1.0, wait: str = "sleep", **engine_args) -> None:
         for arg in ("device", "dtype"):
             if arg in engine_args:
                 raise ValueError(f"{arg}: a simulated engine runs no model")
         self.profile = profile if isinstance(profile, SimProfile) else load_profile(profile)
         self.time_scale = time_scale
+        self.wait = wait
         super().__init__(model, **engine_args)
 
     def _make_executor(self, spec: ModelSpec, *, device: str, dtype: str, max_model_len: int | None,
                        seed: int, max_num_seqs: int, enforce_eager: bool, load_format: str) -> SimExecutor:
-        executor = SimExecutor(self.profile, spec, max_model_len=max_model_len, seed=seed, time_scale=self.time_scale)
+        executor = SimExecutor(self.profile, spec, max_model_len=max_model_len, seed=seed, time_scale=self.time_scale,
+                                wait=self.wait)
         executor.measure_model_cpu = True  # two clock reads a step: the host path is told apart from the model
         return executor
 

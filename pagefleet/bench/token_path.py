@@ -211,6 +211,8 @@ def start_cluster(args, tmp: Path, **config):
 
     worker_args = ["--engine", "sim", "--sim-profile", args.sim_profile, "--time-scale", str(args.time_scale),
                    "--max-num-seqs", str(args.max_num_seqs), "--num-swap-blocks", "0"]
+    if args.sim_wait != "sleep":
+        worker_args += ["--sim-wait", args.sim_wait]
     # Every stream of the run may wait in the queue at once: none is shed.
     gateway_args = ["--max-queue", str(max(1024, args.concurrency))]
     if args.gateway_processes > 1:
@@ -403,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers-per-process", type=int, default=None, help="default: all in one process")
     p.add_argument("--time-scale", type=float, default=1.0, help="the workers' simulated seconds per real second")
     p.add_argument("--sim-profile", default="llama-3-8b-h100")
+    p.add_argument("--sim-wait", default="sleep", choices=("sleep", "spin"),
+                   help="the workers wait out a step asleep, or spinning as a GPU worker's thread does in CUDA's "
+                        "synchronize (its CPU counted as the model's): the host path warm, for a machine with a "
+                        "core a worker (`pagefleet worker --sim-wait`)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per worker")
     p.add_argument("--requests", type=int, default=1024, help="streams in a run (N)")
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens of every stream (T)")
