@@ -4,11 +4,16 @@ inside the gateway's own asyncio loop (``HttpServer``).
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (openai_door.py), ``POST /v1/responses``
 (responses_api.py), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize`` (openai_tokenize.py), ``GET /v1/models/{model}``, ``GET /health`` (503 while Redis does not answer),
-``GET /version``. Every response is counted by route and status
+``GET /version``, ``GET|POST /ping`` (as ``/health``, for load balancers that probe it), ``GET
+/metrics`` (the gateway's Prometheus metrics, as on ``--metrics-port``; summed over the
+processes of ``--processes``). Every response is counted by route and status
 (``pagefleet:gateway_http_requests_total``); completion requests are also counted and
 traced as Generate calls are (observe.py).
 
-Guards, outside the routes (``Doors``, guard.py): with keys, every path but ``/health`` needs
+CORS (``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers``, ``--allow-credentials``,
+vLLM's flags and defaults: every origin, no credentials) answers browsers' preflights first.
+
+Guards, outside the routes (``Doors``, guard.py): with keys, every path but ``/health`` and ``/ping`` needs
 ``Authorization: Bearer <key>`` (else 401, before the body is read); a body past
 ``--max-request-bytes`` is refused with 413; with ``--tls-cert`` the server speaks only TLS
 (and with ``--tls-client-ca`` wants a client certificate). Connections (http_conn.py): at most
@@ -18,6 +23,7 @@ Guards, outside the routes (``Doors``, guard.py): with keys, every path but ``/h
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import inspect
@@ -27,11 +33,13 @@ import ssl
 import time
 from typing import Any
 
+import prometheus_client
 import structlog
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from pagefleet import __version__
@@ -66,6 +74,48 @@ def add_http_flags(parser) -> None:
                         help="the model's tool-call format, parsed into tool_calls (needed for tool_choice auto)")
     parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split <think>...</think> output into reasoning_content")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        parser.add_argument(flag, type=_json_list(flag), default=["*"], metavar="JSON",
+                            help=f"CORS: the {what} browsers may use, a JSON list of strings (default [\"*\"]: any)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let browsers send credentials (cookies, auth headers) cross-origin")
+
+
+def _json_list(flag: str):
+    """A flag's value read as a JSON list of strings (vLLM's CORS flags take them so)."""
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON list of strings such as '[\"*\"]', got {text!r}")
+        return value
+    return parse
+
+
+def cors_options(args) -> dict[str, Any]:
+    """Starlette's ``CORSMiddleware`` arguments from the flags (their defaults without them)."""
+    return {"allow_origins": getattr(args, "allowed_origins", ["*"]),
+            "allow_methods": getattr(args, "allowed_methods", ["*"]),
+            "allow_headers": getattr(args, "allowed_headers", ["*"]),
+            "allow_credentials": bool(getattr(args, "allow_credentials", False))}
+
+
+def _metrics_registry(core: GatewayCore):
+    """What ``/metrics`` shows: every gateway process's metrics summed (prometheus-client's
+    multiprocess mode, under ``--processes``), else this one's registry."""
+    import os
+
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return core.metrics.registry
+    from prometheus_client import multiprocess
+
+    registry = prometheus_client.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)
+    return registry
 
 
 class ModelDoors:
@@ -102,9 +152,9 @@ class ModelDoors:
 
 
 def build_app(core: GatewayCore | Router, served_model_name: str | None = None,
-              keys: ApiKeys | None = None) -> FastAPI:
+              keys: ApiKeys | None = None, cors: dict[str, Any] | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``core`` (one model, named ``served_model_name``) or a
-    ``Router`` (every model it serves)."""
+    ``Router`` (every model it serves); ``cors``: ``cors_options`` (None: theirs by default)."""
     if isinstance(core, GatewayCore):
         core.name = served_model_name or core.name
         core = Router([core])
@@ -118,6 +168,8 @@ def build_app(core: GatewayCore | Router, served_model_name: str | None = None,
     if keys is not None and keys.required:
         app.add_middleware(RequireApiKey, keys=keys, on_refused=core.metrics.unauthenticated.labels("http").inc)
     app.add_middleware(CountResponses, counter=core.metrics.http_requests)
+    # Outermost: a browser's preflight (OPTIONS, no key) is answered before the key is asked for.
+    app.add_middleware(CORSMiddleware, **(cors if cors is not None else cors_options(None)))
 
     async def routed(request: Request, serve) -> Response:
         picked = await doors.pick(request)
@@ -155,6 +207,7 @@ def build_app(core: GatewayCore | Router, served_model_name: str | None = None,
                             "model_not_found").response()
         return JSONResponse(found.model_card())
 
+    @app.api_route("/ping", methods=["GET", "POST"])
     @app.get("/health")
     async def health() -> Response:
         if not await core.ping():
@@ -165,6 +218,11 @@ def build_app(core: GatewayCore | Router, served_model_name: str | None = None,
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(prometheus_client.generate_latest(_metrics_registry(core)),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
@@ -208,7 +266,7 @@ class RequireApiKey:
     """ASGI middleware: every path but ``OPEN_PATHS`` needs one of ``keys`` (401 otherwise);
     the request then runs as its key (``api_keys.caller``)."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/ping"})
 
     def __init__(self, app, keys: ApiKeys, on_refused) -> None:
         self.app = app
@@ -272,7 +330,7 @@ class HttpServer:
     """The HTTP door on ``--host``:``--http-port`` (0: a free port; ``port`` is the bound one)."""
 
     def __init__(self, router: Router, args, doors: Doors | None = None) -> None:
-        app = build_app(router, None, doors.keys if doors else None)
+        app = build_app(router, None, doors.keys if doors else None, cors_options(args))
         core = router.default
         tls = doors.tls if doors else None
         files = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.ca,

@@ -161,9 +161,11 @@ def parse_chat(body: Any, limits: Limits = _DEFAULT_LIMITS) -> ApiRequest:
         req.chat_template_kwargs = kwargs
     want = _bool("logprobs", p["logprobs"]) if "logprobs" in p else False
     if "top_logprobs" in p:
-        if not want:
+        top = _int("top_logprobs", p["top_logprobs"], 0, MAX_TOP_LOGPROBS)
+        if want:
+            req.sampling.logprobs = top
+        elif top:  # 0 without logprobs asks for nothing, as vLLM takes it
             raise BadParam("top_logprobs", "top_logprobs needs logprobs: true")
-        req.sampling.logprobs = _int("top_logprobs", p["top_logprobs"], 0, MAX_TOP_LOGPROBS)
     elif want:
         req.sampling.logprobs = 0
     return _finish(req, p, limits)
@@ -445,9 +447,7 @@ def _sampling(p: dict[str, Any]) -> pb.SamplingParams:
     s = pb.SamplingParams()
     if "max_tokens" in p:
         s.max_tokens = _int("max_tokens", p["max_tokens"], 0, _UINT32 - 1)
-    if (m := p.get("max_completion_tokens")) is not None:
-        if "max_tokens" in p and p["max_tokens"] != m:
-            raise BadParam("max_tokens", "give max_tokens or max_completion_tokens, not both")
+    if (m := p.get("max_completion_tokens")) is not None:  # OpenAI's newer name wins over max_tokens, as in vLLM
         s.max_tokens = _int("max_completion_tokens", m, 0, _UINT32 - 1)
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if name in p:

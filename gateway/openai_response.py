@@ -95,7 +95,11 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token that ended it
     error: str = ""
-    text_len: int = 0  # characters of text so far (completions' text_offset)
+    text_len: int = 0  # characters of text so far
+    # completions' text_offset of the next token: what the tokens so far add to the text, each
+    # by its own decode (as vLLM sums its tokens' strings), not the text sent so far, which lags
+    # while a character's bytes are held back
+    next_offset: int = 0
     logprobs: list[Any] = field(default_factory=list)  # chat entries, or completions' (token, lp, top, offset)
     echo: str = ""  # sent before the first message's text (and already in ``text``)
     output: Any = None  # chat_output.ChatOutput: reasoning and tool calls parsed from the text
@@ -290,7 +294,7 @@ class Choices:
         """This message's entries (also kept on the choice for the whole body; a stream's go
         out in its chunks and are not kept: what a stream holds does not grow with its output)."""
         entries = []
-        offset = c.text_len
+        offset = c.next_offset
         pieces = _as_token_ids if self.req.tokens_as_ids else self.pieces
         skip = not self.req.sampling.HasField("skip_special_tokens") or self.req.sampling.skip_special_tokens
         for token_id, lp in zip(msg.token_ids, msg.logprobs, strict=False):
@@ -302,8 +306,9 @@ class Choices:
             else:
                 top = {t: v for (t, _), v in tops}
                 top.setdefault(text, _finite(lp.logprob))
-                entries.append((text, _finite(lp.logprob), top, min(offset, c.text_len + len(msg.text))))
+                entries.append((text, _finite(lp.logprob), top, offset))
                 offset += self.pieces.text_length(token_id, skip)  # what it adds to the text, however it is named
+        c.next_offset = offset
         if not self.req.stream:
             c.logprobs.extend(entries)
         return entries

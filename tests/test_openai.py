@@ -229,14 +229,25 @@ def test_tiny_has_a_builtin_template():
          "invalid_value"),
         (parse_chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
          "top_logprobs", "invalid_value"),
-        (parse_chat, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
-                      "max_completion_tokens": 4}, "max_tokens", "invalid_value"),
+        (parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs",
+         "invalid_value"),
     ],
 )
 def test_parser_refuses_by_name(parse, body, param, code):
     with pytest.raises(BadParam) as info:
         parse(body)
     assert (info.value.param, info.value.code) == (param, code), info.value.message
+
+
+def test_what_vllm_takes_of_max_tokens_and_top_logprobs_is_taken():
+    """As vLLM: max_completion_tokens wins over max_tokens when both are sent (a review found a
+    refusal), and top_logprobs 0 without logprobs asks for nothing."""
+    both = parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 2})
+    assert (both.sampling.max_tokens, both.max_tokens_param) == (2, "max_completion_tokens")
+    none = parse_chat({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0})
+    assert none.logprobs is None and not none.sampling.HasField("logprobs")
+    some = parse_chat({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3, "logprobs": True})
+    assert (some.logprobs, some.sampling.logprobs) == (3, 3)
 
 
 def test_min_p_reaches_the_sampling_params_and_a_bad_one_is_refused_by_name():
@@ -535,6 +546,46 @@ def test_models_health_and_version(cluster, client):
             assert body == want
         else:
             assert json.loads(body)["version"]
+
+
+def test_ping_metrics_and_cors_on_the_api_port(cluster, client):
+    """As vLLM serves them on its API port: ``/ping`` (GET and POST) as ``/health``, ``/metrics``
+    (the gateway's, counting the requests just made), and CORS for browsers (every origin by
+    default: a preflight answered 200, the origin echoed on the answer)."""
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, **GREEDY)
+    for method in ("GET", "POST"):
+        conn, resp = _raw(cluster.http_url, method, "/ping")
+        resp.read()
+        conn.close()
+        assert resp.status == 200, method
+    conn, resp = _raw(cluster.http_url, "GET", "/metrics")
+    text = resp.read().decode()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/plain")
+    assert 'pagefleet:gateway_http_requests_total{route="/v1/completions",status="200"}' in text
+    conn, resp = _raw(cluster.http_url, "OPTIONS", "/v1/chat/completions",
+                      headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+                               "Access-Control-Request-Headers": "authorization, content-type"})
+    resp.read()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("access-control-allow-origin") == "*"
+    assert "POST" in resp.getheader("access-control-allow-methods")
+    conn, resp = _raw(cluster.http_url, "GET", "/v1/models", headers={"Origin": "http://example.com"})
+    resp.read()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("access-control-allow-origin") == "*"
+
+
+def test_cors_flags_are_json_lists_as_vllms():
+    from pagefleet.gateway.server import build_parser
+
+    args = build_parser().parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials"])
+    from pagefleet.gateway.http import cors_options
+
+    assert cors_options(args) == {"allow_origins": ["https://a.example"], "allow_methods": ["*"],
+                                  "allow_headers": ["*"], "allow_credentials": True}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--allowed-origins", "https://a.example"])
 
 
 def test_greedy_completion_matches_grpc(cluster, client, checkpoint):
@@ -939,6 +990,30 @@ def test_text_offsets_move_by_what_a_token_adds_to_the_text_not_its_name():
         choices.add(0, msg)
     lp = choices.body()["choices"][0]["logprobs"]
     assert (lp["tokens"], lp["text_offset"]) == (["</s>", "a", "b", "c"], [0, 0, 1, 2])
+
+
+def test_text_offsets_go_on_past_a_character_whose_bytes_were_held_back():
+    """A byte the detokenizer holds back (the start of a character not yet whole) sends no text
+    with its message; the next token's offset still counts it, as vLLM sums its tokens' strings
+    (a review found [0, 1, 1] for "w\ufffd1": the third token restarted at the text sent so far)."""
+    from pagefleet.common.tokenizer import ByteTokenizer
+    from pagefleet.gateway.openai_response import Choices, TokenPieces
+    from pagefleet.protos import generation_pb2 as pb
+
+    for stream in (False, True):
+        req = parse_completion({"prompt": "x", "logprobs": 0, "max_tokens": 3, "stream": stream})
+        choices = Choices(req, "cmpl-1", "m", TokenPieces(ByteTokenizer()))
+        offsets = []
+        for i, (token, text) in enumerate(((119, "w"), (0xC3, ""), (49, "\ufffd1"))):
+            msg = pb.GenerateResponse(request_id="r", index=i, token_ids=[token], text=text)
+            msg.logprobs.add().logprob = -0.5
+            if i == 2:
+                msg.finish_reason = pb.FINISH_REASON_LENGTH
+            for chunk in choices.add(0, msg):
+                offsets += chunk["choices"][0]["logprobs"]["text_offset"]
+        assert offsets == [0, 1, 2], stream
+        if not stream:
+            assert choices.body()["choices"][0]["logprobs"]["text_offset"] == [0, 1, 2]
 
 
 def test_allowed_token_ids_are_bounded_before_each_is_checked():

@@ -419,7 +419,20 @@ def test_health_is_open_reflection_is_not(cluster, material):
     ctx = client_context(material.ca, material.client.cert, material.client.key)
     conn = http.client.HTTPSConnection("127.0.0.1", int(cluster.http_url.rsplit(":", 1)[1]), context=ctx, timeout=10)
     conn.request("GET", "/health")
-    assert conn.getresponse().status == 200
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.status == 200
+    for method, path, headers, status in (
+            ("GET", "/ping", {}, 200),  # a probe's, as /health
+            ("GET", "/metrics", {}, 401),  # the API port's metrics need a key
+            ("GET", "/metrics", {"Authorization": f"Bearer {material.api_key}"}, 200),
+            # a browser's preflight carries no key: answered before the key is asked for
+            ("OPTIONS", "/v1/completions", {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"},
+             200)):
+        conn.request(method, path, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == status, (method, path)
     conn.close()
 
 
