@@ -148,9 +148,6 @@ class GatewayCore:
         self.readers = {k.shard: StepReader(redis, k) for k in self.shards}
         self.reader = self.readers[self.keys.shard]
         self.stream_interval = max(1, getattr(args, "stream_interval", 1) or 1)
-        # Claim every request id in its shard (``req:<id>``), not only clients' own: set by a
-        # gateway serving several models, whose Cancel looks a request's shard up by it.
-        self.claim_every_id = False
         # The other models' cores of this gateway (``Router``): a client's id is one model's at a time.
         self.siblings: list[GatewayCore] = []
         # Set as the process shuts down (SIGTERM: a rolling restart): the streams it cuts did not
@@ -271,13 +268,15 @@ class GatewayCore:
             # requests finish; trimming would drop requests no one has read. ``ADMIT_AND_QUEUE`` bounds it.
             fields = encode_request_entry(msg, int(time.time() * 1000))
             script_keys = [keys.requests, keys.num_waiting]
-            fp = ""
-            if client_id or self.claim_every_id:
-                # The claim has the lifetime of the request's output stream (the final write
-                # shortens both): past it, a retry with this id is a new request.
-                script_keys.append(keys.idempotency(rid))
-                if client_id:
-                    fp = fingerprint(prompt_ids, request.sampling)
+            # Every id is claimed in its shard (``req:<id>``), the gateway's own too, for the
+            # lifetime of the request's output stream (the final write shortens both; past it, a
+            # retry with this id is a new request): a client that sends an id the gateway chose
+            # for a request still running is refused (its claim's fingerprint is empty), not
+            # queued a second time to share the first call's relay (a review found one call
+            # given the other's tokens); and a gateway serving several models finds a
+            # request's shard by it (Cancel).
+            script_keys.append(keys.idempotency(rid))
+            fp = fingerprint(prompt_ids, request.sampling) if client_id else ""
             args = [self.args.max_stream_len, self.args.max_queue, REQUEST_TTL_S, fp,
                     *(x for kv in fields.items() for x in kv)]
             # Its relay is open before it is queued: its first tokens can come right after.

@@ -107,7 +107,6 @@ class Router:
         self.default = cores[0]
         if len(cores) > 1:
             for c in cores:
-                c.claim_every_id = True  # Cancel finds a request's shard by its claim
                 c.siblings = [o for o in cores if o is not c]  # a client's id is one model's at a time
 
     @property

@@ -193,6 +193,26 @@ def test_a_caller_of_an_id_that_hangs_up_leaves_the_others_reading_it(cluster):
         wait_for(lambda: _idle(cluster), 10, "blocks freed after the caller left")
 
 
+def test_an_id_the_gateway_chose_is_in_use_while_its_request_runs(cluster):
+    """A call that sends the id the gateway gave a running request (read off its stream) is
+    refused with ALREADY_EXISTS, as another request with an id in use is: it was queued again and
+    shared the first call's relay, one call given the other's tokens, the other none (a review's
+    repro). The first call comes back whole."""
+    kwargs = dict(max_tokens=150, temperature=0, ignore_eos=True, timeout=60)
+    with Client(cluster.gateway_target) as c:
+        first = c.generate_stream("the gateway's own id", **kwargs)
+        head = next(first)
+        for prompt in ("another prompt", "the gateway's own id"):  # another request, or the same one
+            with pytest.raises(grpc.RpcError) as info:
+                c.generate(prompt, max_tokens=5, temperature=0, request_id=head.request_id, timeout=30)
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS, prompt
+            assert head.request_id in info.value.details()
+        done = _drain(first, head)
+        assert (done.finish_reason, done.completion_tokens) == ("length", 150)
+        alone = c.generate("the gateway's own id", **kwargs)
+    assert done.token_ids == alone.token_ids
+
+
 def test_a_retry_of_a_cancelled_request_replays_the_tokens_its_caller_saw(cluster):
     """The scheduler's abort came with no tokens: a retry of a cancelled id relayed 0 tokens
     and ABORT. The tokens emitted before the cancel are recorded first, and the finish after them."""

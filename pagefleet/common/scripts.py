@@ -13,7 +13,8 @@ messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (`
 # * the bound is exact: the requests stream's length (entries leave when their requests
 #   finish) and the scheduler's published queue length are read where the entry is added, so
 #   gateways racing each other (or one gateway's concurrent calls) never admit past it;
-# * a client-chosen id is claimed with its entry, by one ``SET NX`` once the bound is met:
+# * every id is claimed with its entry (a gateway-chosen one with an empty fingerprint, which no
+#   client's request matches), by one ``SET NX`` once the bound is met:
 #   taken already, the request was queued before (a retry after a lost reply answers 0, and is
 #   relayed even when the queue is full now: a full queue looks the claim up). The claim's value
 #   is the request's fingerprint (``GatewayCore.fingerprint``: its prompt and sampling), so a
