@@ -1034,6 +1034,34 @@ def test_allowed_token_ids_are_bounded_before_each_is_checked():
           spec, 2048)
 
 
+def test_masks_that_leave_no_token_to_draw_are_refused_by_name():
+    """allowed_token_ids whose every id is a one-token bad word, or whose ids left are all held
+    back by min_tokens, leave nothing to draw: a review saw a forbidden token (id 0) sent with
+    NaN log-probabilities. Refused at the door, naming the field; a mask that leaves one id runs."""
+    from pagefleet.gateway.validate import BadField, check
+    from pagefleet.protos import generation_pb2 as pb
+
+    spec = load_model_spec("tiny")
+    eos = spec.config.eos_token_ids[0]
+
+    def sampling(allowed, words, **kw):
+        s = pb.SamplingParams(max_tokens=3, allowed_token_ids=allowed, **kw)
+        for w in words:
+            s.bad_words_token_ids.add(ids=w)
+        return s
+
+    for s, field in ((sampling([65], [[65]]), "sampling.bad_words_token_ids"),
+                     (sampling([65, 66], [[66], [65]]), "sampling.bad_words_token_ids"),
+                     (sampling([65, 66], [[66]], stop_token_ids=[65], min_tokens=2), "sampling.allowed_token_ids"),
+                     (sampling([65, eos], [[65]], min_tokens=1), "sampling.allowed_token_ids")):
+        with pytest.raises(BadField) as bad:
+            check(pb.GenerateRequest(request_id="r", prompt="hi", sampling=s), spec, 2048)
+        assert bad.value.field == field and "allow another token" in bad.value.reason, bad.value
+    check(pb.GenerateRequest(request_id="r", prompt="hi", sampling=sampling([65, 66], [[66], [65, 65]])), spec, 2048)
+    check(pb.GenerateRequest(request_id="r", prompt="hi", sampling=sampling([65, 66], [[66]], stop_token_ids=[65])),
+          spec, 2048)
+
+
 def test_an_empty_structured_outputs_is_not_passed_on_as_set():
     """Taken as none, and cleared before it is queued: a worker of the version before (which
     refused an empty one) runs the request too, in a rolling upgrade."""

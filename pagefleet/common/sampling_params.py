@@ -192,6 +192,9 @@ class SamplingParams:
         for w in words:
             if not isinstance(w, list | tuple) or not all(isinstance(t, int) and t >= 0 for t in w):
                 raise ValueError(f"bad_words: each word must be a list of token ids >= 0, got {w!r}")
+        if self.allowed_token_ids and words and set(self.allowed_token_ids) <= _one_token_words(words):
+            raise ValueError("bad_words: every one of allowed_token_ids is a one-token bad word, so no token could "
+                             "ever be drawn: allow another token or drop the bad word")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputs):
             raise ValueError(f"structured_outputs must be a StructuredOutputs, got {type(so).__name__}")
@@ -212,7 +215,14 @@ def only_finish_tokens_allowed(params: SamplingParams, finish_token_ids: Iterabl
     if not params.min_tokens or not params.allowed_token_ids:
         return ""
     finish = set(finish_token_ids)
-    if finish and set(params.allowed_token_ids) <= finish:
-        return (f"allowed_token_ids: every allowed token ends the output (end-of-sequence or a stop token), "
-                f"which min_tokens {params.min_tokens} holds back: allow another token or drop min_tokens")
+    # A one-token bad word is never drawn: what is left of the allowed ids is what counts.
+    if finish and set(params.allowed_token_ids) - _one_token_words(params.bad_words_token_ids or ()) <= finish:
+        return (f"allowed_token_ids: every allowed token (less one-token bad words) ends the output "
+                f"(end-of-sequence or a stop token), which min_tokens {params.min_tokens} holds back: allow "
+                "another token or drop min_tokens")
     return ""
+
+
+def _one_token_words(words) -> set[int]:
+    """The ids banned at every step: the bad words of one token."""
+    return {w[0] for w in words if len(w) == 1}
