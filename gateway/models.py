@@ -35,6 +35,9 @@ class ServedModel:
     shards: tuple[str, ...]
 
 
+MAX_ECHOED_NAME = 256  # characters of an unknown model's name an error repeats
+
+
 class UnknownModel(LookupError):
     """A request named a model this gateway does not serve (HTTP 404, gRPC NOT_FOUND)."""
 
@@ -45,7 +48,10 @@ class UnknownModel(LookupError):
         if requested is None:
             text = f"a model is required: this server serves {listed}"
         else:
-            text = f"The model `{requested}` does not exist (this server serves {listed})."
+            # Named as sent, cut short: a name of megabytes echoed whole overflowed the client's
+            # bound on a status's metadata (RESOURCE_EXHAUSTED instead of NOT_FOUND).
+            name = requested if len(requested) <= MAX_ECHOED_NAME else requested[:MAX_ECHOED_NAME] + "..."
+            text = f"The model `{name}` does not exist (this server serves {listed})."
         super().__init__(text)
 
 

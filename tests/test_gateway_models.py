@@ -42,6 +42,9 @@ def test_bad_flags_say_what_is_wrong(models, names, shards, error):
 def test_an_unknown_model_names_the_served_ones():
     assert "`a`, `b`" in str(UnknownModel("c", ["a", "b"])) and "`c`" in str(UnknownModel("c", ["a", "b"]))
     assert "required" in str(UnknownModel(None, ["a", "b"]))
+    # a huge name is cut short: echoed whole it overflowed a client's bound on a status's metadata
+    long = str(UnknownModel("x" * 100_000, ["a"]))
+    assert len(long) < 400 and "x" * 256 + "..." in long
 
 
 @pytest.mark.parametrize("argv, error", [

@@ -112,6 +112,20 @@ def test_the_gateway_check_names_what_does_not_compile(so, kind):
     assert e.value.field == kind and e.value.reason
 
 
+def test_a_schema_whose_first_mask_fails_is_refused_at_the_door():
+    """``{"$ref": "#"}`` validates, but its first mask cannot be built: the door's check (with the
+    model's tokenizer, as the worker compiles it) builds it and refuses it by name."""
+    from pagefleet.common.model_config import load_model_spec
+    from pagefleet.common.sampling_proto import to_proto
+    from pagefleet.gateway.validate import BadField, check
+    from pagefleet.protos import generation_pb2 as pb
+
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(json='{"$ref": "#"}'))
+    with pytest.raises(BadField) as e:
+        check(pb.GenerateRequest(prompt="hi", sampling=to_proto(params)), load_model_spec("tiny"), 512)
+    assert e.value.field == "sampling.structured_outputs.json" and "first token's mask" in e.value.reason
+
+
 def test_good_grammars_compile_lark_and_gbnf():
     for so in (StructuredOutputs(regex=" "), StructuredOutputs(regex="\n"),  # not empty: one character
                StructuredOutputs(grammar='start: "x" NUM\nNUM: /[0-9]+/'),
@@ -407,3 +421,23 @@ def test_tokens_after_a_met_constraint_are_no_error_and_a_refused_token_is_one()
     assert refused.matcher(list(b"ax")) is None and refused.failed
     assert refused.error and "\n" not in refused.error
     compiler.close()
+
+
+def test_a_constraint_that_fails_at_its_first_mask_ends_the_request_with_why():
+    """``{"$ref": "#"}`` compiles but its matcher fails building its first mask, which then lets
+    only the end through: the request ended as a clean ``stop`` with an empty output outside its
+    constraint (a review's repro). It ends with the matcher's error instead, on every run (the
+    compiled grammar is cached and copied)."""
+    engine = Engine("tiny", num_blocks=64)
+    so = StructuredOutputs(json='{"$ref": "#"}')
+    for _ in range(2):
+        (out,) = engine.generate([[70, 71]], SamplingParams(max_tokens=8, temperature=0, structured_outputs=so))
+        assert out.finish_reason == "error", (out.finish_reason, out.token_ids)
+    engine.add_request([70, 71], SamplingParams(max_tokens=8, temperature=0, structured_outputs=so), request_id="why")
+    last = None
+    while last is None or not last.finished:
+        last = next((d for d in engine.step() if d.request_id == "why"), last)
+    assert last.finish_reason == "error" and last.error.startswith("structured output:") and "\n" not in last.error
+    (fine,) = engine.generate([[70, 71]], SamplingParams(max_tokens=8, temperature=0,
+                                                         structured_outputs=StructuredOutputs(choice=("ok",))))
+    assert fine.text == "ok"

@@ -176,6 +176,15 @@ def grammar_bitmask(reqs: list[Request], vocab: int) -> np.ndarray:
             matchers.append((m, j))
     if matchers:
         fill_next_token_bitmask_par(reqs[0].grammar.executor, matchers, bitmask)
+        for m, j in matchers:
+            # A matcher can fail filling its mask (a grammar that compiled but whose lexer or
+            # first mask cannot be built: a recursive $ref, a regex too large to expand); its mask
+            # then lets only the end through, which would end the request as a clean STOP with an
+            # output outside the constraint. It ends with why instead, at this step's token.
+            if m.is_error():
+                g = reqs[j].grammar
+                g.failed = True
+                g.error = (m.get_error() or "").strip().split("\n")[0] or "the constraint failed"
     return bitmask
 
 

@@ -111,6 +111,15 @@ def check(so: StructuredOutputs, tokenizer: LLTokenizer | None = None) -> str:
     error = LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise GrammarError(kind_of(so), error.strip())
+    if tokenizer is not None:
+        # What validation does not build: the lexer and the first mask (a recursive ``$ref``
+        # fails there, and would end every request with an error at its first token).
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        if matcher.is_error():
+            why = (matcher.get_error() or "").strip().split("\n")[0]
+            raise GrammarError(kind_of(so), f"its first token's mask cannot be built ({why or 'no reason given'})")
     return grammar
 
 
