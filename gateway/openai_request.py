@@ -51,14 +51,17 @@ _OFF = object()  # no value but null turns it off
 UNSUPPORTED = {
     "best_of": 1, "suffix": "", "prompt_logprobs": _OFF, "tools": [], "tool_choice": "none",
     "functions": [], "function_call": "none", "guided_whitespace_pattern": _OFF, "parallel_tool_calls": _OFF,
-    "audio": _OFF, "modalities": ["text"], "prediction": _OFF, "store": False, "metadata": {},
-    "reasoning_effort": _OFF, "service_tier": _OFF, "web_search_options": _OFF,
+    "audio": _OFF, "modalities": ["text"], "prediction": _OFF,
+    "reasoning_effort": _OFF, "web_search_options": _OFF,
     # vLLM's own request fields (what its clients may send at their defaults): refused only when set.
     # ``chat_template`` too: vLLM itself refuses a request's template unless told to trust them.
     "use_beam_search": False, "length_penalty": 1.0, "logits_processors": _OFF, "return_token_ids": False,
     "cache_salt": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF, "prompt_embeds": _OFF,
     "documents": _OFF, "chat_template": _OFF, "mm_processor_kwargs": _OFF,
 }
+# OpenAI's fields about the call, not its output (what is kept, billed or tagged where): taken
+# and ignored whatever their value, as vLLM takes them, so clients that always send them work.
+IGNORED = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # ``reasoning`` is vLLM's newer name of ``reasoning_content`` (an assistant turn's thinking,
 # for templates that show it again); both reach the template.
@@ -274,6 +277,8 @@ def _params(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
         if name in allowed:
             if value is not None:
                 params[name] = value
+        elif name in IGNORED:
+            continue
         elif name in UNSUPPORTED:
             if value is not None and value != UNSUPPORTED[name]:
                 raise BadParam(name, f"{name} is not supported by this server", "unsupported_parameter")

@@ -247,7 +247,14 @@ class Choices:
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
         chunk = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
         if self.req.include_usage:
-            chunk["usage"] = self.usage() if self.req.continuous_usage else None
+            chunk["usage"] = None
+            if self.req.continuous_usage:
+                # A chunk's usage is that of the choice it carries, as vLLM counts it (each
+                # choice its own prompt and completion tokens); the stream's last chunk sums them.
+                c = self._choices[choices[0]["index"]] if len(choices) == 1 else None
+                chunk["usage"] = self.usage() if c is None else {
+                    "prompt_tokens": c.num_prompt_tokens, "completion_tokens": c.num_tokens,
+                    "total_tokens": c.num_prompt_tokens + c.num_tokens}
         return chunk
 
     def usage(self) -> dict[str, int]:

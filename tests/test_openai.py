@@ -239,6 +239,21 @@ def test_parser_refuses_by_name(parse, body, param, code):
     assert (info.value.param, info.value.code) == (param, code), info.value.message
 
 
+def test_openais_fields_about_the_call_are_taken_and_ignored():
+    """store, metadata, service_tier, prompt_cache_key, safety_identifier say what OpenAI keeps,
+    bills or tags, not what is generated: taken whatever their value, as vLLM takes them (a
+    review found 400s); a misspelt name is still refused by name."""
+    extra = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "prompt_cache_key": "p",
+             "safety_identifier": "u1"}
+    plain = parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+    taken = parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, **extra})
+    assert taken.sampling == plain.sampling
+    parse_completion({"prompt": "x", **extra})
+    with pytest.raises(BadParam) as info:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "stor": True})
+    assert info.value.param == "stor"
+
+
 def test_what_vllm_takes_of_max_tokens_and_top_logprobs_is_taken():
     """As vLLM: max_completion_tokens wins over max_tokens when both are sent (a review found a
     refusal), and top_logprobs 0 without logprobs asks for nothing."""

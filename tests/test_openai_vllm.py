@@ -109,6 +109,15 @@ def test_guidellm_stream_options_usage_in_every_chunk(client):
         stream=True, max_completion_tokens=5, stream_options={"include_usage": True, "continuous_usage_stats": True},
         extra_body={"ignore_eos": True}))
     assert all(c.usage is not None for c in chat) and chat[-1].usage.completion_tokens == 5
+    # n > 1: a choice's chunk carries that choice's counts (as vLLM's), the last chunk the sums
+    many = list(client.completions.create(
+        model=MODEL, prompt="hello world", stream=True, n=3, max_tokens=4, temperature=1.0, seed=7,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    prompt = many[-1].usage.prompt_tokens
+    for c in many[:-1]:
+        assert len(c.choices) == 1 and c.usage.prompt_tokens == prompt and c.usage.completion_tokens <= 4
+    assert not many[-1].choices and many[-1].usage.completion_tokens == 12
+    assert max(c.usage.completion_tokens for c in many[:-1]) == 4
 
 
 def test_length_cut_in_a_character_ends_as_decode_gives(client, hf):
