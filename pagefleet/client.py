@@ -71,7 +71,7 @@ def build_request(
     top_k: int | None = None,
     min_p: float | None = None,
     seed: int | None = None,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     priority: int = 0,
@@ -80,25 +80,41 @@ def build_request(
     structured_outputs: pb.StructuredOutputs | None = None,
     model: str | None = None,
 ) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    """The ``GenerateRequest`` of these arguments (as vLLM's: a ``stop`` string is one stop
+    string, ``top_k`` -1 is off). A value its field cannot hold is a ``ValueError`` naming the
+    field (the gateway checks the rest and answers ``INVALID_ARGUMENT`` naming it)."""
+    sampling = pb.SamplingParams(ignore_eos=ignore_eos)
+    _set(sampling.stop.extend, "stop", [stop] if isinstance(stop, str) else list(stop))
+    _set(sampling.stop_token_ids.extend, "stop_token_ids", list(stop_token_ids))
     if structured_outputs is not None:
         sampling.structured_outputs.CopyFrom(structured_outputs)
     if seed is not None and -(1 << 63) <= seed < 0:  # vLLM's int64 seeds: a negative one as its two's complement
         seed += 1 << 64
+    if top_k == -1:  # vLLM's off, as 0 is here
+        top_k = 0
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("min_p", min_p), ("seed", seed)):
         if value is not None:
-            setattr(sampling, name, value)
-    req = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=priority)
+            _set(lambda v, n=name: setattr(sampling, n, v), name, value)
+    req = pb.GenerateRequest(request_id=request_id, sampling=sampling)
+    _set(lambda v: setattr(req, "priority", v), "priority", priority)
     if isinstance(prompt, str):
         req.prompt = prompt
     else:
-        req.prompt_token_ids.ids.extend(prompt)
+        _set(req.prompt_token_ids.ids.extend, "prompt", list(prompt))
     if deadline_ms is not None:
-        req.deadline_ms = deadline_ms
+        _set(lambda v: setattr(req, "deadline_ms", v), "deadline_ms", deadline_ms)
     if model is not None:
         req.model = model
     return req
+
+
+def _set(put, name: str, value) -> None:
+    """``put(value)`` into a protobuf field; its range or type error named by the field."""
+    try:
+        put(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name}: {e} (got {value!r})") from None
 
 
 def _metadata(auth: tuple, traceparent: str | None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -24,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = Engine(args.model, device=args.device)
-    except (ValueError, OSError) as e:  # a model that does not load: why, in one line
-        print(f"pagefleet run: --model {args.model}: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # a model that does not load, or a device not here: why, in one line
+        blame = "--device" if str(e).startswith("device") else f"--model {args.model}"
+        print(f"pagefleet run: {blame}: {e}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
@@ -34,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagefleet run: {e}", file=sys.stderr)
         return 2
     names = dict(zip(ids, args.prompt, strict=True))
+    try:
+        return _stream(engine, names)
+    except BrokenPipeError:  # its reader went away (`| head`): stop quietly, as a filter does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _stream(engine, names: dict[str, str]) -> int:
     start = time.perf_counter()
     tokens = 0
     while engine.has_unfinished_requests():

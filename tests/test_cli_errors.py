@@ -3,6 +3,7 @@ no traceback) before anything starts; `pagefleet up` leaves no process behind ho
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -54,6 +55,27 @@ def test_a_bad_value_is_one_line_naming_it_before_anything_starts(args, env, say
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert time.monotonic() - t0 < 30  # refused before a cluster started
+
+
+def test_up_on_cuda_without_a_cuda_device_is_one_line_before_anything_starts():
+    """It started Redis, the scheduler and the gateway, then each worker died with a traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    out = _run("up", "--device", "cuda")
+    assert out.returncode == 2 and "--device cuda: no CUDA device is available" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_run_into_a_pipe_that_closes_stops_quietly():
+    """``pagefleet run ... | head -1``: a BrokenPipeError traceback and exit 1 before."""
+    proc = subprocess.Popen([sys.executable, "-m", "pagefleet", "run", "hello there", "--max-tokens", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"[hello there]")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 0 and "Traceback" not in err, err[-2000:]
 
 
 def test_generate_says_what_is_wrong_in_one_line():
@@ -166,7 +188,18 @@ def test_a_checkpoint_that_does_not_load_is_one_line_naming_why(tmp_path):
     path = make_checkpoint(tmp_path / "relu2", "llama", hidden_act="relu2")
     with pytest.raises(ValueError, match="hidden_act 'relu2'"):
         load_model_spec(str(path))
-    for args in (["models", str(path)], ["run", "--model", str(path), "hi"], ["models", str(tmp_path / "none")]):
+    # config.json not an object, or a field of the wrong type: a traceback before (a review's repro)
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1, 2]")
+    typed = make_checkpoint(tmp_path / "typed", "llama")
+    cfg = json.loads((typed / "config.json").read_text())
+    (typed / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers="two")))
+    for bad, says in ((listed, "must hold a JSON object"), (typed, "num_hidden_layers must be a positive integer")):
+        with pytest.raises(ValueError, match=says):
+            load_model_spec(str(bad))
+    for args in (["models", str(path)], ["run", "--model", str(path), "hi"], ["models", str(tmp_path / "none")],
+                 ["models", str(listed)], ["models", str(typed)], ["run", "--model", str(typed), "hi"]):
         out = _run(*args)
         assert out.returncode == 2 and "Traceback" not in out.stderr, (args, out.stderr[-2000:])
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -206,7 +206,11 @@ def test_resume_from_emitted_tokens(tiny):
         ("abc", SamplingParams(temperature=float("nan")), "temperature"),
         ("abc", SamplingParams(top_p=0), "top_p"),
         ("abc", SamplingParams(top_p=1.5), "top_p"),
-        ("abc", SamplingParams(top_k=-1), "top_k"),
+        ("abc", SamplingParams(top_k=-2), "top_k"),  # -1 is vLLM's off, as 0
+        ("abc", SamplingParams(seed=2**64 + 5), "seed"),  # was wrapped to 5
+        ("abc", SamplingParams(seed=-(2**63) - 1), "seed"),
+        ([72.7, 105], SamplingParams(), "prompt"),  # was truncated to 72
+        ([True, 105], SamplingParams(), "prompt"),
     ],
 )
 def test_bad_input_fails_alone(tiny, prompt, params, field):
@@ -326,3 +330,21 @@ def test_stop_reason_is_the_stop_string_or_token_that_ended_it():
     by_token = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                            stop_token_ids=[token]))[0]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
+
+
+def test_generate_keeps_other_requests_deltas_and_ids_for_their_caller(tiny):
+    """``generate`` steps every request in the engine: another one's deltas (``add_request``)
+    were dropped, so its output could not be had; they now come from the next ``step``. An id
+    the engine draws skips a caller's own of that shape (``req-7``: a clash refused generate)."""
+    mine = tiny.add_request("Hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), request_id="req-1")
+    outs = tiny.generate(["a", "b", "c"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [3, 3, 3] and mine not in {o.request_id for o in outs}
+    got = []
+    while tiny.has_unfinished_requests():
+        got += [d for d in tiny.step() if d.request_id == mine]
+    assert sum(len(d.token_ids) for d in got) == 8 and got[-1].finish_reason == "length"
+    assert [d.index for d in got] == sorted(d.index for d in got) and got[0].index == 0
+    alone = tiny.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert [t for d in got for t in d.token_ids] == alone.token_ids
+    with pytest.raises(ValueError, match="got a dict"):
+        tiny.generate(["a"], {"max_tokens": 3})

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 
 from pagefleet.common.logprobs import TokenLogprobs
@@ -125,6 +126,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
+        # Deltas of other requests that ``generate`` stepped past: the next ``step`` returns them first.
+        self._held: list[TokenDelta] = []
         self.num_generated_tokens_total = 0
         self.last_step_tokens = 0  # tokens the latest step computed (prompt chunks and decodes)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -167,6 +170,8 @@ class Engine:
             self._token_ids(list(ids), field)  # within the vocabulary, as a prompt's (the gateway checks them too)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:  # a caller's own id of that shape
+                request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.requests:
@@ -233,8 +238,10 @@ class Engine:
         return ids
 
     def _token_ids(self, ids: Sequence[int], field: str) -> list[int]:
-        try:
-            ids = [int(t) for t in ids]
+        try:  # integers only (numpy's and torch's too): 72.7 or True is no token id, not 72 or 1
+            if any(isinstance(t, bool) for t in ids):
+                raise TypeError("a bool is no token id")
+            ids = [operator.index(t) for t in ids]
         except (TypeError, ValueError):
             raise ValueError(f"{field}: must be a string or a list of integer token ids") from None
         vocab = self.model_config.vocab_size
@@ -307,10 +314,18 @@ class Engine:
         self.scheduler.attach(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests running or waiting, or deltas of them that the next ``step`` has yet to return."""
+        return bool(self.requests or self._held)
 
     def step(self) -> list[TokenDelta]:
-        """Run one iteration; a delta for every request that produced tokens or finished."""
+        """Run one iteration; a delta for every request that produced tokens or finished (first
+        those of other requests a ``generate`` call stepped past)."""
+        if self._held:
+            held, self._held = self._held, []
+            return held + self._step()
+        return self._step()
+
+    def _step(self) -> list[TokenDelta]:
         out = self.scheduler.schedule()
         if not out:
             self.last_step_tokens = 0
@@ -386,6 +401,9 @@ class Engine:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts: pass a list of prompts (strings or lists of token ids)")
+        if isinstance(params, dict):
+            raise ValueError("params must be a SamplingParams or a list of them, got a dict "
+                             "(SamplingParams(**params) makes one)")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -400,7 +418,9 @@ class Engine:
         pending = {r.request_id for r in reqs}
         while pending:
             for d in self.step():
-                if d.finished:
+                if d.request_id not in pending:  # another request's (``add_request``): kept for its caller
+                    self._held.append(d)
+                elif d.finished:
                     pending.discard(d.request_id)
             if pending and not self.scheduler.has_unfinished():
                 raise RuntimeError("engine stalled with requests pending")

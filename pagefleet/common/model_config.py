@@ -113,6 +113,23 @@ class ModelConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
+    def __post_init__(self) -> None:
+        # The shape's sizes as config.json gave them: a string or a fraction failed deep inside
+        # a layer's construction (a traceback where one line naming the field belongs).
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("sliding_window", "bos_token_id"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or null, got {v!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_id must be an integer >= 0 or a list of them, got {list(self.eos_token_ids)!r}")
+        if not isinstance(self.rms_norm_eps, int | float) or isinstance(self.rms_norm_eps, bool):
+            raise ValueError(f"rms_norm_eps must be a number, got {self.rms_norm_eps!r}")
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
@@ -301,6 +318,17 @@ class ModelSpec:
         return requested
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object; ``ValueError`` naming it otherwise."""
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"model: {path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def load_model_spec(model: str) -> ModelSpec:
     """``"tiny"`` or a Hugging Face checkpoint directory; ``ValueError`` naming what is wrong."""
     if model == TINY:
@@ -311,11 +339,15 @@ def load_model_spec(model: str) -> ModelSpec:
             f"model: {model!r} is neither 'tiny' nor a directory with config.json "
             "(no model can be downloaded; pass a local Hugging Face checkpoint)"
         )
-    raw = json.loads((path / "config.json").read_text())
-    cfg = ModelConfig.from_hf(raw)
+    raw = _json_object(path / "config.json")
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except (TypeError, AttributeError, KeyError, IndexError) as e:  # a field of the wrong type or shape
+        raise ValueError(f"model: {path / 'config.json'}: a field has the wrong type or shape "
+                         f"({type(e).__name__}: {e})") from None
     gen_cfg = path / "generation_config.json"
     if gen_cfg.is_file():
-        g_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        g_eos = _json_object(gen_cfg).get("eos_token_id")
         if g_eos is not None:
             extra = g_eos if isinstance(g_eos, list) else [g_eos]
             cfg = replace(cfg, eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | set(extra))))

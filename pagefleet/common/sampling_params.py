@@ -97,6 +97,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_strings = tuple(self.stop or ())
+        if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's off, as 0 is here
+            self.top_k = 0
 
     @property
     def greedy(self) -> bool:
@@ -132,12 +134,14 @@ class SamplingParams:
         if not isinstance(p, int | float) or math.isnan(p) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**32:
-            raise ValueError(f"top_k must be an integer in [0, 2^32) (0 disables it), got {self.top_k!r}")
+            raise ValueError(f"top_k must be an integer in [0, 2^32) (0 or -1 disables it), got {self.top_k!r}")
         m = self.min_p
         if not isinstance(m, int | float) or math.isnan(m) or not (0.0 <= m <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {m!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**64):
+            # vLLM's int64 seeds and the proto's uint64: the gateway's range, not wrapped silently
+            raise ValueError(f"seed must be an integer in [-2^63, 2^64) or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError("stop must be a list of non-empty strings")
         # Every stop string is searched for at every token: bound the work one request adds.
