@@ -37,6 +37,8 @@ RESTART_S = 0.5
 RESTART_MAX_S = 10.0
 RESTART_RESET_S = 30.0  # a child that ran this long before it died starts the doubling afresh
 MAX_EARLY_EXITS = 3  # exits at start a child, none having run RESTART_RESET_S: the supervisor gives up
+METRICS_DIR_PREFIX = "pagefleet-gateway-metrics-"
+MAX_PROCESSES = 256  # --processes: one host's gateway processes (each a Python process of ~100 MiB)
 
 
 _SUPERVISOR = os.getpid()  # set again by ``supervise`` (the process that forks the children)
@@ -90,6 +92,14 @@ def _child_argv(argv: list[str], port: int, http_port: int | None, health_port: 
     return out
 
 
+def forget_metrics_dir() -> None:
+    """Remove this child's metrics dir (``PROMETHEUS_MULTIPROC_DIR``) as it exits after its
+    supervisor died without removing it (SIGKILL); the children that go with it race to, harmlessly."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
+    if os.path.basename(path).startswith(METRICS_DIR_PREFIX):  # only a dir of ours
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def supervise(args, argv: list[str]) -> int:
     """Run ``args.processes`` gateways until SIGTERM/SIGINT (see the module docstring)."""
     from prometheus_client import CollectorRegistry
@@ -112,7 +122,7 @@ def supervise(args, argv: list[str]) -> int:
     if getattr(args, "health_port", None) is not None:
         sock, health_port = reserve_port(args.host, args.health_port)
         held.append(sock)
-    metrics_dir = tempfile.mkdtemp(prefix="pagefleet-gateway-metrics-")
+    metrics_dir = tempfile.mkdtemp(prefix=METRICS_DIR_PREFIX)
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
     for name in ("PAGEFLEET_METRICS_PORT", "PAGEFLEET_PROCESSES", "PAGEFLEET_PORT", "PAGEFLEET_HTTP_PORT",
                  "PAGEFLEET_HEALTH_PORT"):
@@ -156,7 +166,10 @@ def supervise(args, argv: list[str]) -> int:
                     if now - started[i] > RESTART_RESET_S:  # it had run a while: not a crash loop
                         delays[i] = RESTART_S
                         ever_ran = True
-                    elif not ever_ran:
+                    elif not ever_ran and child.returncode > 0:
+                        # It gave up by itself (an error it logged). One a signal killed (the OOM
+                        # killer, an operator's kill -9) says nothing of the others: a few young
+                        # children killed so stopped every healthy one with them.
                         early_exits += 1
                         if early_exits >= MAX_EARLY_EXITS * args.processes:
                             log.error("gateway.processes_never_started", exits=early_exits,

@@ -15,6 +15,7 @@ client certificates with ``--tls-client-ca``), and bounds on what one request ma
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 import structlog
@@ -43,6 +44,7 @@ from .http import add_http_flags
 from .limits import Limits
 from .models import Router, UnknownModel, served_models
 from .observe import GRPC_SERVICE, observed_generate
+from .processes import MAX_PROCESSES, forget_metrics_dir
 from .validate import (
     REQUEST_ID_RULE,
     BadField,
@@ -312,6 +314,8 @@ def main(argv: list[str]) -> int:
                 parser.error(f"--max-model-len: {e}")
     if args.processes < 1:
         parser.error(f"--processes must be at least 1, got {args.processes}")
+    if args.processes > MAX_PROCESSES:
+        parser.error(f"--processes must be at most {MAX_PROCESSES}, got {args.processes}")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:
         parser.error(f"--http-port must be between 0 and 65535, got {args.http_port}")
     if args.http_port is not None and args.http_port and args.http_port == args.port:
@@ -325,7 +329,11 @@ def main(argv: list[str]) -> int:
         from .processes import supervise
 
         return supervise(args, argv)
+    supervisor = os.getppid() if args.reuse_port else None
     try:
         return asyncio.run(serve(args, doors))
     except KeyboardInterrupt:  # Ctrl-C before its handlers were installed (e.g. while Redis is awaited)
         return 130
+    finally:
+        if supervisor is not None and os.getppid() != supervisor:
+            forget_metrics_dir()  # the supervisor died (kill -9) without removing it

@@ -712,6 +712,8 @@ def main(argv: list[str]) -> int:
     for flag, value in (("--gateway-processes", args.gateway_processes), ("--stream-interval", args.stream_interval)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    if args.gateway_processes > 256:  # the gateway's own bound (gateway/processes.py MAX_PROCESSES)
+        parser.error(f"--gateway-processes must be at most 256, got {args.gateway_processes}")
     if args.gateway_processes > 1:
         gateway_args += ["--processes", str(args.gateway_processes)]
     if args.stream_interval > 1:

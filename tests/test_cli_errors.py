@@ -37,6 +37,8 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> 
     (["up", "--engine", "sim", "--time-scale", "0"], {}, "--time-scale"),  # started Redis and a scheduler first
     (["up", "--engine", "sim", "--time-scale", "nan"], {}, "--time-scale"),
     (["up", "--gateway-processes", "0"], {}, "--gateway-processes must be at least 1, got 0"),
+    (["up", "--gateway-processes", "100000"], {}, "--gateway-processes must be at most 256"),  # forked them all
+    (["gateway", "--processes", "100000"], {}, "--processes must be at most 256"),
     (["up", "--sim-wait", "spin"], {}, "--sim-wait needs --engine sim"),
     (["worker", "--sim-wait", "spin"], {}, "--sim-wait need --engine sim"),
     (["up", "--engine", "sim", "--sim-wait", "nap"], {}, "--sim-wait"),

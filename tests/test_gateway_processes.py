@@ -158,6 +158,20 @@ def test_processes_share_the_health_port_pass_sighup_on_and_die_with_their_super
             time.sleep(3)
             children = _children(sup.pid)
             assert len(children) == 2 and "process_exited" not in (tmp_path / "gateway.log").read_text()
+            # Young children killed by a signal (an operator, the OOM killer) are replaced: six such
+            # kills counted as "never started" and stopped the healthy ones too (a review's repro).
+            for _ in range(6):
+                os.kill(_children(sup.pid)[0], signal.SIGKILL)
+                time.sleep(0.3)
+                wait_for(lambda: len(_children(sup.pid)) == 2, 30, "a replacement")
+            wait_for(serving, 60, "the replacements to serve")
+            assert sup.poll() is None and "never_started" not in (tmp_path / "gateway.log").read_text()
+            time.sleep(3)
+            children = _children(sup.pid)
+            with open(f"/proc/{children[0]}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            metrics_dir = env[b"PROMETHEUS_MULTIPROC_DIR"].decode()
+            assert os.path.isdir(metrics_dir)
             os.kill(sup.pid, signal.SIGHUP)
             time.sleep(2)
             assert sup.poll() is None and _children(sup.pid) == children  # passed on, nobody died
@@ -169,6 +183,8 @@ def test_processes_share_the_health_port_pass_sighup_on_and_die_with_their_super
                                for pid in children)
 
             wait_for(gone, 20, "the children to die with their supervisor")
+            # its metrics dir goes with them (the supervisor, killed, could not remove it)
+            wait_for(lambda: not os.path.exists(metrics_dir), 10, "the metrics dir removed")
         finally:
             for pid in _children(sup.pid) if sup.poll() is None else []:
                 os.kill(pid, signal.SIGKILL)
