@@ -152,9 +152,11 @@ class ModelDoors:
 
 
 def build_app(core: GatewayCore | Router, served_model_name: str | None = None,
-              keys: ApiKeys | None = None, cors: dict[str, Any] | None = None) -> FastAPI:
+              keys: ApiKeys | None = None, cors: dict[str, Any] | None = None,
+              open_metrics: bool = False) -> FastAPI:
     """The OpenAI-compatible app over ``core`` (one model, named ``served_model_name``) or a
-    ``Router`` (every model it serves); ``cors``: ``cors_options`` (None: theirs by default)."""
+    ``Router`` (every model it serves); ``cors``: ``cors_options`` (None: theirs by default);
+    ``open_metrics``: ``/metrics`` needs no key (``--no-auth-for metrics``, as on ``--metrics-port``)."""
     if isinstance(core, GatewayCore):
         core.name = served_model_name or core.name
         core = Router([core])
@@ -166,7 +168,8 @@ def build_app(core: GatewayCore | Router, served_model_name: str | None = None,
     # The last added runs first: count every response, then the key, then the body's size.
     app.add_middleware(LimitBody, limits=core.limits)
     if keys is not None and keys.required:
-        app.add_middleware(RequireApiKey, keys=keys, on_refused=core.metrics.unauthenticated.labels("http").inc)
+        app.add_middleware(RequireApiKey, keys=keys, on_refused=core.metrics.unauthenticated.labels("http").inc,
+                           open_paths=RequireApiKey.OPEN_PATHS | ({"/metrics"} if open_metrics else set()))
     app.add_middleware(CountResponses, counter=core.metrics.http_requests)
     # Outermost: a browser's preflight (OPTIONS, no key) is answered before the key is asked for.
     app.add_middleware(CORSMiddleware, **(cors if cors is not None else cors_options(None)))
@@ -268,13 +271,14 @@ class RequireApiKey:
 
     OPEN_PATHS = frozenset({"/health", "/ping"})
 
-    def __init__(self, app, keys: ApiKeys, on_refused) -> None:
+    def __init__(self, app, keys: ApiKeys, on_refused, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.keys = keys
         self.on_refused = on_refused
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         try:
@@ -330,7 +334,8 @@ class HttpServer:
     """The HTTP door on ``--host``:``--http-port`` (0: a free port; ``port`` is the bound one)."""
 
     def __init__(self, router: Router, args, doors: Doors | None = None) -> None:
-        app = build_app(router, None, doors.keys if doors else None, cors_options(args))
+        app = build_app(router, None, doors.keys if doors else None, cors_options(args),
+                        open_metrics=bool(doors and doors.open_metrics))
         core = router.default
         tls = doors.tls if doors else None
         files = {} if tls is None else {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_ca_certs": tls.ca,

@@ -86,6 +86,25 @@ def test_keys_are_checked_in_full_and_named_by_id(tmp_path):
     assert parse_keys("x" * 20 + "\r\n# c\n") == ["x" * 20]
 
 
+def test_the_http_doors_metrics_open_only_with_no_auth_for_metrics():
+    """The door's ``/metrics`` needs a key as ``--metrics-port``'s does, and ``--no-auth-for
+    metrics`` opens both; ``/health`` and ``/ping`` are always open."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from pagefleet.gateway.http import RequireApiKey
+
+    app = Starlette(routes=[Route(p, lambda r: PlainTextResponse("ok")) for p in ("/metrics", "/ping", "/health")])
+    keys = ApiKeys([new_api_key()])
+    for open_metrics, metrics_status in ((False, 401), (True, 200)):
+        paths = RequireApiKey.OPEN_PATHS | ({"/metrics"} if open_metrics else set())
+        with TestClient(RequireApiKey(app, keys, lambda: None, open_paths=paths)) as client:
+            assert client.get("/metrics").status_code == metrics_status
+            assert client.get("/ping").status_code == client.get("/health").status_code == 200
+
+
 def test_a_listed_flag_reads_a_comma_separated_variable(monkeypatch, capsys):
     def parse(*argv):
         p = EnvArgumentParser()
