@@ -348,3 +348,24 @@ def test_generate_keeps_other_requests_deltas_and_ids_for_their_caller(tiny):
     assert [t for d in got for t in d.token_ids] == alone.token_ids
     with pytest.raises(ValueError, match="got a dict"):
         tiny.generate(["a"], {"max_tokens": 3})
+
+
+def test_masks_that_leave_no_token_at_a_step_end_the_request_with_why(tiny):
+    """allowed_token_ids [65] with the bad word [65, 65]: after the first 65 nothing may be drawn.
+    A token every mask forbade was sent (id 0, NaN log-probabilities); the request now ends with
+    an error saying why, its first token kept, and requests beside it run on untouched."""
+    params = SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=[65], bad_words_token_ids=[[65, 65]],
+                            logprobs=2)
+    beside = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for p in (params, SamplingParams(max_tokens=4, temperature=1.0, seed=3, allowed_token_ids=[65],
+                                     bad_words_token_ids=[[65, 65]])):  # with log-probabilities, and sampled
+        rid = tiny.add_request("hi", p)
+        other = tiny.add_request("hi", beside)
+        deltas = {rid: [], other: []}
+        while tiny.has_unfinished_requests():
+            for d in tiny.step():
+                deltas[d.request_id].append(d)
+        last = deltas[rid][-1]
+        assert last.finish_reason == "error" and "no token can be drawn" in last.error, last
+        assert [t for d in deltas[rid] for t in d.token_ids] == [65]
+        assert sum(len(d.token_ids) for d in deltas[other]) == 4 and deltas[other][-1].finish_reason == "length"

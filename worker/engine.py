@@ -346,6 +346,9 @@ class Engine:
         """Record a sampled token; the request's delta. Runs for every running request every step."""
         if req.grammar is not None and req.grammar.error is not None:
             return self._failed(req, f"structured output: {req.grammar.error}")
+        if token < 0:  # the sampler's NO_TOKEN: its masks left nothing to draw at this step
+            return self._failed(req, "no token can be drawn: allowed_token_ids, bad_words and min_tokens "
+                                     "together forbid every token at this step")
         out_ids = req.output_token_ids
         out_ids.append(token)
         req.all_token_ids.append(token)
@@ -380,7 +383,7 @@ class Engine:
                           None if lps is None else lps[len(lps) - len(out_ids) + index:], stop=stop_reason_of(req))
 
     def _failed(self, req: Request, error: str) -> TokenDelta:
-        """``req`` cannot go on (its constraint does not compile for this model's vocabulary): it
+        """``req`` cannot go on (its constraint does not compile, or its masks leave no token): it
         ends with an error, the token this step drew for it dropped."""
         req.status = RequestStatus.FINISHED_ERROR
         self.requests.pop(req.request_id, None)

@@ -51,10 +51,29 @@ def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
         return SamplerOutput(choose(logits, reqs, generator).tolist())
     process_logits(logits, extras, [reqs[i] for i in extras])
     token_ids = choose(logits, reqs, generator)
+    dead = _dead_rows(logits, extras, reqs)
     asked = [i for i in extras if reqs[i].params.logprobs is not None]
     if not asked:
-        return SamplerOutput(token_ids.tolist())
-    return _with_logprobs(logits, token_ids, reqs, asked)
+        return SamplerOutput((token_ids if dead is None else torch.where(dead, NO_TOKEN, token_ids)).tolist())
+    return _with_logprobs(logits, token_ids, reqs, asked, dead)
+
+
+NO_TOKEN = -1  # a row whose masks left no token: the engine ends its request with why
+
+
+def _dead_rows(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> torch.Tensor | None:
+    """``[len(reqs)]`` bool on the device: the rows of ``rows`` whose masks (``allowed_token_ids``,
+    bad words, ``min_tokens``; a grammar gives its row its own back) left every logit -inf, so
+    whatever was drawn there is a token they forbid (a bad word grown from its first tokens over
+    ``allowed_token_ids``, say). None when no row has such masks (the common case: no work)."""
+    masked = [i for i in rows if reqs[i].params.has_token_masks or reqs[i].params.min_tokens]
+    if not masked:
+        return None
+    dev = logits.device
+    idx = torch.tensor(masked, dtype=torch.int64).to(dev)
+    dead = torch.zeros(len(reqs), dtype=torch.bool, device=dev)
+    dead[idx] = torch.isneginf(logits.index_select(0, idx)).all(dim=-1)
+    return dead
 
 
 def process_logits(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
@@ -74,7 +93,8 @@ def process_logits(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -
 
 
 def _with_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, reqs: list[Request], asked: list[int]
+    logits: torch.Tensor, token_ids: torch.Tensor, reqs: list[Request], asked: list[int],
+    dead: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """The sampled ids with the log-probabilities of rows ``asked``: everything is packed into
     one float64 tensor (exact for ids and float32 values) and read in one copy."""
@@ -85,7 +105,7 @@ def _with_logprobs(
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     chosen = (x.gather(1, token_ids.index_select(0, idx)[:, None]) - lse).squeeze(1)
     k = min(max(reqs[i].params.logprobs for i in asked), vocab)
-    parts = [token_ids, chosen]
+    parts = [token_ids if dead is None else torch.where(dead, NO_TOKEN, token_ids), chosen]
     if k:
         top_values, top_ids = x.topk(k, dim=-1)
         parts += [(top_values - lse).flatten(), top_ids.flatten()]
