@@ -78,7 +78,8 @@ class IdInUse(Exception):
     relayed to this caller."""
 
     def __init__(self, request_id: str, model: str | None = None) -> None:
-        other = f"a request of model {model!r}" if model else "another request (another prompt or sampling)"
+        other = (f"a request of model {model!r}" if model else
+                 "another request (another prompt or sampling, or a request whose id the gateway chose)")
         super().__init__(f"request_id {request_id!r} is already the id of {other}; a retry must repeat its "
                          "request exactly: give a new request a new id")
         self.request_id = request_id
@@ -296,6 +297,11 @@ class GatewayCore:
                 if not client_id:
                     self.cancel_soon(rid)
                 raise
+            if answer[0] == 0 and not client_id:
+                # An id the gateway drew is claimed only by this call: queued "before" is this
+                # call's own first attempt, whose reply was lost (``retry`` sent the script again).
+                # It is this call's request, fresh, relayed from the steps as any other.
+                answer = [1, ""]
             if answer[0] != 1 and opened:  # not queued now: nothing of ours relays it from the steps
                 reader.close(rid)
             if answer[0] == -2:
@@ -333,7 +339,10 @@ class GatewayCore:
         keys = self.shard_of(q.request_id)
         if await retry(lambda: self.redis.exists(keys.owner(q.request_id)), what="exists_own"):
             return
-        if await retry(lambda: self.redis.xrange(keys.requests, q.entry_id, q.entry_id), what="xrange_entry"):
+        # (No entry id: the reply that named it was lost. Queued again unlooked-for, the request
+        # is taken once: the scheduler knows its id.)
+        if q.entry_id and await retry(lambda: self.redis.xrange(keys.requests, q.entry_id, q.entry_id),
+                                      what="xrange_entry"):
             return
         entry_id = await retry(lambda: self.redis.xadd(keys.requests, q.fields), what="requeue")
         log.warning("request.requeued_lost", request_id=q.request_id, entry_id=q.entry_id, shard=keys.shard)

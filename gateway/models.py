@@ -10,7 +10,7 @@ shards and any gateway finds the shard of an id it was told without asking Redis
 ``Cancel`` carries only a request id. The shard is found from the id: each model's shard for
 that id (one per model) is a candidate; with one candidate the cancel entry goes there; with
 several (several models), the one whose ``req:<id>`` claim exists (every queued request has
-one when the gateway serves several models) gets it.
+one) gets it.
 """
 
 from __future__ import annotations

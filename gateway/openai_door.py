@@ -45,6 +45,7 @@ from .core import (
     traceparent_or_new,
 )
 from .limits import Limits, TooLarge
+from .models import UnknownModel
 from .observe import CallObserver, http_call
 from .openai_request import ApiRequest, BadParam, fan_out, parse_json_body
 from .openai_response import Choices, TokenPieces, sse
@@ -197,9 +198,8 @@ class OpenAIDoor:
         try:
             req = parse(parse_json_body(raw), self.core.limits)
             if req.model is not None and req.model != self.served_model_name:
-                raise ApiError(404, f"The model `{req.model}` does not exist (this server serves "
-                                    f"`{self.served_model_name}`).", "invalid_request_error", "model",
-                               "model_not_found")
+                raise ApiError(404, str(UnknownModel(req.model, [self.served_model_name])), "invalid_request_error",
+                               "model", "model_not_found")
             if req.chat:
                 self.render_messages(req)
             # The header's id, else the body's (vLLM's ``request_id``); an empty one: none.

@@ -92,6 +92,9 @@ def _child_argv(argv: list[str], port: int, http_port: int | None, health_port: 
     return out
 
 
+_KILLED = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+
+
 def forget_metrics_dir() -> None:
     """Remove this child's metrics dir (``PROMETHEUS_MULTIPROC_DIR``) as it exits after its
     supervisor died without removing it (SIGKILL); the children that go with it race to, harmlessly."""
@@ -166,10 +169,10 @@ def supervise(args, argv: list[str]) -> int:
                     if now - started[i] > RESTART_RESET_S:  # it had run a while: not a crash loop
                         delays[i] = RESTART_S
                         ever_ran = True
-                    elif not ever_ran and child.returncode > 0:
-                        # It gave up by itself (an error it logged). One a signal killed (the OOM
-                        # killer, an operator's kill -9) says nothing of the others: a few young
-                        # children killed so stopped every healthy one with them.
+                    elif not ever_ran and -child.returncode not in _KILLED:
+                        # It failed by itself (an error it logged, a crash). One killed from outside
+                        # (an operator's kill -9, the OOM killer, a SIGTERM) says nothing of the
+                        # others: a few young children killed so stopped every healthy one too.
                         early_exits += 1
                         if early_exits >= MAX_EARLY_EXITS * args.processes:
                             log.error("gateway.processes_never_started", exits=early_exits,

@@ -369,3 +369,13 @@ def test_masks_that_leave_no_token_at_a_step_end_the_request_with_why(tiny):
         assert last.finish_reason == "error" and "no token can be drawn" in last.error, last
         assert [t for d in deltas[rid] for t in d.token_ids] == [65]
         assert sum(len(d.token_ids) for d in deltas[other]) == 4 and deltas[other][-1].finish_reason == "length"
+
+
+def test_an_abort_after_generate_held_its_deltas_sends_them_first(tiny):
+    """Deltas ``generate`` held for another request came back after that request's abort delta
+    (indices 0-2 after an abort at 3): they now go out in it, in order, and nothing follows."""
+    rid = tiny.add_request("x", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    tiny.generate(["a"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    final = tiny.abort_request(rid)
+    assert final.finish_reason == "abort" and final.index == 0 and len(final.token_ids) >= 3
+    assert not tiny.has_unfinished_requests() and tiny.step() == []

@@ -759,6 +759,9 @@ def test_unknown_model_is_404_and_bad_json_is_400(cluster, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="x")
     assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as info:  # a huge name is cut short (it was echoed whole)
+        client.completions.create(model="x" * 100_000, prompt="x")
+    assert len(info.value.body["message"]) < 400
     u = urlsplit(cluster.http_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
     conn.request("POST", "/v1/completions", body=b"{not json", headers={"Content-Type": "application/json"})

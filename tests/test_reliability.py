@@ -280,6 +280,55 @@ def test_a_client_id_is_claimed_only_with_its_entry(redis_server):
     assert (first, again, n) == (True, False, 1)
 
 
+def test_an_id_the_gateway_chose_whose_queueing_reply_was_lost_is_still_this_calls(redis_server):
+    """Every id is claimed now, the gateway's own too: the retry of a queueing script whose reply
+    was lost found the call's own claim and answered "queued before", and the call took its own
+    request for another's (relayed from its stream, never cancelled: it ran to max_tokens for no
+    one when its caller left). It is this call's, fresh: relayed from the steps, cancelled on
+    leaving. A client sending that id is refused, naming why."""
+    import redis.exceptions as rx
+
+    from pagefleet.gateway.core import IdInUse
+
+    async def go():
+        r = connect(redis_server.url)
+        core = _gateway(r)
+        keys = core.keys
+        await core.enqueue([(_request("warm"), list(range(3, 200)))], "", client_ids=False)  # the script loaded
+        mux = core._admit_and_queue.mux
+        real, lost = mux._send, []
+
+        async def lose_first_reply(commands):
+            reply = await real(commands)  # the script ran in Redis
+            if not lost:
+                lost.append(1)
+                raise rx.ConnectionError("Connection closed by server.")
+            return reply
+
+        mux._send = lose_first_reply
+        q = await core._enqueue_one(_request("gw-1"), list(range(3, 200)), "", client_id=False)
+        mux._send = real
+        relayed_from_steps = "gw-1" in core.reader.relays
+        queued = await r.xlen(keys.requests)
+        core.leave(q)  # the caller hangs up
+        for _ in range(50):
+            if await r.xlen(keys.requests) > queued:
+                break
+            await asyncio.sleep(0.1)
+        cancels = [f for _, f in await r.xrange(keys.requests) if f.get(b"kind") == b"cancel"]
+        try:
+            await core.enqueue([(_request("gw-1"), list(range(3, 200)))], "", client_ids=True)
+            refused = ""
+        except IdInUse as e:
+            refused = str(e)
+        await r.aclose()
+        return q.fresh, relayed_from_steps, len(cancels), refused
+
+    fresh, relayed_from_steps, cancels, refused = asyncio.run(go())
+    assert (fresh, relayed_from_steps, cancels) == (True, True, 1)
+    assert "the gateway chose" in refused
+
+
 def test_a_caller_gone_while_its_request_was_being_queued_cancels_it(redis_server):
     """The caller is cancelled (its client went away) after the queueing script ran but before its
     reply came: the request is queued, and nothing would relay or cancel it (it ran to max_tokens

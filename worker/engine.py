@@ -257,7 +257,14 @@ class Engine:
             return None
         req.status = RequestStatus.FINISHED_ABORTED
         self.scheduler.remove(req)
-        return TokenDelta(request_id, [], req.detokenizer.finish(flush=False), req.num_output_tokens, "abort")
+        final = TokenDelta(request_id, [], req.detokenizer.finish(flush=False), req.num_output_tokens, "abort")
+        held = [d for d in self._held if d.request_id == request_id]
+        if not held:
+            return final
+        # What ``generate`` held of it goes out in its last delta, in order, not after it.
+        self._held = [d for d in self._held if d.request_id != request_id]
+        return TokenDelta(request_id, [t for d in held for t in d.token_ids], "".join(d.text for d in held) + final.text,
+                          held[0].index, "abort")
 
     def preempt_request(self, request_id: str, mode: str = "auto") -> bool:
         """Take a running sequence off the device now; it resumes here when room returns.

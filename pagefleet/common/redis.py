@@ -14,7 +14,7 @@ namespace ``pf`` and the shard ``s0`` by default), so every script touches one s
   it (``fencing``); and the request's own record (``out``: its tokens when it was resumed,
   ``fin``: everything at its finish, each a ``StepOutputs``): what a retry replays.
 * ``...:done`` - stream of finished requests, one entry a write (``fencing``).
-* ``...:req:<request_id>`` - idempotency key of a client-chosen request id.
+* ``...:req:<request_id>`` - the claim of a request id (every id: a client's is its idempotency key).
 * ``...:workers`` - hash worker_id -> JSON {address, ts}; workers refresh it.
 * ``...:scheduler:lease``, ``...:scheduler:epoch`` - the active scheduler's lease and epoch.
 * ``...:scheduler:num_waiting`` - the global queue's length, as the scheduler last saw it.

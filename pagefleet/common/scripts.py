@@ -23,7 +23,8 @@ messages, ``TAKE_EPOCH``, ``LEASE_RENEW``, ``LEASE_RELEASE``) and the workers (`
 #   relays the request does not cancel it (``GatewayCore.leave``). A claim never stays without
 #   its entry (every retry would wait for output that never comes): a failing XADD deletes it
 #   again, in the same atomic step. Nothing is written before the bound's reads.
-# KEYS: requests stream, published queue length[, idempotency key]. ARGV: max stream length,
+# KEYS: requests stream, published queue length[, idempotency key: every id's now; without it (a
+# gateway from before), nothing is claimed]. ARGV: max stream length,
 # max queue, the claim's TTL, the request's fingerprint ('' matches any), then the entry's
 # field/value pairs.
 # {1, entry id}: queued now; {0}: before; {-1, waiting, length}: full, nothing written;
@@ -205,7 +206,7 @@ for i = 1, n do
     local own = KEYS[2 * i + 2]
     redis.call('HSET', own, 'done', '1', 'fin', ARGV[a + 6])
     redis.call('EXPIRE', own, done_ttl)
-    redis.call('EXPIRE', KEYS[2 * i + 3], done_ttl)  -- the client's claim, if it made one (a no-op if not)
+    redis.call('EXPIRE', KEYS[2 * i + 3], done_ttl)  -- the request's claim (a no-op if none: an older gateway's)
     if ARGV[a + 1] ~= '' then entries[#entries + 1] = ARGV[a + 1] end
     rids[#rids + 1] = ARGV[a + 2]
     epochs[#epochs + 1] = ARGV[a]
