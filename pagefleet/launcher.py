@@ -588,11 +588,17 @@ def _demo(target: str, prompt: str, max_tokens: int, material: ClusterMaterial |
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-def _cuda_available() -> bool:
-    """Whether torch sees a CUDA device (torch loaded only when CUDA is asked for by name)."""
+def _cuda_missing(device: str) -> str:
+    """Why ``device`` (``cuda`` or ``cuda:N``) is not here, or "" (torch loaded only when CUDA is
+    asked for by name)."""
     import torch
 
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return "no CUDA device is available here (--device cpu, or auto)"
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+    return ""
 
 
 def _check_values(parser: EnvArgumentParser, args) -> None:
@@ -602,8 +608,8 @@ def _check_values(parser: EnvArgumentParser, args) -> None:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
     if not _DEVICE.match(args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
-    if args.device.startswith("cuda") and args.engine != "sim" and not _cuda_available():
-        parser.error(f"--device {args.device}: no CUDA device is available here (--device cpu, or auto)")
+    if args.device.startswith("cuda") and args.engine != "sim" and (error := _cuda_missing(args.device)):
+        parser.error(f"--device {args.device}: {error}")
     if args.num_blocks is not None and args.num_blocks < 1:
         parser.error(f"--num-blocks must be at least 1, got {args.num_blocks}")
     if args.demo is not None and args.demo_tokens < 1:
