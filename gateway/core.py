@@ -25,6 +25,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagefleet.common.blocks import block_hashes
 from pagefleet.common.fencing import REQUEST_TTL_S
@@ -69,7 +72,16 @@ class Shed(Exception):
 
 
 class QueueUnavailable(Exception):
-    """The request queue (Redis) did not answer; nothing was queued."""
+    """The request queue (Redis) did not answer, or refused (full, a failed snapshot) past every
+    retry: nothing was queued, or a relay could not go on (the client may retry by its id)."""
+
+    @classmethod
+    def of(cls, e: BaseException) -> QueueUnavailable:
+        """The refusal for Redis's error ``e``: unreachable, or reachable and refusing, with why
+        (a full Redis was reported as unreachable, and its operator looked at the network)."""
+        if isinstance(e, RedisError) and not isinstance(e, OSError | RedisConnectionError | RedisTimeoutError):
+            return cls(f"the request queue (Redis) refused: {e}")
+        return cls("the request queue (Redis) is unreachable")
 
 
 class IdInUse(Exception):
@@ -184,7 +196,7 @@ class GatewayCore:
         try:
             return bool(await retry(lambda: self.redis.exists(keys.idempotency(request_id)), what="exists_claim"))
         except Exception as e:
-            raise QueueUnavailable("the request queue (Redis) is unreachable") from e
+            raise QueueUnavailable.of(e) from e
 
     def relaying(self, request_id: str) -> bool:
         """Whether this process relays ``request_id``."""
@@ -239,7 +251,7 @@ class GatewayCore:
                     if q.fresh:
                         self.cancel_soon(q.request_id)
                 if isinstance(e, Exception) and not isinstance(e, (Shed, IdInUse)):
-                    raise QueueUnavailable("the request queue (Redis) is unreachable") from e
+                    raise QueueUnavailable.of(e) from e
                 raise
         return queued
 
@@ -365,6 +377,9 @@ class GatewayCore:
             async for msg in messages:
                 finished = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 yield msg
+        except (RedisError, OSError) as e:  # past every retry: a status that says so, not UNKNOWN
+            log.warning("request.relay_failed", request_id=rid, error=f"{type(e).__name__}: {e}")
+            raise QueueUnavailable.of(e) from e
         finally:
             if step_relay is not None:
                 reader.close(rid)

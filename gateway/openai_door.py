@@ -403,6 +403,11 @@ class OpenAIDoor:
             if choices.done_marker:
                 yield b"data: [DONE]\n\n"
             status = 200
+        except QueueUnavailable as e:  # Redis failed the relay past every retry: said, in the stream
+            status = 503
+            yield sse(ApiError(503, str(e), "service_unavailable_error", code="queue_unavailable").body())
+            if choices.done_marker:
+                yield b"data: [DONE]\n\n"
         finally:
             await relays.aclose()
             _end(call, status, streamed=True)
@@ -421,7 +426,11 @@ class OpenAIDoor:
             await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
             if not done.done():  # the client went away: closing the relay cancels the requests
                 return Response(status_code=CLIENT_GONE)
-            done.result()
+            try:
+                done.result()
+            except QueueUnavailable as e:  # Redis failed the relay past every retry
+                status = 503
+                return ApiError(503, str(e), "service_unavailable_error", code="queue_unavailable").response()
             if choices.error is not None:
                 status = 500
                 return ApiError(500, choices.error, "server_error").response()

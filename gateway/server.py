@@ -202,10 +202,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except QueueUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
                                 trailing_metadata=retry_metadata(str(e), UNAVAILABLE_RETRY_S, code_pb2.UNAVAILABLE))
-        async for msg in core.relay(queued):
-            yield msg
-            if msg.finish_reason == pb.FINISH_REASON_ERROR and msg.error.startswith(DEADLINE_ERROR):
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, msg.error)
+        try:
+            async for msg in core.relay(queued):
+                yield msg
+                if msg.finish_reason == pb.FINISH_REASON_ERROR and msg.error.startswith(DEADLINE_ERROR):
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, msg.error)
+        except QueueUnavailable as e:  # Redis failed the relay past every retry: a retry by the id resumes it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e),
+                                trailing_metadata=retry_metadata(str(e), UNAVAILABLE_RETRY_S, code_pb2.UNAVAILABLE))
 
     async def Cancel(self, request, context):
         await _refuse_undecodable(request, context)
@@ -217,7 +221,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             accepted = await self.router.cancel(request.request_id)
         except (OSError, RedisError) as e:  # Redis unreachable (retries spent): as Generate answers then
-            message = f"the request queue (Redis) is unreachable: {e}"
+            refusal = str(QueueUnavailable.of(e))
+            message = refusal if refusal.endswith(str(e)) else f"{refusal}: {e}"
             await context.abort(grpc.StatusCode.UNAVAILABLE, message,
                                 trailing_metadata=retry_metadata(message, UNAVAILABLE_RETRY_S, code_pb2.UNAVAILABLE))
         log.info("request.cancel_requested", request_id=request.request_id, accepted=accepted)

@@ -45,4 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagefleet: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except Exception as e:
+        # Redis refusing the process outright (a wrong password, a database index it does not
+        # have, a missing permission): one line naming it, not a traceback of fifty.
+        if not type(e).__module__.startswith("redis."):
+            raise
+        print(f"pagefleet {name}: Redis refused: {type(e).__name__}: {e} (see --redis-url)", file=sys.stderr)
+        return 1

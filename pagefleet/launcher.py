@@ -666,8 +666,12 @@ def _redis_answers(url: str) -> str:
             client.ping()
         finally:
             client.close()
-    except sync_redis.AuthenticationError:
-        return ""  # it answers; the components are given its password
+    except sync_redis.AuthenticationError as e:
+        from urllib.parse import urlsplit
+
+        if urlsplit(url).password is not None:  # the URL's own password is wrong: every component would wait for ever
+            return f"{type(e).__name__}: {e}"
+        return ""  # it answers; the components are given its password (--redis-password-file)
     except Exception as e:  # refused, timed out, a name that does not resolve
         return f"{type(e).__name__}: {e}"
     return ""

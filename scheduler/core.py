@@ -277,9 +277,22 @@ class ClusterScheduler:
 
     # -- intake ------------------------------------------------------------------------------
     async def _intake(self) -> None:
+        import redis.exceptions as rx
+
         errors = []
         while True:
-            resp = await retry(self._read_new, what="xreadgroup", on_error=errors.append)
+            try:
+                resp = await retry(self._read_new, what="xreadgroup", on_error=errors.append)
+            except rx.ResponseError as e:
+                if not str(e).startswith("NOGROUP"):
+                    raise
+                # The requests stream is gone (deleted, evicted by a Redis told it may), and its
+                # group with it: made again, as at start; what it held is lost with it, and the
+                # gateways' relays queue their requests again (``requeue_if_lost``). It ended
+                # the scheduler (and, under ``up``, the cluster).
+                log.error("scheduler.requests_stream_gone", stream=self.keys.requests, error=str(e))
+                await self._ensure_group()
+                continue
             for _, entries in resp or ():
                 for entry_id, fields in entries:
                     await self._on_entry(entry_id, fields, None)

@@ -220,6 +220,21 @@ class Lease:
                 return "lapsed"
 
 
+async def _warn_if_redis_evicts(redis) -> None:
+    """Say so when Redis may evict keys: the cluster's keys are its state (a request's entry,
+    its owner record, the lease), and one evicted is lost work or a fence gone. The deploy
+    files set ``maxmemory-policy noeviction``; a Redis that hides CONFIG is taken on trust."""
+    try:
+        policy = (await redis.config_get("maxmemory-policy")).get("maxmemory-policy")
+    except Exception:  # noqa: BLE001 - a managed Redis without CONFIG, a cluster client: not ours to check
+        return
+    if isinstance(policy, bytes):
+        policy = policy.decode()
+    if policy and policy != "noeviction":
+        log.warning("redis.evicts", maxmemory_policy=policy,
+                    hint="set maxmemory-policy noeviction: an evicted key is a request lost or resumed")
+
+
 async def serve(args) -> int:
     keys = Keys(args.namespace, args.shard)
     redis = connect_args(args)
@@ -237,6 +252,7 @@ async def serve(args) -> int:
     health_port = await start_health_port(health, args.host, args.health_port)
     await set_serving(health, names, False)
     log.info("scheduler.standby", port=port, instance=me)
+    await _warn_if_redis_evicts(redis)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -969,3 +969,81 @@ def test_a_dead_sources_moves_are_dropped_at_their_targets_together(redis_server
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_a_redis_that_refuses_writes_a_while_stops_nothing(tmp_path):
+    """Redis full at its maxmemory (noeviction: ``OOM`` replies) for a few seconds ended the
+    scheduler (and, under ``up``, the cluster), and silently ended each worker's heartbeat, so
+    no request ran again even once Redis took writes. Now the refusal is waited out as a
+    connection error is: the streams in flight come back whole, new requests run, every
+    component is still up, and the workers' rows beat on. A wrong password is no such wait:
+    a component given one says so in one line and exits."""
+    from cluster_fixtures import start_cluster
+
+    from pagefleet.client import Client
+
+    with RedisServer() as server:
+        c = start_cluster(tmp_path, num_workers=1, redis_url=server.url,
+                          worker_args=["--engine", "sim", "--time-scale", "1"])
+        r = sync_redis.Redis.from_url(server.url)
+        try:
+            keys = Keys(c.cfg.namespace)
+            with Client(c.gateway_target) as client:
+                streams = [client.generate_stream(f"refused {i}", max_tokens=600, temperature=0, ignore_eos=True,
+                                                  request_id=f"oom-{i}", timeout=120) for i in range(3)]
+                heads = [next(s) for s in streams]
+                r.config_set("maxmemory", "1")
+                time.sleep(4)
+                r.config_set("maxmemory", "0")
+                for head, s in zip(heads, streams, strict=True):
+                    tokens = list(head.token_ids)
+                    last = head
+                    for msg in s:
+                        assert msg.index == len(tokens), (msg.index, len(tokens))
+                        tokens += msg.token_ids
+                        last = msg
+                    assert len(tokens) == 600 and last.finish_reason == pb.FINISH_REASON_LENGTH
+                done = client.generate("after", max_tokens=5, temperature=0, ignore_eos=True, timeout=60)
+                assert len(done.token_ids) == 5
+            assert all(p.poll() is None for p in c.procs.values()), {n: p.poll() for n, p in c.procs.items()}
+            (worker_id,) = r.hkeys(keys.workers)
+            beat = lambda: __import__("json").loads(r.hget(keys.workers, worker_id))["beat"]  # noqa: E731
+            first = beat()
+            time.sleep(2.5)
+            assert beat() > first
+        finally:
+            r.config_set("maxmemory", "0")
+            r.close()
+            c.stop()
+    with RedisServer(password="s3cret-enough") as locked:
+        wrong = locked.url.replace("redis://", "redis://:wrong@")
+        out = subprocess.run([sys.executable, "-m", "pagefleet", "gateway", "--port", "0", "--redis-url", wrong],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert "AuthenticationError" in out.stderr.strip().splitlines()[-1]
+        out = subprocess.run([sys.executable, "-m", "pagefleet", "up", "--engine", "sim", "--redis-url", wrong],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "AuthenticationError" in out.stderr, out.stderr[-2000:]
+        assert len(out.stderr.strip().splitlines()) == 1 and "wrong" not in out.stderr  # the password not shown
+
+
+def test_what_redis_refuses_for_now_is_waited_out_and_what_it_never_takes_is_not():
+    """``OOM`` (full at its maxmemory) and ``MISCONF`` (a failed snapshot) pass once the operator
+    mends them: retried as a lost connection is. A wrong password or a missing permission is
+    never mended by waiting (redis-py raises the first as a connection error: it was retried for
+    ever, every component hung). The gateway says which it was: refused (with Redis's words) or
+    unreachable."""
+    import redis.exceptions as rx
+
+    from pagefleet.common.redis import is_transient
+    from pagefleet.gateway.core import QueueUnavailable
+
+    oom = rx.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+    for e in (oom, rx.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable"),
+              rx.ConnectionError("gone"), rx.ReadOnlyError("You can't write against a read only replica.")):
+        assert is_transient(e), e
+    for e in (rx.AuthenticationError("invalid username-password pair"), rx.NoPermissionError("no permissions"),
+              rx.ResponseError("NOGROUP No such key"), rx.ResponseError("ERR unknown command")):
+        assert not is_transient(e), e
+    assert str(QueueUnavailable.of(oom)) == f"the request queue (Redis) refused: {oom}"
+    assert str(QueueUnavailable.of(rx.ConnectionError("gone"))) == "the request queue (Redis) is unreachable"

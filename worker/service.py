@@ -433,7 +433,13 @@ class Worker:
                               "ts_ms": int(time.time() * 1000), "steps": self.writer.fencing.steps_key,
                               "role": self.args.role, "model": self.args.served_model_name or self.args.model})
             if not self.draining:
-                await retry(lambda r=row: self.redis.hset(self.keys.workers, self.worker_id, r), what="register")
+                try:
+                    await retry(lambda r=row: self.redis.hset(self.keys.workers, self.worker_id, r), what="register")
+                except Exception as e:  # noqa: BLE001 - the heartbeat must outlive any one refusal
+                    # A reply that is not a connection error (a Redis refusing writes, its keys
+                    # evicted) ended this task silently: the row went stale, the scheduler dropped
+                    # the worker, and it never came back. Said, and beaten again next time.
+                    log.error("worker.register_failed", worker_id=self.worker_id, error=f"{type(e).__name__}: {e}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), REGISTER_INTERVAL_S)
 

@@ -283,7 +283,9 @@ def connect_args(args):
 # once the failover is through. UNBLOCKED: a blocked read (XREAD, XREADGROUP) released by a
 # failover ("force unblock ... master -> replica"); READONLY: a write to a primary demoted;
 # CLUSTERDOWN, TRYAGAIN, MASTERDOWN: the slot has no primary for the moment.
-TRANSIENT_REPLIES = ("UNBLOCKED", "READONLY", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN")
+# Replies that pass by themselves: a failover's, and a Redis refusing writes for now (``OOM``:
+# full at its ``maxmemory``; ``MISCONF``: its last snapshot failed), which the operator mends.
+TRANSIENT_REPLIES = ("UNBLOCKED", "READONLY", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "OOM", "MISCONF")
 
 
 def _transient() -> tuple[type[BaseException], ...]:
@@ -293,12 +295,22 @@ def _transient() -> tuple[type[BaseException], ...]:
 
 
 def is_transient(e: BaseException) -> bool:
-    """A connection error, or a reply that a failover gives (``TRANSIENT_REPLIES``)."""
+    """A connection error, or a reply that passes by itself (``TRANSIENT_REPLIES``: a failover's,
+    a full Redis's, a failed snapshot's). Not a wrong password or a missing permission (redis-py
+    raises the first as a connection error): no wait mends those, and a process retrying them
+    hung for ever, its error only in its logs."""
     import redis.exceptions as rx
 
+    if isinstance(e, rx.AuthenticationError | rx.AuthorizationError | rx.NoPermissionError):
+        return False
     if isinstance(e, _transient()):
         return True
-    return isinstance(e, rx.ResponseError) and str(e).startswith(TRANSIENT_REPLIES)
+    if not isinstance(e, rx.ResponseError):
+        return False
+    # redis-py names some replies by their class and drops the code from the message.
+    code = getattr(e, "status_code", None) or str(e).split(" ", 1)[0]
+    return isinstance(e, rx.OutOfMemoryError | rx.ReadOnlyError) or code.startswith(TRANSIENT_REPLIES) \
+        or str(e).startswith(TRANSIENT_REPLIES)
 
 
 async def cancellable(aw: Awaitable[T]) -> T:
