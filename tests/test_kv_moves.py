@@ -50,7 +50,10 @@ def run_seeded(target: str, prompts: list[str], max_tokens: int):
 
 @pytest.fixture
 def kv_cluster(tmp_path):
-    c = start_cluster(tmp_path, num_workers=2, worker_args=["--num-blocks", "256", "--kv-transfer", "nixl"],
+    # --drain-timeout 30 (up's is 5): on a loaded machine (a CI run) the migrations had not ended
+    # within 5 s, the drain handed the requests back, and they resumed by recompute instead.
+    c = start_cluster(tmp_path, num_workers=2,
+                      worker_args=["--num-blocks", "256", "--kv-transfer", "nixl", "--drain-timeout", "30"],
                       scheduler_args=["--dead-after", "3.0"])
     c.log_dir = tmp_path
     yield c
