@@ -62,11 +62,13 @@ NO_TOKEN = -1  # a row whose masks left no token: the engine ends its request wi
 
 
 def _dead_rows(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> torch.Tensor | None:
-    """``[len(reqs)]`` bool on the device: the rows of ``rows`` whose masks (``allowed_token_ids``,
-    bad words, ``min_tokens``; a grammar gives its row its own back) left every logit -inf, so
-    whatever was drawn there is a token they forbid (a bad word grown from its first tokens over
-    ``allowed_token_ids``, say). None when no row has such masks (the common case: no work)."""
-    masked = [i for i in rows if reqs[i].params.has_token_masks or reqs[i].params.min_tokens]
+    """``[len(reqs)]`` bool on the device: the rows of ``rows`` whose token masks
+    (``allowed_token_ids``, bad words; with ``min_tokens`` holding back the rest; a grammar gives
+    its row its own back) left every logit -inf, so whatever was drawn there is a token they
+    forbid (a bad word grown from its first tokens over ``allowed_token_ids``, say). None when no
+    row has such masks (the common case: no work). ``min_tokens`` alone masks only the end
+    tokens, which never empties a row."""
+    masked = [i for i in rows if reqs[i].params.has_token_masks]
     if not masked:
         return None
     dev = logits.device

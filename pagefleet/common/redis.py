@@ -307,10 +307,10 @@ def is_transient(e: BaseException) -> bool:
         return True
     if not isinstance(e, rx.ResponseError):
         return False
-    # redis-py names some replies by their class and drops the code from the message.
-    code = getattr(e, "status_code", None) or str(e).split(" ", 1)[0]
-    return isinstance(e, rx.OutOfMemoryError | rx.ReadOnlyError) or code.startswith(TRANSIENT_REPLIES) \
-        or str(e).startswith(TRANSIENT_REPLIES)
+    # redis-py names some replies by their class and drops the code from the message (its
+    # ``status_code`` keeps it, in the versions that have one).
+    code = getattr(e, "status_code", None) or str(e)
+    return isinstance(e, rx.OutOfMemoryError | rx.ReadOnlyError) or code.startswith(TRANSIENT_REPLIES)
 
 
 async def cancellable(aw: Awaitable[T]) -> T:
