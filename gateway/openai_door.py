@@ -87,6 +87,10 @@ class ApiError(Exception):
     def bad(cls, e: BadParam) -> ApiError:
         return cls(400, e.message, "invalid_request_error", e.param, e.code)
 
+    @classmethod
+    def unavailable(cls, e: QueueUnavailable) -> ApiError:
+        return cls(503, str(e), "service_unavailable_error", code="queue_unavailable")
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
@@ -245,7 +249,7 @@ class OpenAIDoor:
                            headers={"Retry-After": retry_after}) from None
         except QueueUnavailable as e:
             self._release(req)
-            raise ApiError(503, str(e), "service_unavailable_error", code="queue_unavailable") from None
+            raise ApiError.unavailable(e) from None
         except BaseException:
             self._release(req)
             raise
@@ -405,7 +409,7 @@ class OpenAIDoor:
             status = 200
         except QueueUnavailable as e:  # Redis failed the relay past every retry: said, in the stream
             status = 503
-            yield sse(ApiError(503, str(e), "service_unavailable_error", code="queue_unavailable").body())
+            yield sse(ApiError.unavailable(e).body())
             if choices.done_marker:
                 yield b"data: [DONE]\n\n"
         finally:
@@ -430,7 +434,7 @@ class OpenAIDoor:
                 done.result()
             except QueueUnavailable as e:  # Redis failed the relay past every retry
                 status = 503
-                return ApiError(503, str(e), "service_unavailable_error", code="queue_unavailable").response()
+                return ApiError.unavailable(e).response()
             if choices.error is not None:
                 status = 500
                 return ApiError(500, choices.error, "server_error").response()

@@ -29,7 +29,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from pagefleet.common.grammar import GrammarError, grammar_of, kind_of, ll_tokenizer
+from pagefleet.common.grammar import GrammarError, grammar_of, kind_of, ll_tokenizer, matcher_error
 from pagefleet.common.sampling_params import StructuredOutputs
 from pagefleet.common.service import name_os_thread
 
@@ -125,7 +125,7 @@ class RequestGrammar:
         self.num_consumed = max(self.num_consumed, n)
         if m.is_error():  # handed a token it does not allow: the request ends with why
             self.failed = True
-            self.error = (m.get_error() or "").strip().split("\n")[0] or "the output left its constraint"
+            self.error = matcher_error(m, "the output left its constraint")
             return None
         return m
 
@@ -184,7 +184,7 @@ def grammar_bitmask(reqs: list[Request], vocab: int) -> np.ndarray:
             if m.is_error():
                 g = reqs[j].grammar
                 g.failed = True
-                g.error = (m.get_error() or "").strip().split("\n")[0] or "the constraint failed"
+                g.error = matcher_error(m, "the constraint failed")
     return bitmask
 
 

@@ -103,6 +103,11 @@ def grammar_of(so: StructuredOutputs) -> str:
         raise GrammarError(kind, str(e) or type(e).__name__) from None
 
 
+def matcher_error(matcher: LLMatcher, default: str) -> str:
+    """A failed matcher's error in one line (its first), or ``default`` where it gives none."""
+    return (matcher.get_error() or "").strip().split("\n")[0] or default
+
+
 def check(so: StructuredOutputs, tokenizer: LLTokenizer | None = None) -> str:
     """The grammar of ``so`` if it compiles; ``GrammarError`` naming it if not. With the model's
     ``tokenizer`` (``ll_tokenizer``) its token references are checked too (``<[99999]>`` past
@@ -118,8 +123,8 @@ def check(so: StructuredOutputs, tokenizer: LLTokenizer | None = None) -> str:
         if not matcher.is_error():
             matcher.compute_bitmask()
         if matcher.is_error():
-            why = (matcher.get_error() or "").strip().split("\n")[0]
-            raise GrammarError(kind_of(so), f"its first token's mask cannot be built ({why or 'no reason given'})")
+            why = matcher_error(matcher, "no reason given")
+            raise GrammarError(kind_of(so), f"its first token's mask cannot be built ({why})")
     return grammar
 
 
